@@ -1,0 +1,19 @@
+"""Every test runs offline: no hub, no W&B, a throw-away Hugging Face cache."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tiktoken"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)

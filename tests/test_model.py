@@ -1,0 +1,213 @@
+"""The residual variants and the instability metrics of model-spec.md, on tiny CPU models."""
+import dataclasses
+
+import pytest
+import torch
+
+import train_c4 as T
+
+
+def tiny_config(residual, **overrides):
+    cfg = T.parse_config(["--preset", "tiny", "--residual", residual])
+    return dataclasses.replace(cfg, **overrides)
+
+
+def randomize_mixing(model, seed=0):
+    """Move every mixing parameter away from its identity-like init so that mixing really happens."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_conn." in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_streams_persist_and_mixing_composes_across_depth(residual):
+    torch.manual_seed(0)
+    cfg = tiny_config(residual, depth=3, width=16, heads=2)
+    model = T.GPT(cfg)
+    randomize_mixing(model)
+    x = torch.randn(2, 5, cfg.expansion, cfg.width)
+    for block in model.blocks:
+        assert block(x).shape == x.shape                  # every block maps (B, T, n, C) to (B, T, n, C)
+
+    def run_from_block(state):
+        for block in model.blocks:
+            state = block(state)
+        return state
+
+    perturbed = x.clone()
+    perturbed[..., 1, :] += 1.0                           # stream j = 1 entering sublayer k = 0
+    with torch.no_grad():
+        changed = (run_from_block(perturbed) - run_from_block(x)).abs().amax(dim=(0, 1, 3))
+    assert (changed > 1e-4).sum() > 1, f"only stream(s) {changed.nonzero().flatten().tolist()} changed"
+
+
+def test_forward_expands_once_and_collapses_once():
+    cfg = tiny_config("hc", depth=2)
+    model = T.GPT(cfg)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, out: seen.append((args[0].shape, out.shape)))
+    model(torch.randint(0, 256, (2, 8)))
+    assert all(inp[-2] == cfg.expansion and out[-2] == cfg.expansion for inp, out in seen)
+
+
+def test_hc_at_init_equals_the_pre_norm_baseline():
+    torch.manual_seed(0)
+    base = T.GPT(tiny_config("baseline", depth=3))
+    torch.manual_seed(0)
+    hc = T.GPT(tiny_config("hc", depth=3))
+    body = {k: v for k, v in base.state_dict().items()}
+    missing, unexpected = hc.load_state_dict(body, strict=False)
+    assert not unexpected and all("_conn." in k for k in missing)
+    # HC's collapsed state is n x the baseline's; LayerNorm(n h, eps) == LayerNorm(h, eps / n^2)
+    base.ln_f.eps = hc.ln_f.eps / hc.streams ** 2
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(hc(idx), base(idx), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.0, 4.0, 8.0])
+def test_sinkhorn_rows_are_exact_and_columns_converge(scale):
+    generator = torch.Generator().manual_seed(0)
+    logits = scale * torch.randn(500, 4, 4, generator=generator, dtype=torch.float64)
+    P = T.sinkhorn(logits, iters=20)
+    assert (P >= 0).all()
+    assert (P.sum(-1) - 1).abs().max() < 1e-6                 # rows are normalised last: the forward gain is exact
+    column_error = (P.sum(-2) - 1).abs().max().item()
+    if scale <= 1:
+        assert column_error < 1e-3
+    else:
+        # 20 iterations leave a truncation error on nearly-permutation matrices (measured max at scale 8:
+        # 0.25 over these 500 draws); it must keep shrinking with more iterations
+        assert column_error < 0.3
+        assert (T.sinkhorn(logits, iters=500).sum(-2) - 1).abs().max() < column_error / 10
+
+
+def test_sinkhorn_gradients_flow_through_every_iteration():
+    small = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda m: T.sinkhorn(m, iters=20), (small,))
+
+
+def test_mhc_gains_stay_at_one_after_training_a_few_steps():
+    torch.manual_seed(0)
+    cfg = tiny_config("mhc", depth=3)
+    model = T.GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    idx = torch.randint(0, 256, (4, 16))
+    for _ in range(5):
+        _, loss = model(idx, idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert model.blocks[0].attn_conn.phi.weight.abs().max() > 0       # the mixing did train
+    metrics = T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), with_layers=True)
+    for key in ("amax_fwd", "amax_l0_fwd", "min_row_sum"):
+        assert abs(metrics[key] - 1) < 1e-5, key
+    assert max(abs(g - 1) for g in metrics["layer_gain_fwd"]) < 1e-5
+    assert abs(metrics["amax_bwd"] - 1) < 1e-2
+
+
+def test_baseline_gains_are_exactly_one():
+    model = T.GPT(tiny_config("baseline", depth=2))
+    metrics = T.instability_probe(model, torch.randint(0, 256, (2, 8)), lambda: torch.autocast("cpu", enabled=False),
+                                  with_layers=True)
+    assert metrics["layer_gain_fwd"] == [1.0] * 4 and metrics["layer_gain_bwd"] == [1.0] * 4
+    assert all(metrics[k] == 1.0 for k in ("amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_l0_fwd"))
+
+
+def test_hc_reports_the_transpose_of_A_r():
+    """A hand-built A_r: rows (where source stream i goes) sum to 3 and 1, columns to 2 and 2."""
+    cfg = tiny_config("hc", expansion=2, width=4, heads=1)
+    conn = T.HyperConnection(cfg, sublayer_index=0)
+    A_r = torch.tensor([[2.0, 1.0], [0.0, 1.0]])
+    with torch.no_grad():
+        conn.A_r_static.copy_(A_r)
+    _, _, H_res = conn.coefficients(torch.randn(1, 1, 2, 4))
+    torch.testing.assert_close(H_res[0, 0], A_r.T)
+    metrics = T.gain_metrics(H_res.reshape(1, 1, 2, 2))
+    assert metrics["amax_l0_fwd"] == pytest.approx(2.0)   # row sums of A_r^T = column sums of A_r
+    assert metrics["amax_l0_bwd"] == pytest.approx(3.0)
+
+
+def test_composites_match_hand_computed_products():
+    H1 = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    H2 = torch.tensor([[2.0, 0.0], [0.0, 0.5]])
+    H3 = torch.tensor([[1.0, 0.0], [-1.0, 1.0]])
+    H = torch.stack([H1, H2, H3]).unsqueeze(1)             # (L=3, tokens=1, 2, 2)
+    metrics = T.gain_metrics(H)
+    P = [H1, H2 @ H1, H3 @ H2 @ H1]                          # [[1,1],[0,1]], [[2,2],[0,.5]], [[2,2],[-2,-1.5]]
+    S = [H3 @ H2 @ H1, H3 @ H2, H3]                          # column sums: (0, .5), (0, .5), (0, 1)
+    assert metrics["amax_fwd"] == pytest.approx(4.0)       # max |row sum| of P_2 = 4, of P_3 = 4 and 3.5
+    assert metrics["amax_bwd"] == pytest.approx(1.0)       # max |column sum| over suffixes: H3's (0, 1)
+    assert metrics["amax_fwd_abs"] == pytest.approx(max(p.abs().sum(-1).max().item() for p in P))
+    assert metrics["amax_bwd_abs"] == pytest.approx(max(s.abs().sum(-2).max().item() for s in S))
+    assert metrics["min_row_sum"] == pytest.approx(-3.5)
+    assert metrics["layer_gain_fwd"] == pytest.approx([2.0, 2.0, 1.0])
+
+
+def test_probe_does_not_perturb_training_state():
+    model = T.GPT(tiny_config("mhc", depth=2))
+    model.train()
+    idx = torch.randint(0, 256, (2, 8))
+    rng = torch.get_rng_state()
+    T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), True)
+    assert model.training and torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
+@pytest.mark.parametrize("depth, expected", [(32, 1.73e9), (48, 2.54e9)])
+def test_parameter_counts_of_the_c4_models(residual, depth, expected):
+    cfg = T.parse_config(["--residual", residual, "--depth", str(depth)])
+    assert (cfg.width, cfg.heads, cfg.seq_len) == (2048, 32, 1024)
+    total = T.count_parameters(cfg)["total"]
+    assert abs(total - expected) / expected < 0.02, f"{total:,}"
+
+
+@pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
+def test_meta_count_equals_the_real_model(residual):
+    cfg = tiny_config(residual, depth=3, width=32, heads=4)
+    assert T.count_parameters(cfg)["total"] == sum(p.numel() for p in T.GPT(cfg).parameters())
+
+
+def test_weight_decay_only_on_weight_matrices():
+    model = T.GPT(tiny_config("hc", depth=1))
+    decay, rest = T.decay_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert "blocks.0.attn_conn.dynamic.weight" in decayed and "wte.weight" in decayed
+    assert not any(k in n for n in decayed for k in ("static", "s_a", "s_b", "norm", "ln_f"))
+    mhc = T.GPT(tiny_config("mhc", depth=1))
+    names = {id(p): n for n, p in mhc.named_parameters()}
+    decayed = {names[id(p)] for p in T.decay_groups(mhc, 0.1)[0]["params"]}
+    assert "blocks.0.mlp_conn.phi.weight" in decayed
+    assert not any(k in n for n in decayed for k in ("a_pre", "b_pre", "b_res", "b_post", "a_res"))
+
+
+@pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
+def test_activation_checkpointing_gives_identical_gradients(residual):
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = T.GPT(tiny_config(residual, activation_checkpointing=checkpointing))
+        randomize_mixing(model)
+        model(idx, idx)[1].backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
+def test_bf16_autocast_agrees_with_fp32(residual):
+    torch.manual_seed(0)
+    model = T.GPT(tiny_config(residual))
+    idx = torch.randint(0, 256, (2, 16))
+    full = model(idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = model(idx)
+        _, _, H_res = model.blocks[0].attn_conn.coefficients(torch.randn(1, 1, 4, 16)) if residual != "baseline" \
+            else (None, None, torch.zeros(1, dtype=torch.float32))
+    assert H_res.dtype == torch.float32                    # mixing coefficients stay fp32 under autocast
+    torch.testing.assert_close(half.float(), full, rtol=0.05, atol=0.05)

@@ -1,0 +1,1373 @@
+"""Train a GPT-style transformer on C4 with a plain residual, Hyper-Connections (HC) or
+manifold-constrained Hyper-Connections (mHC), and measure whether the residual streams amplify.
+
+    python train_c4.py --depth 48 --seed 123                 # one full C4 run (mHC by default)
+    python train_c4.py --preset demo --residual hc           # CPU minutes, bundled Shakespeare
+    torchrun --nproc_per_node=8 train_c4.py --parallel fsdp  # one run over a whole node
+
+The maths is in ../shared/reference/model-spec.md, the run folder and exit codes in design.md.
+Sections, in order: config/CLI -> model -> instability metrics -> data -> distributed ->
+checkpointing -> logging -> training loop -> main.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ROOT = Path(__file__).resolve().parent
+
+# ----------------------------------------------------------------------------------------------
+# config/CLI: every setting of a run, resolved once into a frozen Config
+
+EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = (
+    0, 2, 3, 4, 5, 6, 75)
+
+
+class TrainerError(Exception):
+    """An expected failure: its message is the one line the user sees, exit_code what the launcher reads."""
+    exit_code = 1
+
+
+class ConfigError(TrainerError):
+    exit_code = EXIT_BAD_CONFIG
+
+
+class DataUnavailable(TrainerError):
+    exit_code = EXIT_DATA
+
+
+class Diverged(TrainerError):
+    exit_code = EXIT_DIVERGED
+
+
+class Interrupted(TrainerError):
+    exit_code = EXIT_INTERRUPTED
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    preset: str = "c4"
+    # model (model-spec.md "Transformer body": depth 32 at width 2048 is the 1.73B model)
+    residual: str = "mhc"
+    depth: int = 32
+    width: int = 2048
+    heads: int = 32
+    expansion: int = 4
+    seq_len: int = 1024
+    sinkhorn_iters: int = 20
+    hc_scale_init: float = 0.01
+    mhc_gate_init: float = 0.01
+    mhc_res_diag: float = 4.0
+    mhc_pre_bias: float = 4.0
+    norm_eps: float = 1e-5
+    attn: str = "auto"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    dtype: str = "auto"
+    # optimisation
+    batch_size: int = 32
+    micro_batch_size: str = "8"
+    steps: int = 10_000
+    lr: float = 1e-4
+    warmup: int = 500
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 42
+    # data
+    data: str = "c4"
+    tokenizer: str = "gpt2"
+    data_seed: int = 1234
+    shuffle_buffer: int = 1024
+    # measurement
+    eval_every: int = 500
+    eval_batches: int = 20
+    metrics_every: int = 50
+    layer_metrics_every: int = 500
+    probe_sequences: int = 8
+    log_every: int = 10
+    # run folder and services
+    ckpt_every: int = 1000
+    keep_checkpoints: int = 2
+    out: str = "runs"
+    run_name: str = ""
+    resume: str = "auto"
+    parallel: str = "ddp"
+    wandb: str = "auto"
+    wandb_project: str = "hc-mhc-c4"
+    estimate: bool = False
+
+
+PRESETS = {
+    "c4": {},
+    # a few thousand parameters: the test suite's model
+    "tiny": dict(depth=2, width=16, heads=2, expansion=4, seq_len=32, batch_size=4, micro_batch_size="2",
+                 steps=20, lr=3e-3, warmup=2, data="sample", tokenizer="byte", eval_every=10,
+                 eval_batches=2, metrics_every=5, layer_metrics_every=10, probe_sequences=2,
+                 log_every=5, ckpt_every=10, shuffle_buffer=64, wandb="disabled"),
+    # CPU minutes on the bundled Shakespeare: large enough learning rate for HC to drift visibly
+    "demo": dict(depth=4, width=128, heads=4, seq_len=128, batch_size=16, micro_batch_size="16",
+                 steps=600, lr=3e-3, warmup=50, data="sample", tokenizer="byte", eval_every=100,
+                 eval_batches=4, metrics_every=20, layer_metrics_every=100, probe_sequences=4,
+                 log_every=20, ckpt_every=200, shuffle_buffer=64),
+    # the public 10M-parameter small-scale reproduction (character-level Shakespeare)
+    "part1": dict(depth=6, width=384, heads=6, seq_len=256, batch_size=64, micro_batch_size="16",
+                  steps=5000, lr=1e-3, warmup=100, data="sample", tokenizer="byte", eval_every=250,
+                  eval_batches=8, metrics_every=50, layer_metrics_every=250, log_every=50,
+                  ckpt_every=500, shuffle_buffer=64),
+}
+
+CHOICES = dict(residual=("baseline", "hc", "mhc"), preset=tuple(PRESETS), attn=("auto", "flash", "sdpa"),
+               dtype=("auto", "bf16", "fp32"), tokenizer=("gpt2", "byte"), resume=("auto", "never"),
+               parallel=("ddp", "fsdp"), wandb=("auto", "online", "offline", "disabled"))
+
+HELP = dict(
+    residual="residual path: plain pre-norm residual, dynamic HC, or manifold-constrained HC",
+    depth="number of transformer blocks (each has an attention and an MLP sublayer)",
+    width="model width C", heads="attention heads (width must divide by it)",
+    expansion="number of residual streams n for HC and mHC", seq_len="context length in tokens",
+    sinkhorn_iters="Sinkhorn-Knopp iterations per mHC mixing matrix",
+    hc_scale_init="initial HC dynamic scales s_a, s_b", mhc_gate_init="initial mHC gates a_pre, a_post, a_res",
+    mhc_res_diag="mHC b_res = c * I: the diagonal bias of H_res's logits (c=4: diagonal ~0.95 at init)",
+    mhc_pre_bias="mHC b_pre: +c on stream (k mod n), -c elsewhere", norm_eps="epsilon of every LayerNorm",
+    attn="attention kernel: flash-attn 2, PyTorch SDPA, or auto (flash when installed on CUDA with bf16)",
+    activation_checkpointing="recompute each sublayer (and its stream mixing) in the backward pass",
+    compile="torch.compile each transformer block", dtype="autocast dtype (auto: bf16 on CUDA, fp32 on CPU)",
+    batch_size="global sequences per optimizer step, whatever the number of processes",
+    micro_batch_size="sequences per device per forward ('auto' picks from memory)",
+    steps="optimizer steps", lr="peak learning rate", warmup="linear warm-up steps",
+    min_lr_ratio="cosine decays to lr * this", weight_decay="AdamW weight decay (weight matrices only)",
+    grad_clip="clip the global gradient norm to this (0 = off); the pre-clip norm is logged",
+    seed="model initialisation seed", data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
+    "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
+    data_seed="document-order seed, independent of --seed", shuffle_buffer="documents in the shuffle buffer",
+    eval_every="steps between validation losses", eval_batches="micro-batches in the fixed validation set",
+    metrics_every="steps between instability probes", layer_metrics_every="steps between per-layer gain lists",
+    probe_sequences="held-out sequences in the fixed probe batch", log_every="steps between plain log lines",
+    ckpt_every="steps between checkpoints", keep_checkpoints="complete checkpoints kept (newest)",
+    out="folder holding the run folders", run_name="run folder name (default {residual}_d{depth}_s{seed})",
+    resume="auto: continue from the newest complete checkpoint; never: refuse an existing run",
+    parallel="strategy under torchrun", wandb="Weights & Biases mode (auto: online with credentials)",
+    wandb_project="W&B project", preset="a named set of defaults; explicit flags win",
+    estimate="print the model size and stop (train nothing)",
+)
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own checks, reported as one line (and exit 2) instead of the usage block."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.",
+                                     argument_default=argparse.SUPPRESS)
+    for field in dataclasses.fields(Config):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type == "bool":
+            parser.add_argument(flag, action="store_true", help=HELP[field.name])
+        else:
+            kind = {"int": int, "float": float}.get(field.type, str)
+            parser.add_argument(flag, type=kind, choices=CHOICES.get(field.name), help=HELP[field.name]
+                                + f" (default {field.default!r}, or the preset's)")
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Defaults, then the preset, then explicit flags; every check that can fail before a run starts."""
+    explicit = vars(build_parser().parse_args(argv))
+    preset = explicit.get("preset", "c4")
+    values = {**PRESETS[preset], **explicit}
+    cfg = Config(**values)
+    validate(cfg)
+    if not cfg.run_name:
+        cfg = dataclasses.replace(cfg, run_name=f"{cfg.residual}_d{cfg.depth}_s{cfg.seed}")
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    positive = ("depth", "width", "heads", "expansion", "seq_len", "batch_size", "steps", "sinkhorn_iters",
+                "eval_every", "eval_batches", "metrics_every", "layer_metrics_every", "probe_sequences",
+                "log_every", "ckpt_every", "keep_checkpoints")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.width % cfg.heads:
+        raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
+    if cfg.micro_batch_size != "auto" and not (cfg.micro_batch_size.isdigit() and int(cfg.micro_batch_size) > 0):
+        raise ConfigError(f"--micro-batch-size must be a positive integer or 'auto', got {cfg.micro_batch_size!r}")
+    if cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0 or not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError("--lr must be > 0, --grad-clip and --weight-decay >= 0, --min-lr-ratio in [0, 1]")
+    if cfg.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {cfg.warmup}")
+    if os.sep in cfg.run_name or cfg.run_name.startswith("."):
+        raise ConfigError(f"--run-name {cfg.run_name!r} must be a plain folder name")
+
+
+def padded_vocab_size(tokenizer: str) -> int:
+    # GPT-2's 50257 padded to a multiple of 64: the embedding matmuls run on aligned shapes
+    return 256 if tokenizer == "byte" else 50304
+
+
+# ----------------------------------------------------------------------------------------------
+# model: GPT-2 body with a switchable residual path (plain, HC, mHC) acting on n persistent streams
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: Config, use_flash: bool):
+        super().__init__()
+        self.heads, self.use_flash = cfg.heads, use_flash
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
+        self.proj = nn.Linear(cfg.width, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).unbind(2)
+        if self.use_flash:
+            from flash_attn import flash_attn_func
+            y = flash_attn_func(q, k, v, causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True).transpose(1, 2)
+        return self.proj(y.reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.fc = nn.Linear(cfg.width, 4 * cfg.width, bias=False)
+        self.proj = nn.Linear(4 * cfg.width, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class PreNorm(nn.Module):
+    """F(norm(u)): the block's own pre-norm sublayer, identical for all three residual paths."""
+
+    def __init__(self, cfg: Config, inner: nn.Module):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.inner = inner
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.norm(u))
+
+
+def stream_update(x, H_pre, H_post, H_res, sublayer):
+    """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C)."""
+    H_pre, H_post, H_res = (h.to(x.dtype) for h in (H_pre, H_post, H_res))
+    u = torch.einsum("...n,...nc->...c", H_pre, x)
+    y = sublayer(u)
+    return torch.einsum("...ij,...jc->...ic", H_res, x) + H_post.unsqueeze(-1) * y.unsqueeze(-2)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Project exp(logits) onto the doubly stochastic matrices; rows are normalised last, so row sums are exact."""
+    P = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        P = P / P.sum(dim=-2, keepdim=True)
+        P = P / P.sum(dim=-1, keepdim=True)
+    return P
+
+
+def _fp32_region(x: torch.Tensor):
+    # mixing coefficients are computed in fp32 whatever the autocast dtype (model-spec.md)
+    return torch.autocast(x.device.type, enabled=False)
+
+
+class PlainResidual(nn.Module):
+    """Baseline: x + F(norm(x)) on a single stream; it has no mixing matrix (reported as gain 1)."""
+
+    def forward(self, x, sublayer):
+        return x + sublayer(x.squeeze(-2)).unsqueeze(-2), None
+
+
+class HyperConnection(nn.Module):
+    """Dynamic HC (arXiv 2409.19606): per-stream read, mix and write weights, tanh-scaled around static ones."""
+
+    def __init__(self, cfg: Config, sublayer_index: int):
+        super().__init__()
+        n = cfg.expansion
+        self.n, self.eps, self.sublayer_index = n, cfg.norm_eps, sublayer_index
+        # one fused projection for W_m (1 column), W_r (n columns) and W_b (1 column)
+        self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)
+        self.A_m_static = nn.Parameter(torch.zeros(n))
+        self.A_r_static = nn.Parameter(torch.zeros(n, n))
+        self.B_static = nn.Parameter(torch.zeros(n))
+        self.s_a = nn.Parameter(torch.zeros(()))
+        self.s_b = nn.Parameter(torch.zeros(()))
+        self.scale_init = cfg.hc_scale_init
+        self.reset_mixing()
+
+    @torch.no_grad()
+    def reset_mixing(self):
+        # the HC paper's init, under which HC computes exactly a pre-norm transformer
+        self.dynamic.weight.zero_()
+        self.A_m_static.copy_(F.one_hot(torch.tensor(self.sublayer_index % self.n), self.n).float())
+        self.A_r_static.copy_(torch.eye(self.n))
+        self.B_static.fill_(1.0)
+        self.s_a.fill_(self.scale_init)
+        self.s_b.fill_(self.scale_init)
+
+    def coefficients(self, x):
+        n = self.n
+        with _fp32_region(x):
+            xb = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
+            d = torch.tanh(F.linear(xb, self.dynamic.weight.float()))       # (..., n, n + 2)
+            A_m = self.s_a.float() * d[..., 0] + self.A_m_static.float()
+            A_r = self.s_a.float() * d[..., 1:n + 1] + self.A_r_static.float()
+            B = self.s_b.float() * d[..., n + 1] + self.B_static.float()
+        # row i of A_r says where source stream i goes, so the matrix acting as H_res @ x is A_r^T
+        return A_m, B, A_r.transpose(-1, -2)
+
+    def forward(self, x, sublayer):
+        H_pre, H_post, H_res = self.coefficients(x)
+        return stream_update(x, H_pre, H_post, H_res, sublayer), H_res
+
+
+class ManifoldHyperConnection(nn.Module):
+    """mHC (arXiv 2512.24880): coefficients from the whole flattened state, H_res doubly stochastic."""
+
+    def __init__(self, cfg: Config, sublayer_index: int):
+        super().__init__()
+        n = cfg.expansion
+        self.n, self.iters, self.eps = n, cfg.sinkhorn_iters, cfg.norm_eps
+        self.sublayer_index, self.cfg_init = sublayer_index, (cfg.mhc_gate_init, cfg.mhc_pre_bias, cfg.mhc_res_diag)
+        self.phi = nn.Linear(n * cfg.width, n * n + 2 * n, bias=False)    # [z_pre | z_post | z_res]
+        self.a_pre, self.a_post, self.a_res = (nn.Parameter(torch.zeros(())) for _ in range(3))
+        self.b_pre, self.b_post = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
+        self.b_res = nn.Parameter(torch.zeros(n, n))
+        self.reset_mixing()
+
+    @torch.no_grad()
+    def reset_mixing(self):
+        gate, pre_bias, res_diag = self.cfg_init
+        self.phi.weight.zero_()
+        for a in (self.a_pre, self.a_post, self.a_res):
+            a.fill_(gate)
+        own = F.one_hot(torch.tensor(self.sublayer_index % self.n), self.n).bool()
+        self.b_pre.copy_(torch.where(own, pre_bias, -pre_bias))
+        self.b_post.zero_()
+        self.b_res.copy_(res_diag * torch.eye(self.n))
+
+    def coefficients(self, x):
+        n = self.n
+        with _fp32_region(x):
+            v = x.float().flatten(-2)
+            z = F.linear(v, self.phi.weight.float()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
+            z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
+            H_pre = torch.sigmoid(self.a_pre.float() * z_pre + self.b_pre.float())
+            H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
+            H_res = sinkhorn(self.a_res.float() * z_res.unflatten(-1, (n, n)) + self.b_res.float(), self.iters)
+        return H_pre, H_post, H_res
+
+    def forward(self, x, sublayer):
+        H_pre, H_post, H_res = self.coefficients(x)
+        return stream_update(x, H_pre, H_post, H_res, sublayer), H_res
+
+
+CONNECTIONS = {"baseline": lambda cfg, k: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection}
+
+
+class Block(nn.Module):
+    """Maps the residual state (B, T, n, C) to (B, T, n, C): the streams persist across blocks."""
+
+    def __init__(self, cfg: Config, index: int, use_flash: bool):
+        super().__init__()
+        self.attn = PreNorm(cfg, CausalSelfAttention(cfg, use_flash))
+        self.mlp = PreNorm(cfg, MLP(cfg))
+        self.attn_conn = CONNECTIONS[cfg.residual](cfg, 2 * index)
+        self.mlp_conn = CONNECTIONS[cfg.residual](cfg, 2 * index + 1)
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+    def forward(self, x, mixing_out: list | None = None):
+        for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # the stream mixing is recomputed with the sublayer: storing it would cost n x C per token
+                x, H_res = checkpoint(conn, x, sublayer, use_reentrant=False)
+            else:
+                x, H_res = conn(x, sublayer)
+            if mixing_out is not None:
+                mixing_out.append(H_res)
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config, use_flash: bool = False):
+        super().__init__()
+        self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
+        self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer), cfg.width)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg, i, use_flash) for i in range(cfg.depth))
+        self.ln_f = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.width, self.wte.num_embeddings, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self._init_weights(cfg.depth)
+
+    @torch.no_grad()
+    def _init_weights(self, depth: int):
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                # GPT-2: residual output projections scaled by 1/sqrt(number of residual additions)
+                std = 0.02 / math.sqrt(2 * depth) if name.endswith("inner.proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        for module in self.modules():
+            if hasattr(module, "reset_mixing"):
+                module.reset_mixing()
+
+    def forward(self, idx, targets=None, mixing_out: list | None = None):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        h = self.wte(idx) + self.wpe(positions)
+        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.streams, h.shape[-1])   # expand once
+        for block in self.blocks:
+            x = block(x, mixing_out)
+        logits = self.lm_head(self.ln_f(x.sum(dim=-2)))                        # collapse once
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on weight matrices of linears and embeddings only: never on norms, biases,
+    HC static matrices and scales, or mHC gates and biases (those are raw Parameters, not layers)."""
+    decay = {id(m.weight): m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    rest = [p for p in model.parameters() if id(p) not in decay]
+    return [{"params": list(decay.values()), "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0}]
+
+
+def count_parameters(cfg: Config) -> dict:
+    """Parameter counts from a model built on the meta device: no memory for the weights."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.wte.weight.numel() + model.wpe.weight.numel()
+    streams = sum(p.numel() for name, p in model.named_parameters() if "_conn." in name)
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding, "streams": streams}
+
+
+# ----------------------------------------------------------------------------------------------
+# instability metrics: gains of the mixing matrices H_res (acting as x_next = H_res @ x), per token
+
+def row_gain(M):
+    """g_fwd: the largest absolute row sum."""
+    return M.sum(dim=-1).abs().amax(dim=-1)
+
+
+def col_gain(M):
+    """g_bwd: the largest absolute column sum."""
+    return M.sum(dim=-2).abs().amax(dim=-1)
+
+
+def composites(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefix products P_k = H_k ... H_1 and suffix products S_k = H_L ... H_k of H (L, tokens, n, n)."""
+    prefix, suffix = [H[0]], [H[-1]]
+    for k in range(1, H.shape[0]):
+        prefix.append(H[k] @ prefix[-1])
+        suffix.append(suffix[-1] @ H[-1 - k])
+    return torch.stack(prefix), torch.stack(suffix[::-1])
+
+
+def gain_metrics(H: torch.Tensor) -> dict:
+    """Every probe metric from the per-token mixing matrices H (L sublayers, tokens, n, n); per-token
+    gains are averaged over tokens, then the max (or min) over sublayers is taken."""
+    P, S = composites(H.double())
+    per_layer_fwd, per_layer_bwd = row_gain(H).mean(-1), col_gain(H).mean(-1)
+    return {
+        "amax_fwd": row_gain(P).mean(-1).max().item(),
+        "amax_bwd": col_gain(S).mean(-1).max().item(),
+        "amax_fwd_abs": P.abs().sum(-1).amax(-1).mean(-1).max().item(),
+        "amax_bwd_abs": S.abs().sum(-2).amax(-1).mean(-1).max().item(),
+        "amax_l0_fwd": per_layer_fwd[0].item(),
+        "amax_l0_bwd": per_layer_bwd[0].item(),
+        "min_row_sum": P.sum(-1).amin(-1).mean(-1).min().item(),
+        "min_col_sum": S.sum(-2).amin(-1).mean(-1).min().item(),
+        "layer_gain_fwd": per_layer_fwd.tolist(),
+        "layer_gain_bwd": per_layer_bwd.tolist(),
+    }
+
+
+def unit_gain_metrics(sublayers: int) -> dict:
+    """The plain residual has H_res = 1 by definition."""
+    ones = torch.ones(sublayers, 1, 1, 1)
+    return gain_metrics(ones)
+
+
+@torch.no_grad()
+def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, with_layers: bool) -> dict:
+    """Run the fixed probe batch and measure the gains. No RNG, no autograd state; the mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        mixing: list = []
+        with autocast_ctx():
+            model(probe_idx, mixing_out=mixing)
+    finally:
+        model.train(was_training)
+    if mixing[0] is None:
+        metrics = unit_gain_metrics(len(mixing))
+    else:
+        n = mixing[0].shape[-1]
+        metrics = gain_metrics(torch.stack([h.float().reshape(-1, n, n) for h in mixing]))
+    if not with_layers:
+        del metrics["layer_gain_fwd"], metrics["layer_gain_bwd"]
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# data: tokenizers, C4 (hub or local shards) and the bundled sample, streamed and exactly resumable
+
+DATA_DIR = ROOT / "data"
+# tiktoken's published sha256 of OpenAI's GPT-2 files (tiktoken_ext/openai_public.py)
+GPT2_HASHES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+               "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
+C4_HUB = "hf://datasets/allenai/c4/en"
+C4_TRAIN_SHARDS, C4_VALIDATION_SHARDS = 1024, 8
+
+
+class ByteTokenizer:
+    """UTF-8 bytes; byte 0 (never in text) separates documents."""
+    vocab_size, eot = 256, 0
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE through tiktoken, built from the files in data/gpt2 (never downloaded)."""
+    vocab_size = 50257
+
+    def __init__(self):
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import r50k_pat_str
+        files = {name: str(DATA_DIR / "gpt2" / name) for name in GPT2_HASHES}
+        ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=files["vocab.bpe"],
+                                                encoder_json_file=files["encoder.json"],
+                                                vocab_bpe_hash=GPT2_HASHES["vocab.bpe"],
+                                                encoder_json_hash=GPT2_HASHES["encoder.json"])
+        self.encoding = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                          special_tokens={"<|endoftext|>": 50256})
+        self.eot = self.encoding.eot_token
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(texts, num_threads=4)
+
+
+def make_tokenizer(name: str):
+    return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
+
+
+def resolve_data_files(data: str) -> tuple[list[str], list[str]]:
+    """(train files, validation files). Local shards named like C4's ("validation" in the name) are held out."""
+    if data == "c4":
+        train = [f"{C4_HUB}/c4-train.{i:05d}-of-{C4_TRAIN_SHARDS:05d}.json.gz" for i in range(C4_TRAIN_SHARDS)]
+        val = [f"{C4_HUB}/c4-validation.{i:05d}-of-{C4_VALIDATION_SHARDS:05d}.json.gz"
+               for i in range(C4_VALIDATION_SHARDS)]
+        return train, val
+    pattern = str(DATA_DIR / "sample" / "*.json.gz") if data == "sample" else data
+    if os.path.isdir(pattern):
+        pattern = os.path.join(pattern, "*.json*")
+    files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    if not files:
+        raise ConfigError(f"--data {data!r} matches no file; give a C4-format .json/.json.gz path or glob")
+    val = [f for f in files if "validation" in os.path.basename(f)]
+    train = [f for f in files if f not in val]
+    if not train or not val:
+        raise ConfigError(f"--data {data!r} needs both training files and held-out files with 'validation' in "
+                          f"their names (found {len(train)} and {len(val)})")
+    return train, val
+
+
+def parse_c4_line(line: str) -> str | None:
+    """The document text of one C4 JSON line, or None for a malformed line or an empty document."""
+    try:
+        text = json.loads(line)["text"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return text if isinstance(text, str) and text.strip() else None
+
+
+class DocumentStream:
+    """This rank's documents, in an order fixed by the data seed, resumable exactly.
+
+    Lines are read with `datasets`' streaming text builder (the same path for the hub and local
+    shards) and parsed here, so that one malformed line is skipped instead of failing its shard.
+    Shard order is shuffled per epoch; documents pass through our own shuffle buffer, whose contents
+    and RNG state are part of the saved state (datasets' own shuffle buffer is not resumable)."""
+
+    def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int):
+        """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order."""
+        self.files, self.rank, self.world, self.seed, self.buffer_size = files, rank, world, seed, buffer_size
+        self.epoch, self.position, self.buffer, self.skipped = 0, None, [], 0
+        self.rng = torch.Generator().manual_seed(seed or 0)
+
+    def _open_epoch(self):
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+        order = range(len(self.files)) if self.seed is None else torch.randperm(
+            len(self.files), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        stream = datasets.load_dataset("text", data_files=[self.files[i] for i in order], split="train",
+                                       streaming=True, encoding_errors="replace")
+        stream = split_dataset_by_node(stream, rank=self.rank, world_size=self.world)
+        if self.position is not None:
+            stream.load_state_dict(self.position)
+        return stream
+
+    def __iter__(self):
+        while True:
+            stream = self._open_epoch()
+            for row in stream:
+                self.position = stream.state_dict()
+                text = parse_c4_line(row["text"])
+                if text is None:
+                    self.skipped += 1
+                    continue
+                self.buffer.append(text)
+                if len(self.buffer) > self.buffer_size:
+                    slot = int(torch.randint(len(self.buffer), (), generator=self.rng))
+                    self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
+                    yield self.buffer.pop()
+            self.epoch, self.position = self.epoch + 1, None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "buffer": list(self.buffer),
+                "rng": self.rng.get_state(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.buffer = state["epoch"], state["position"], list(state["buffer"])
+        self.rng.set_state(state["rng"])
+        self.skipped = state["skipped"]
+
+
+class TokenBatches:
+    """Packs tokenized documents, separated by the end-of-text token, into (batch, seq_len + 1) windows."""
+
+    def __init__(self, documents, tokenizer, seq_len: int, batch: int, docs_per_encode: int = 64):
+        self.documents, self.tokenizer = documents, tokenizer
+        self.window, self.batch, self.docs_per_encode = seq_len + 1, batch, docs_per_encode
+        self.tokens: list[int] = []
+        self._docs = iter(documents)
+
+    def _refill(self) -> None:
+        texts = [text for _, text in zip(range(self.docs_per_encode), self._docs)]
+        if not texts:
+            raise ConfigError("the data stream holds no usable document")
+        for ids in self.tokenizer.encode_batch(texts):
+            self.tokens.extend(ids)
+            self.tokens.append(self.tokenizer.eot)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        need = self.batch * self.window
+        while len(self.tokens) < need:
+            self._refill()
+        windows = torch.tensor(self.tokens[:need], dtype=torch.long).view(self.batch, self.window)
+        del self.tokens[:need]
+        return windows[:, :-1], windows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"documents": self.documents.state_dict(), "tokens": torch.tensor(self.tokens, dtype=torch.int32)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.documents.load_state_dict(state["documents"])
+        self.tokens = state["tokens"].tolist()
+        self._docs = iter(self.documents)
+
+
+def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` windows of the held-out files in file order: the same for every run and every eval."""
+    stream = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
+    return TokenBatches(stream, tokenizer, seq_len, count).next_batch()
+
+
+# ----------------------------------------------------------------------------------------------
+# distributed: process group from torchrun's environment, one device per rank, DDP or FSDP2
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        import datetime
+        import torch.distributed as dist
+        # start-up waits for every rank to load data and compile; a healthy step never takes this long
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=30))
+    return Dist(rank, world, device)
+
+
+def barrier(dist: Dist) -> None:
+    if dist.world > 1:
+        torch.distributed.barrier()
+
+
+def all_ranks_sum(dist: Dist, values: torch.Tensor) -> torch.Tensor:
+    if dist.world > 1:
+        torch.distributed.all_reduce(values)
+    return values
+
+
+def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Module:
+    """Activation checkpointing lives in the blocks; then compile per block; then DDP or FSDP2."""
+    if cfg.compile:
+        for block in model.blocks:
+            block.compile()
+    if dist.world == 1:
+        return model
+    if cfg.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def unwrap(model: nn.Module) -> GPT:
+    return model.module if hasattr(model, "module") else model
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpointing: temp folder + marker with checksums + rename; the newest complete one is used
+
+MARKER = "COMPLETE.json"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete-looking checkpoint folders, oldest first (temp folders are never listed)."""
+    root = run_dir / "checkpoints"
+    found = [d for d in root.glob("step-*") if d.name[5:].isdigit()] if root.is_dir() else []
+    return sorted(found, key=lambda d: int(d.name[5:]))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: int) -> None:
+    """Every rank passes the files it owns; the folder appears under its final name only when complete."""
+    root = run_dir / "checkpoints"
+    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    if final.exists():
+        return                                     # the same step, already saved before a resume
+    try:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(dist)
+        for name, obj in files.items():
+            torch.save(obj, tmp / name)
+            _fsync_path(tmp / name)
+        barrier(dist)
+        if dist.is_main:
+            marker = {"step": step, "world_size": dist.world,
+                      "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())}}
+            (tmp / MARKER).write_text(json.dumps(marker))
+            _fsync_path(tmp / MARKER)
+            os.replace(tmp, final)
+            _fsync_path(root)
+            for old in checkpoint_dirs(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainerError(f"could not write checkpoint step-{step} ({error.strerror or error}); "
+                           "the previous checkpoint is intact, free disk space and rerun to resume") from error
+    barrier(dist)
+
+
+def _checkpoint_problem(folder: Path) -> str | None:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return "has no valid completion marker"
+    for name, digest in marker["files"].items():
+        if not (folder / name).is_file():
+            return f"is missing {name}"
+        if _sha256(folder / name) != digest:
+            return f"has a corrupted {name} (checksum mismatch)"
+    return None
+
+
+def read_checkpoint(run_dir: Path, names: list[str], log) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose files all verify and load safely (weights_only); older ones as fallback."""
+    for folder in reversed(checkpoint_dirs(run_dir)):
+        problem = _checkpoint_problem(folder)
+        if problem is None:
+            try:
+                return folder, {name: torch.load(folder / name, map_location="cpu", weights_only=True)
+                                for name in names}
+            except Exception as error:                     # a crafted or damaged pickle lands here
+                problem = f"cannot be loaded safely ({type(error).__name__})"
+        log(f"checkpoint {folder.name} {problem}; falling back to the previous one")
+    return None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _same_file(stream, path: Path) -> bool:
+    try:
+        return path.exists() and os.path.samestat(os.fstat(stream.fileno()), os.stat(path))
+    except (OSError, ValueError):
+        return False
+
+
+class RunLog:
+    """The run folder's human and machine logs; only rank 0 writes."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.bar = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            # the launcher already appends our stdout to train.log; writing it twice would double every line
+            tee = not _same_file(sys.stdout, run_dir / "train.log")
+            self.log_file = open(run_dir / "train.log", "a", buffering=1) if tee else None
+            self.metrics_file = None
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
+        (self.bar.write if self.bar else print)(line)
+        sys.stdout.flush()
+        if self.log_file:
+            self.log_file.write(line + "\n")
+
+    def open_metrics(self, keep_through_step: int) -> None:
+        """Drop lines after the checkpoint being resumed (they are recomputed identically), then append."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in _complete_json_lines(path) if json.loads(line)["step"] <= keep_through_step]
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+        self.metrics_file = open(path, "a")
+
+    def metrics(self, record: dict) -> None:
+        if self.enabled:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+
+    def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
+        if self.enabled:
+            write_json_atomic(self.run_dir / "status.json", {"state": state, "step": step, "exit_code": exit_code,
+                                                              "reason": reason, "updated": time.time()})
+
+
+def _complete_json_lines(path: Path) -> list[str]:
+    """Lines that parse; a line cut by a kill mid-write is dropped."""
+    lines = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            json.loads(line)
+            lines.append(line)
+        except ValueError:
+            pass
+    return lines
+
+
+def _wandb_credentials() -> bool:
+    netrc = Path.home() / ".netrc"
+    return bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
+
+
+def start_wandb(cfg: Config, run_dir: Path, config_record: dict, log: RunLog):
+    """W&B on rank 0 only; a failed or slow init falls back to offline and never stops training."""
+    if cfg.wandb == "disabled" or not log.enabled:
+        return None
+    mode = cfg.wandb if cfg.wandb != "auto" else ("online" if _wandb_credentials() else "offline")
+    run_id = hashlib.sha1(f"{run_dir.resolve()}".encode()).hexdigest()[:16]
+    import wandb
+    for attempt_mode in dict.fromkeys((mode, "offline")):
+        try:
+            return wandb.init(project=cfg.wandb_project, id=run_id, name=cfg.run_name, resume="allow",
+                              group=f"{cfg.residual}-d{cfg.depth}", job_type="train", config=config_record,
+                              dir=str(run_dir), mode=attempt_mode, settings=wandb.Settings(init_timeout=120))
+        except Exception as error:
+            log.info(f"warning: W&B {attempt_mode} init failed ({type(error).__name__}); continuing without it"
+                     if attempt_mode == "offline" else f"warning: W&B {attempt_mode} init failed; trying offline")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# training loop: AdamW, warm-up + cosine, accumulation, pre-clip gradient norm, eval, probe, checkpoints
+
+# dense bf16 peak of one GPU, for MFU; a GPU not listed gets mfu = null rather than a guess
+GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+                       "B200": 2250e12, "L40S": 362e12}
+# keys whose change makes a different model: resuming over them would mix two experiments
+MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
+              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
+
+
+def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
+    """(micro-batch per device, accumulation steps) so that every optimizer step sees --batch-size sequences."""
+    if cfg.micro_batch_size == "auto":
+        raise ConfigError("--micro-batch-size auto needs the memory planner, which is not built yet; give a number")
+    micro = int(cfg.micro_batch_size)
+    if cfg.batch_size % (micro * world):
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
+                          f"{world} process(es)")
+    return micro, cfg.batch_size // (micro * world)
+
+
+def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
+    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
+    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
+
+
+def gpu_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def use_flash_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        import flash_attn  # noqa: F401
+        installed = True
+    except ImportError:
+        installed = False
+    if cfg.attn == "flash" and not (installed and device.type == "cuda" and dtype == torch.bfloat16):
+        raise ConfigError("--attn flash needs flash-attn installed (bash setup.sh on a CUDA machine), a CUDA "
+                          "device and bf16; use --attn sdpa")
+    return cfg.attn == "flash" or (cfg.attn == "auto" and installed and device.type == "cuda"
+                                   and dtype == torch.bfloat16)
+
+
+def check_resumable(run_dir: Path, cfg: Config) -> None:
+    """Refuse to continue a run folder made by a different model, or any existing run under --resume never."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return
+    if cfg.resume == "never":
+        raise ConfigError(f"{run_dir} already holds a run and --resume never refuses to overwrite it; "
+                          "choose another --run-name or --out")
+    try:
+        old = json.loads(path.read_text())["config"]
+    except (OSError, ValueError, KeyError):
+        raise ConfigError(f"{path} is unreadable; move that run folder away or choose another --run-name") from None
+    for key in MODEL_KEYS:
+        if old.get(key) != getattr(cfg, key):
+            raise ConfigError(f"{run_dir} was trained with {key}={old.get(key)!r} but this command has "
+                              f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, params: dict) -> dict:
+    import datasets
+    import tiktoken
+    return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
+            "params": params, "world_size": dist.world, "device": dist.device.type,
+            "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
+            "dtype": str(dtype).removeprefix("torch."), "attention": "flash" if use_flash else "sdpa",
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "datasets": datasets.__version__, "tiktoken": tiktoken.__version__},
+            "git_commit": git_commit()}
+
+
+class StopRequest:
+    """SIGTERM/SIGINT only set a flag: the step in flight finishes, then a checkpoint is saved."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def fault_injection() -> tuple[str, int, int] | None:
+    """Test hook TRAIN_C4_INJECT_NAN="loss|grad:STEP[:RANK]": make that step non-finite on purpose."""
+    spec = os.environ.get("TRAIN_C4_INJECT_NAN")
+    if not spec:
+        return None
+    where, step, *rank = spec.split(":")
+    return where, int(step), int(rank[0]) if rank else -1
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What the loop needs, built once; the loop itself is the method `run`."""
+    cfg: Config
+    dist: Dist
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: TokenBatches
+    val: tuple[torch.Tensor, torch.Tensor]
+    micro: int
+    accum: int
+    dtype: torch.dtype
+    log: RunLog
+    run_dir: Path
+    peak_flops: float | None
+    flops_per_token: float
+    step: int = 0
+    tokens: int = 0
+    wandb_run: object = None
+
+    def autocast(self):
+        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
+
+    def micro_steps(self, stop: StopRequest, inject) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only."""
+        device, loss_sum = self.dist.device, torch.zeros((), device=self.dist.device)
+        for micro_step in range(self.accum):
+            x, y = (t.to(device, non_blocking=True) for t in self.batches.next_batch())
+            last = micro_step == self.accum - 1
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(last)
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self.autocast():
+                    _, loss = self.model(x, y)
+                if inject and inject[0] == "loss" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
+                    loss = loss * float("nan")
+                (loss / self.accum).backward()
+            loss_sum += loss.detach()
+        if inject and inject[0] == "grad" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
+            next(self.model.parameters()).grad.fill_(float("inf"))
+        stop_flag = torch.tensor(float(stop.requested), device=device)
+        return all_ranks_sum(self.dist, torch.stack([loss_sum / (self.accum * self.dist.world), stop_flag]))
+
+    def optimizer_step(self, stop: StopRequest, inject) -> tuple[float, float, bool]:
+        lr = lr_at(self.cfg, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_and_stop = self.micro_steps(stop, inject)
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        # the one host synchronisation of a step: divergence must be caught before the update is applied
+        loss, stop_votes, norm = torch.cat([loss_and_stop, grad_norm.reshape(1).to(loss_and_stop)]).tolist()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.log.metrics({"step": self.step + 1, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": norm})
+            raise Diverged(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step "
+                           f"{self.step + 1} (loss {loss}, pre-clip gradient norm {norm})")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm, stop_votes > 0
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation set; each rank takes every world-th sequence."""
+        was_training = self.model.training
+        self.model.eval()
+        x_all, y_all = (t[self.dist.rank::self.dist.world] for t in self.val)
+        total = torch.zeros(2, device=self.dist.device)
+        for start in range(0, len(x_all), self.micro):
+            x, y = (t[start:start + self.micro].to(self.dist.device) for t in (x_all, y_all))
+            with self.autocast():
+                _, loss = self.model(x, y)
+            total += torch.stack([loss.float() * len(x), torch.tensor(float(len(x)), device=self.dist.device)])
+        self.model.train(was_training)
+        loss_sum, count = all_ranks_sum(self.dist, total).tolist()
+        return loss_sum / count
+
+    def probe(self, with_layers: bool) -> dict:
+        probe_idx = self.val[0][:self.cfg.probe_sequences].to(self.dist.device)
+        return instability_probe(self.model, probe_idx, self.autocast, with_layers)
+
+    def save(self) -> None:
+        files = {f"rank{self.dist.rank}.pt": {"data": self.batches.state_dict(), "rng": rng_state()}}
+        if self.dist.is_main:
+            files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict(),
+                      "train_state.pt": {"step": self.step, "tokens": self.tokens}}
+        write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints)
+
+    def restore(self) -> None:
+        names = ["model.pt", "optimizer.pt", "train_state.pt", f"rank{self.dist.rank}.pt"]
+        found = read_checkpoint(self.run_dir, names, self.log.info)
+        if found is None:
+            return
+        folder, files = found
+        unwrap(self.model).load_state_dict(files["model.pt"])
+        self.optimizer.load_state_dict(files["optimizer.pt"])
+        self.batches.load_state_dict(files[names[-1]]["data"])
+        set_rng_state(files[names[-1]]["rng"])
+        self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
+        self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
+
+    def record(self, loss: float, norm: float, lr: float, seconds: float) -> dict:
+        tokens_per_s = self.cfg.batch_size * self.cfg.seq_len / seconds
+        mem = torch.cuda.max_memory_allocated(self.dist.device) / 1e9 if self.dist.device.type == "cuda" else None
+        mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world) if self.peak_flops else None
+        return {"step": self.step, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": norm,
+                "clipped": bool(self.cfg.grad_clip and norm > self.cfg.grad_clip), "tokens": self.tokens,
+                "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_peak_gb": mem}
+
+    def measurements(self) -> dict:
+        """The probe and the validation loss, at their own intervals (and always at the last step)."""
+        cfg, step, last = self.cfg, self.step, self.step == self.cfg.steps
+        out = {}
+        if step % cfg.metrics_every == 0 or last:
+            out |= self.probe(with_layers=step % cfg.layer_metrics_every == 0 or last)
+        if step % cfg.eval_every == 0 or last:
+            out["val_loss"] = self.evaluate()
+        return out
+
+    def run(self, stop: StopRequest) -> None:
+        inject, progress = fault_injection(), Progress(self)
+        if self.step == 0:
+            self.log.metrics({"step": 0, "time": time.time(), **self.probe(with_layers=True)})
+        while self.step < self.cfg.steps:
+            started, lr = time.perf_counter(), lr_at(self.cfg, self.step)
+            loss, norm, stopping = self.optimizer_step(stop, inject)
+            self.step += 1
+            self.tokens += self.cfg.batch_size * self.cfg.seq_len
+            record = self.record(loss, norm, lr, time.perf_counter() - started) | self.measurements()
+            self.log.metrics(record)
+            if self.wandb_run is not None:
+                self.wandb_run.log(record, step=self.step)
+            progress.update(record)
+            if stopping or self.step % self.cfg.ckpt_every == 0 or self.step == self.cfg.steps:
+                self.save()
+            if stopping:
+                raise Interrupted(f"stopped by a signal at step {self.step}; checkpoint saved, rerun to resume")
+        progress.close()
+
+
+class Progress:
+    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise."""
+
+    def __init__(self, trainer: Trainer):
+        from tqdm import tqdm
+        self.trainer, self.amax = trainer, None
+        interactive = trainer.dist.is_main and sys.stderr.isatty()
+        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
+        trainer.log.bar = self.bar
+
+    def update(self, record: dict) -> None:
+        self.amax = record.get("amax_fwd", self.amax)
+        amax = f"{self.amax:.3g}" if self.amax is not None else "-"
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", amax=amax)
+            self.bar.update(1)
+        elif record["step"] % self.trainer.cfg.log_every == 0 or record["step"] == self.trainer.cfg.steps:
+            val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            self.trainer.log.info(f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} "
+                                  f"grad_norm {record['grad_norm']:.3g} amax_fwd {amax} "
+                                  f"tok/s {record['tokens_per_s']:,.0f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.trainer.log.bar = None
+
+
+def build_trainer(cfg: Config, dist: Dist) -> Trainer:
+    micro, accum = batch_plan(cfg, dist.world)
+    train_files, val_files = resolve_data_files(cfg.data)
+    run_dir = Path(cfg.out) / cfg.run_name
+    check_resumable(run_dir, cfg)
+    dtype = compute_dtype(cfg, dist.device)
+    use_flash = use_flash_attention(cfg, dist.device, dtype)
+    tokenizer = make_tokenizer(cfg.tokenizer)
+    val = fixed_sequences(val_files, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg, use_flash).to(dist.device)
+    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+                                  fused=dist.device.type == "cuda")
+    documents = DocumentStream(train_files, dist.rank, dist.world, cfg.data_seed, cfg.shuffle_buffer)
+    params = count_parameters(cfg)
+    trainer = Trainer(cfg, dist, model, optimizer, TokenBatches(documents, tokenizer, cfg.seq_len, micro), val,
+                      micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir, gpu_peak_flops(dist.device),
+                      flops_per_token(cfg, params["non_embedding"]))
+    trainer.restore()
+    trainer.model = wrap_model(model, cfg, dist, dtype)
+    record = run_record(cfg, micro, dist, dtype, use_flash, params)
+    if dist.is_main:
+        write_json_atomic(run_dir / "config.json", record)
+    trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
+    announce(trainer, params, record)
+    return trainer
+
+
+def announce(trainer: Trainer, params: dict, record: dict) -> None:
+    cfg, log = trainer.cfg, trainer.log
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
+             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
+             f"({record['dtype']}, {record['attention']} attention)")
+    log.info(f"parameters: {params['total']:,} ({params['non_embedding']:,} non-embedding, "
+             f"{params['streams']:,} in the residual connections)")
+    log.info(f"tokens per step: {tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
+             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
+    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * tokens_per_step:,} tokens, "
+             f"{trainer.flops_per_token:.3g} FLOPs per token")
+
+
+def train(cfg: Config) -> None:
+    dist = setup_distributed()
+    trainer = build_trainer(cfg, dist)
+    log, stop = trainer.log, StopRequest()
+    log.open_metrics(keep_through_step=trainer.step)
+    log.status("running", trainer.step)
+    try:
+        trainer.run(stop)
+    except Diverged as error:
+        log.status("diverged", trainer.step, EXIT_DIVERGED, str(error))
+        raise
+    except Interrupted as error:
+        log.status("interrupted", trainer.step, EXIT_INTERRUPTED, str(error))
+        raise
+    except BaseException as error:
+        code, reason = classify_failure(error, trainer.micro)
+        log.status("failed", trainer.step, code, reason)
+        raise
+    log.status("completed", trainer.step, EXIT_OK)
+    log.info(f"completed {trainer.step} steps; run folder {trainer.run_dir}")
+    if trainer.wandb_run is not None:
+        trainer.wandb_run.finish()
+
+
+# ----------------------------------------------------------------------------------------------
+# main: one line and an exit code for every expected failure (design.md's table)
+
+def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]:
+    if isinstance(error, TrainerError):
+        return error.exit_code, str(error)
+    if isinstance(error, torch.OutOfMemoryError):
+        return EXIT_OOM, f"out of memory at micro-batch {micro}; retry with --micro-batch-size {max(1, (micro or 2) // 2)}"
+    text = str(error)
+    if isinstance(error, RuntimeError) and any(key in text for key in ("CUDA error", "NCCL", "cuDNN", "Gloo")):
+        return EXIT_DEVICE, f"device or communication error: {text.splitlines()[0]}"
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted before the first step"
+    return 1, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def print_estimate(cfg: Config) -> None:
+    """Model size and work per token, from the meta device: nothing is allocated."""
+    params = count_parameters(cfg)
+    print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {params['total']:,} parameters "
+          f"({params['embedding']:,} embedding, {params['non_embedding']:,} non-embedding, "
+          f"{params['streams']:,} in the residual connections)")
+    print(f"{flops_per_token(cfg, params['non_embedding']):.4g} training FLOPs per token; "
+          f"{cfg.batch_size * cfg.seq_len:,} tokens per step; {cfg.steps * cfg.batch_size * cfg.seq_len:,} tokens in "
+          f"{cfg.steps:,} steps")
+
+
+def check_injected_device_fault() -> None:
+    """Test hook for the launcher: TRAIN_C4_FAIL_DEVICES lists device ids that behave as dead GPUs."""
+    failing = set(filter(None, os.environ.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
+    visible = set(filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")))
+    if failing & visible:
+        raise TrainerError(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
+                           "TRAIN_C4_FAIL_DEVICES)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv)
+        check_injected_device_fault()
+        if cfg.estimate:
+            print_estimate(cfg)
+        else:
+            train(cfg)
+        return EXIT_OK
+    except BaseException as error:
+        code, reason = classify_failure(error, None)
+        if code == 1 and not isinstance(error, (TrainerError, SystemExit)):
+            raise
+        print(f"error: {reason}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
