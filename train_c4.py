@@ -637,7 +637,7 @@ class DocumentStream:
     def __iter__(self):
         while True:
             stream = self._open_epoch()
-            for row in stream:
+            for row in _guarded(stream, self.files):
                 self.position = stream.state_dict()
                 text = parse_c4_line(row["text"])
                 if text is None:
@@ -658,6 +658,19 @@ class DocumentStream:
         self.epoch, self.position, self.buffer = state["epoch"], state["position"], list(state["buffer"])
         self.rng.set_state(state["rng"])
         self.skipped = state["skipped"]
+
+
+def _guarded(stream, files: list[str]):
+    """Rows of a stream; a shard that cannot be read at all becomes a one-line error, not a traceback."""
+    try:
+        yield from stream
+    except Exception as error:
+        if files and files[0].startswith("hf://"):
+            raise DataUnavailable(f"C4 could not be streamed from the hub ({type(error).__name__}: "
+                                  f"{str(error).splitlines()[0] if str(error) else ''}); prefetch shards with "
+                                  "`bash setup.sh --prefetch-c4 N` or pass a local glob to --data") from error
+        raise ConfigError(f"a data shard is unreadable ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''}); check the files of --data") from error
 
 
 class TokenBatches:
@@ -1169,6 +1182,8 @@ class Trainer:
             files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict(),
                       "train_state.pt": {"step": self.step, "tokens": self.tokens}}
         write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints)
+        if self.batches.documents.skipped:
+            self.log.info(f"data: {self.batches.documents.skipped} malformed or empty lines skipped so far")
 
     def restore(self) -> None:
         names = ["model.pt", "optimizer.pt", "train_state.pt", f"rank{self.dist.rank}.pt"]

@@ -1,0 +1,198 @@
+"""End-to-end runs of the trainer on the CPU with the `tiny` preset, as a user would run them."""
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_c4 as T
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINING_KEYS = {"step", "time", "loss", "lr", "grad_norm", "clipped", "tokens", "tokens_per_s", "mfu", "mem_peak_gb"}
+PROBE_KEYS = {"amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_l0_fwd", "amax_l0_bwd",
+              "min_row_sum", "min_col_sum"}
+# values that must be identical between an interrupted-and-resumed run and an uninterrupted one
+DETERMINISTIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "amax_fwd", "amax_bwd",
+                      "layer_gain_fwd")
+
+
+def trainer(out, *args, env=None, wait=True):
+    command = [sys.executable, str(ROOT / "train_c4.py"), "--preset", "tiny", "--out", str(out), *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})}, cwd=out)
+    if not wait:
+        return process
+    stdout, stderr = process.communicate(timeout=300)
+    return process.returncode, stdout, stderr
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(records):
+    return [{k: r[k] for k in DETERMINISTIC_KEYS if k in r} for r in records]
+
+
+def test_a_run_writes_every_documented_file_and_key(tmp_path):
+    code, stdout, stderr = trainer(tmp_path, "--residual", "hc")
+    assert code == 0, stderr
+    run = tmp_path / "hc_d2_s42"
+    config = json.loads((run / "config.json").read_text())
+    assert config["config"]["residual"] == "hc" and config["n_params"] > 0 and config["versions"]["torch"]
+    assert config["git_commit"]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "completed" and status["step"] == 20 and status["exit_code"] == 0
+    records = metrics(run)
+    assert [r["step"] for r in records] == list(range(21))
+    assert all(TRAINING_KEYS <= r.keys() for r in records[1:])
+    assert PROBE_KEYS | {"layer_gain_fwd", "layer_gain_bwd"} <= records[-1].keys()
+    assert len(records[-1]["layer_gain_fwd"]) == 4 and "val_loss" in records[10]
+    assert records[-1]["loss"] < records[1]["loss"]
+    assert "tokens per step: 128" in (run / "train.log").read_text()
+    assert sorted(d.name for d in (run / "checkpoints").iterdir()) == ["step-10", "step-20"]
+
+
+def test_sigkill_then_rerun_continues_exactly(tmp_path):
+    args = ["--residual", "mhc", "--steps", "200", "--ckpt-every", "20", "--keep-checkpoints", "3"]
+    reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
+    reference_dir.mkdir(), resumed_dir.mkdir()
+    assert trainer(reference_dir, *args)[0] == 0
+    process = trainer(resumed_dir, *args, wait=False)
+    checkpoints = resumed_dir / "mhc_d2_s42" / "checkpoints"
+    while not (checkpoints / "step-60").exists() and process.poll() is None:
+        time.sleep(0.01)
+    process.kill()
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    code, stdout, stderr = trainer(resumed_dir, *args)
+    assert code == 0, stderr
+    assert "resumed from" in stdout
+    resumed = metrics(resumed_dir / "mhc_d2_s42")
+    assert [r["step"] for r in resumed] == list(range(201))      # no line lost or duplicated
+    assert deterministic(resumed) == deterministic(metrics(reference_dir / "mhc_d2_s42"))
+
+
+def test_sigterm_saves_a_loadable_checkpoint_and_exits_75(tmp_path):
+    process = trainer(tmp_path, "--residual", "hc", "--steps", "100000", "--ckpt-every", "100000", wait=False)
+    run = tmp_path / "hc_d2_s42"
+    while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 5:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 75
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "interrupted"
+    folder = run / "checkpoints" / f"step-{status['step']}"
+    state = torch.load(folder / "model.pt", weights_only=True)
+    assert "blocks.0.attn_conn.A_r_static" in state
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_injected_non_finite_value_stops_the_run_as_diverged(tmp_path, where):
+    code, _, stderr = trainer(tmp_path, "--residual", "hc", env={"TRAIN_C4_INJECT_NAN": f"{where}:7"})
+    assert code == 3
+    assert "non-finite" in stderr and len(stderr.strip().splitlines()) == 1
+    run = tmp_path / "hc_d2_s42"
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "diverged" and status["step"] == 6 and status["exit_code"] == 3
+    last = metrics(run)[-1]
+    assert last["step"] == 7 and not all(map(lambda v: v == v and abs(v) < float("inf"),
+                                             (last["loss"], last["grad_norm"])))
+
+
+BAD_INPUTS = [
+    (["--preset", "huge"], "invalid choice"),
+    (["--residual", "dense"], "invalid choice"),
+    (["--depth", "0"], "--depth must be positive"),
+    (["--width", "-4"], "--width must be positive"),
+    (["--width", "30", "--heads", "4"], "not divisible by --heads"),
+    (["--batch-size", "6", "--micro-batch-size", "4"], "not divisible by --micro-batch-size"),
+    (["--data", "/nonexistent/*.json.gz"], "matches no file"),
+    (["--steps", "ten"], "invalid int value"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS)
+def test_bad_input_gives_one_line_and_exit_2_and_writes_nothing(tmp_path, args, message):
+    code, stdout, stderr = trainer(tmp_path, *args)
+    assert code == 2
+    assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_over_a_different_model_is_refused(tmp_path):
+    assert trainer(tmp_path, "--residual", "hc", "--steps", "10")[0] == 0
+    code, _, stderr = trainer(tmp_path, "--residual", "hc", "--steps", "10", "--width", "32", "--run-name",
+                              "hc_d2_s42")
+    assert code == 2 and "width=16" in stderr and "width=32" in stderr
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    assert trainer(tmp_path, "--residual", "mhc", "--steps", "20", "--ckpt-every", "10")[0] == 0
+    run = tmp_path / "mhc_d2_s42"
+    model_file = run / "checkpoints" / "step-20" / "model.pt"
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    code, stdout, stderr = trainer(tmp_path, "--residual", "mhc", "--steps", "30", "--ckpt-every", "10")
+    assert code == 0, stderr
+    assert "step-20 has a corrupted model.pt" in stdout and "resumed from" in stdout and "step 10" in stdout
+
+
+def test_malformed_lines_are_skipped_and_counted(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = [json.dumps({"text": f"document {i} " * 20, "timestamp": "2019-04-25T12:00:00Z", "url": f"u{i}"})
+             for i in range(200)]
+    lines[5], lines[9], lines[11] = "{not json", json.dumps({"url": "no text"}), json.dumps({"text": "  "})
+    for name in ("c4-train.00000-of-00001.json.gz", "c4-validation.00000-of-00001.json.gz"):
+        with gzip.open(data / name, "wt") as f:
+            f.write("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    code, stdout, stderr = trainer(out, "--data", str(data / "*.json.gz"), "--shuffle-buffer", "4")
+    assert code == 0, stderr
+    assert "3 malformed or empty lines skipped" in stdout
+
+
+def test_gpt2_tokenizer_is_the_real_one_offline():
+    tokenizer = T.GPT2Tokenizer()
+    assert tokenizer.encode_batch(["hello world"]) == [[31373, 995]]
+    assert tokenizer.eot == 50256
+
+
+def test_sample_corpus_streams_and_resumes_exactly():
+    train_files, _ = T.resolve_data_files("sample")
+
+    def fresh():
+        stream = T.DocumentStream(train_files, rank=0, world=1, seed=7, buffer_size=16)
+        return T.TokenBatches(stream, T.ByteTokenizer(), seq_len=64, batch=4)
+
+    reference = fresh()
+    expected = [reference.next_batch()[0] for _ in range(30)]
+    loader = fresh()
+    seen = [loader.next_batch()[0] for _ in range(10)]
+    for _ in range(2):                                       # a second resume must be exact too
+        state = loader.state_dict()
+        loader = fresh()
+        loader.load_state_dict(state)
+        seen += [loader.next_batch()[0] for _ in range(10)]
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected))
+
+
+def test_data_seed_changes_the_order_and_model_seed_does_not():
+    train_files, _ = T.resolve_data_files("sample")
+
+    def first_batch(data_seed):
+        stream = T.DocumentStream(train_files, rank=0, world=1, seed=data_seed, buffer_size=16)
+        return T.TokenBatches(stream, T.ByteTokenizer(), seq_len=64, batch=2).next_batch()[0]
+
+    assert torch.equal(first_batch(1), first_batch(1))
+    assert not torch.equal(first_batch(1), first_batch(2))
