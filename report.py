@@ -1,0 +1,1040 @@
+#!/usr/bin/env python3
+"""Results table, verdict and plots for a matrix of train_c4.py runs.
+
+    python report.py [RUNS_DIR] [--out RUNS_DIR/report] [--heatmap-run NAME] [--no-plots]
+
+Reads every run folder under RUNS_DIR (a folder with config.json, or with metrics.jsonl and
+status.json), tolerating the half-written last line of a running job, and writes to --out:
+results.md (table, verdict, per-run table, plots), results.csv (one row per method x depth),
+runs.csv (one row per run) and four PNG plots. The table and the verdict are printed too.
+Exit 0 on success, 2 when no runs are found or the arguments are wrong.
+
+Sections, in order: config/CLI -> reading -> aggregation -> table -> verdict -> plots -> main.
+Importing this module has no side effects (matplotlib is imported only when plotting).
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import csv
+import io
+import json
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+# --- config / CLI: constants every later section reads ------------------------------------------
+
+METHOD_ORDER = ("baseline", "hc", "mhc")
+METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC"}
+METHOD_STYLE = {"baseline": {"color": "0.15", "ls": (0, (4, 3)), "lw": 1.4, "zorder": 4},   # dashed, on top:
+                "hc": {"color": "tab:red", "ls": "-", "lw": 1.6, "zorder": 3},             # it coincides
+                "mhc": {"color": "tab:blue", "ls": "-", "lw": 2.6, "zorder": 2}}           # with mHC at 1
+THRESHOLDS = (10.0, 100.0)      # composite gain levels whose first crossing step is reported
+FLAT = 0.05                     # the verdict calls gains within 1 ± FLAT "stayed within", else peaks
+GAP_S = 900.0                   # a longer pause between two log lines is downtime, not wall time
+PLOT_POINTS = 400               # longer curves are cut into this many step bins before plotting
+GRAD_POINTS = 200               # fewer for the gradient norm, whose spikes would otherwise crowd
+RUN_NAME = re.compile(r"^(?P<method>[A-Za-z]+)_d(?P<depth>\d+)_s(?P<seed>\d+)$")
+SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
+               "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd")
+LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd")
+
+
+class ReportError(Exception):
+    """An expected problem (no runs, unknown run name): one line for the user, exit 2."""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="Summarize a folder of train_c4.py runs: results table, verdict and plots.")
+    p.add_argument("runs_dir", nargs="?", default="runs", type=Path,
+                   help="folder holding the run folders (searched recursively; default: runs)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where results.md, the CSV files and the plots go (default: RUNS_DIR/report)")
+    p.add_argument("--heatmap-run", default=None, metavar="NAME",
+                   help="run folder name for the single-layer gain heatmap "
+                        "(default: the HC run with the largest peak amax_fwd)")
+    p.add_argument("--no-plots", action="store_true",
+                   help="write the table and verdict only (a quick look while jobs run)")
+    return p.parse_args(argv)
+
+
+def warn(msg):
+    print(f"report: warning: {msg}", file=sys.stderr)
+
+
+# --- reading: one streaming pass over each metrics.jsonl, keeping only what is reported ---------
+
+class Series:
+    """Steps and values of one metric in log order (steps ascending)."""
+    __slots__ = ("steps", "values")
+
+    def __init__(self):
+        self.steps, self.values = [], []
+
+    def add(self, step, value):
+        self.steps.append(step)
+        self.values.append(value)
+
+    def rewind(self, step):
+        """Forget everything logged at or after `step` (a resumed run logs those steps again)."""
+        i = bisect.bisect_left(self.steps, step)
+        del self.steps[i:], self.values[i:]
+
+    def arrays(self):
+        return np.asarray(self.steps, dtype=np.int64), np.asarray(self.values, dtype=np.float64)
+
+    def __len__(self):
+        return len(self.steps)
+
+
+class WallClock:
+    """Active wall time: the sum of spans between consecutive log lines, leaving out restarts
+    (the step went backwards) and pauses longer than GAP_S (a job waiting in the queue)."""
+
+    def __init__(self):
+        self.total, self.last = 0.0, None
+
+    def tick(self, t):
+        if t is None or not math.isfinite(t):
+            return
+        if self.last is not None and 0.0 < t - self.last <= GAP_S:
+            self.total += t - self.last
+        self.last = t if self.last is None else max(t, self.last)
+
+    def restart(self):
+        self.last = None
+
+
+@dataclass
+class Run:
+    """One run folder as read from disk: identity, settings, status and the kept series."""
+    name: str
+    path: Path
+    method: str
+    depth: int
+    seed: int | None
+    config: dict
+    status: dict
+    series: dict                 # SCALAR_KEYS -> Series of floats (NaN where null/NaN was logged)
+    layers: dict                 # LAYER_KEYS -> Series of float32 arrays, one value per sublayer
+    tokens: float = math.nan
+    wall_s: float = 0.0
+    last_step: int | None = None
+    bad_lines: int = 0           # unreadable lines other than a half-written last one
+
+
+def settings(config):
+    """The resolved settings inside config.json ({} when missing or malformed)."""
+    cfg = (config or {}).get("config")
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _num(v):
+    """A metrics value as float: null, strings and other junk become NaN; bools become 0/1."""
+    if isinstance(v, (int, float)):
+        return float(v)
+    return math.nan
+
+
+def _timestamp(v):
+    """status.json's `updated`: unix seconds or an ISO-8601 string."""
+    if isinstance(v, str):
+        try:
+            return datetime.fromisoformat(v).timestamp()
+        except ValueError:
+            return None
+    return _num(v)
+
+
+def read_json(path):
+    """A JSON object from a small file, or None (missing, half-written, not an object)."""
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        warn(f"cannot read {path}: {e}")
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_metrics(path, run):
+    """Parse metrics.jsonl once, line by line, into run.series / run.layers / run.tokens."""
+    clock = WallClock()
+    last_step, bad, last_bad = -1, 0, False
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                step = int(rec["step"])
+            except (ValueError, KeyError, TypeError, IndexError):
+                if line.strip():
+                    bad, last_bad = bad + 1, True
+                continue
+            last_bad = False
+            if step < last_step:            # resumed from an earlier checkpoint: newer log wins
+                for s in run.series.values():
+                    s.rewind(step)
+                for s in run.layers.values():
+                    s.rewind(step)
+                clock.restart()
+            last_step = step
+            clock.tick(_num(rec.get("time")))
+            _keep(rec, step, run)
+    run.bad_lines = bad - last_bad
+    run.last_step = last_step if last_step >= 0 else None
+    return clock
+
+
+def _keep(rec, step, run):
+    """Copy the reported keys of one metrics line (any mix of training/eval/probe keys)."""
+    for key in SCALAR_KEYS:
+        if key in rec:
+            run.series[key].add(step, _num(rec[key]))
+    for key in LAYER_KEYS:
+        v = rec.get(key)
+        if isinstance(v, list) and v:
+            try:
+                run.layers[key].add(step, np.asarray(v, dtype=np.float32))
+            except (TypeError, ValueError):
+                pass
+    if "tokens" in rec:
+        run.tokens = _num(rec["tokens"])
+
+
+def identify(folder, config):
+    """(method, depth, seed) from config.json, else from a run name like hc_d48_s123."""
+    cfg = settings(config)
+    m = RUN_NAME.match(folder.name)
+    method = cfg.get("residual") or (m and m["method"])
+    depth = cfg.get("depth") if cfg.get("depth") is not None else (m and m["depth"])
+    seed = cfg.get("seed") if cfg.get("seed") is not None else (m and m["seed"])
+    if not method:
+        return None
+    try:
+        return str(method).lower(), int(depth), (None if seed is None else int(seed))
+    except (TypeError, ValueError):
+        return None
+
+
+def load_run(folder):
+    """Read one run folder; None (with a warning) when its method or depth cannot be told."""
+    config = read_json(folder / "config.json")
+    ident = identify(folder, config)
+    if ident is None:
+        warn(f"{folder}: no residual/depth in config.json and the name is not like hc_d48_s123; skipped")
+        return None
+    run = Run(folder.name, folder, *ident, config=config or {},
+              status=read_json(folder / "status.json") or {},
+              series={k: Series() for k in SCALAR_KEYS}, layers={k: Series() for k in LAYER_KEYS})
+    clock = WallClock()
+    try:
+        clock = read_metrics(folder / "metrics.jsonl", run)
+    except FileNotFoundError:
+        pass                                     # not started logging yet
+    except OSError as e:
+        warn(f"cannot read {folder / 'metrics.jsonl'}: {e}")
+    clock.tick(_timestamp(run.status.get("updated")))
+    run.wall_s = clock.total
+    if run.bad_lines:
+        warn(f"{folder}: skipped {run.bad_lines} unreadable metrics line(s)")
+    return run
+
+
+def find_run_dirs(root):
+    """Run folders under root (root included), sorted; a run folder's own subfolders are not searched."""
+    found = []
+    for here, dirs, files in os.walk(root):
+        if "config.json" in files or {"metrics.jsonl", "status.json"} <= set(files):
+            found.append(Path(here))
+            dirs[:] = []
+        else:
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    return sorted(found)
+
+
+def load_runs(root):
+    return [r for r in map(load_run, find_run_dirs(Path(root))) if r is not None]
+
+
+# --- aggregation: one summary per run, then one row per method x depth ---------------------------
+
+@dataclass
+class RunSummary:
+    """The per-run numbers of the table. NaN = not logged; first_above[t] None = never reached."""
+    name: str
+    method: str
+    depth: int
+    seed: int | None
+    state: str
+    step: int | None
+    final_loss: float
+    best_val: float
+    final_val: float
+    peak_fwd: float
+    peak_bwd: float
+    peak_l0_fwd: float
+    peak_l0_bwd: float
+    max_dev: float               # largest |amax - 1| over both composites and all probe steps
+    first_above: dict            # threshold -> first probe step with max(amax_fwd, amax_bwd) > it
+    peak_grad_norm: float
+    clip_share: float            # clipped steps / training steps with a `clipped` value
+    tokens: float
+    wall_s: float
+    n_gpus: int
+    gpu_hours: float
+    has_probe: bool
+    has_layers: bool
+
+
+def _peak(values):
+    """Largest non-NaN value (inf counts: a diverged probe is a finding), NaN when none."""
+    v = values[~np.isnan(values)]
+    return float(v.max()) if v.size else math.nan
+
+
+def _last(values):
+    return float(values[-1]) if values.size else math.nan
+
+
+def first_above(steps, values, threshold):
+    """First step whose value exceeds threshold (strictly; NaN never does), None if never."""
+    hit = np.flatnonzero(values > threshold)
+    return int(steps[hit[0]]) if hit.size else None
+
+
+def first_above_either(fwd, bwd, threshold):
+    """First step where amax_fwd or amax_bwd exceeded threshold, None if neither did."""
+    hits = [h for h in (first_above(*fwd, threshold), first_above(*bwd, threshold)) if h is not None]
+    return min(hits, default=None)
+
+
+def gpu_count(config):
+    """GPUs a run held: config world_size, or 0 for a CPU run (device 'cpu', in config.json's top
+    level as train_c4.py writes it, or among the settings)."""
+    cfg = settings(config)
+    if str(config.get("device") or cfg.get("device") or "").lower().startswith("cpu"):
+        return 0
+    ws = config.get("world_size", cfg.get("world_size", 1))
+    return int(ws) if isinstance(ws, (int, float)) and ws > 0 else 1
+
+
+def summarize(run):
+    s = {k: run.series[k].arrays() for k in SCALAR_KEYS}
+    fwd, bwd = s["amax_fwd"][1], s["amax_bwd"][1]
+    dev = np.abs(np.concatenate([fwd, bwd]) - 1.0)
+    clipped = s["clipped"][1]
+    clipped = clipped[~np.isnan(clipped)]
+    val = s["val_loss"][1]
+    n_gpus = gpu_count(run.config)
+    status_step = run.status.get("step")
+    step = max([x for x in (run.last_step, status_step) if isinstance(x, (int, float))], default=None)
+    return RunSummary(
+        name=run.name, method=run.method, depth=run.depth, seed=run.seed,
+        state=str(run.status.get("state", "unknown")), step=None if step is None else int(step),
+        final_loss=_last(s["loss"][1]),
+        best_val=float(np.nanmin(val)) if np.isfinite(val).any() else math.nan,
+        final_val=_last(val),
+        peak_fwd=_peak(fwd), peak_bwd=_peak(bwd),
+        peak_l0_fwd=_peak(s["amax_l0_fwd"][1]), peak_l0_bwd=_peak(s["amax_l0_bwd"][1]),
+        max_dev=_peak(dev),
+        first_above={t: first_above_either(s["amax_fwd"], s["amax_bwd"], t) for t in THRESHOLDS},
+        peak_grad_norm=_peak(s["grad_norm"][1]),
+        clip_share=float(clipped.mean()) if clipped.size else math.nan,
+        tokens=run.tokens, wall_s=run.wall_s, n_gpus=n_gpus, gpu_hours=run.wall_s / 3600 * n_gpus,
+        has_probe=fwd.size > 0, has_layers=len(run.layers["layer_gain_fwd"]) > 0)
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and sample standard deviation (ddof=1) over seeds; std is NaN with one seed."""
+    mean: float
+    std: float
+    n: int
+
+    @classmethod
+    def of(cls, values, finite_only=False):
+        v = np.asarray(values, dtype=np.float64)
+        v = v[np.isfinite(v)] if finite_only else v[~np.isnan(v)]
+        if v.size == 0:
+            return cls(math.nan, math.nan, 0)
+        with np.errstate(invalid="ignore"):
+            std = float(np.std(v, ddof=1)) if v.size > 1 else math.nan
+        return cls(float(np.mean(v)), std, int(v.size))
+
+
+FINAL_FIELDS = ("final_loss", "final_val")    # a diverged run has no final loss: left out of the mean
+STAT_FIELDS = {  # RunSummary field -> finite_only (losses drop a diverged run's NaN/inf)
+    "final_loss": True, "best_val": True, "final_val": True, "peak_fwd": False, "peak_bwd": False,
+    "peak_l0_fwd": False, "peak_l0_bwd": False, "peak_grad_norm": False, "clip_share": True,
+    "tokens": True}
+
+
+@dataclass
+class Row:
+    """One method x depth: its runs (sorted by seed) and the statistics over them."""
+    method: str
+    depth: int
+    runs: list
+    stats: dict = field(default_factory=dict)     # STAT_FIELDS name -> Stat, plus "wall_h"
+
+    @property
+    def done(self):
+        return sum(r.state == "completed" for r in self.runs)
+
+    @property
+    def diverged(self):
+        return [r for r in self.runs if r.state == "diverged"]
+
+    @property
+    def gpu_hours(self):
+        return sum(r.gpu_hours for r in self.runs)
+
+    @property
+    def cpu_only(self):
+        return all(r.n_gpus == 0 for r in self.runs)
+
+
+def method_key(method):
+    return (METHOD_ORDER.index(method), "") if method in METHOD_ORDER else (len(METHOD_ORDER), method)
+
+
+def aggregate(summaries):
+    """Rows sorted by depth then method (baseline, HC, mHC, others)."""
+    groups = {}
+    for s in summaries:
+        groups.setdefault((s.depth, s.method), []).append(s)
+    rows = []
+    for depth, method in sorted(groups, key=lambda k: (k[0], method_key(k[1]))):
+        runs = sorted(groups[depth, method], key=lambda r: (r.seed is None, r.seed or 0, r.name))
+        stats = {f: Stat.of([math.nan if f in FINAL_FIELDS and r.state == "diverged" else getattr(r, f)
+                             for r in runs], fin) for f, fin in STAT_FIELDS.items()}
+        stats["wall_h"] = Stat.of([r.wall_s / 3600 for r in runs])
+        rows.append(Row(method, depth, runs, stats))
+    return rows
+
+
+def collect(runs_dir):
+    """The aggregated rows of a runs folder (for tests and notebooks)."""
+    return aggregate([summarize(r) for r in load_runs(runs_dir)])
+
+
+# --- table: markdown for results.md and the terminal, CSV for machines ---------------------------
+
+def fmt_gain(x, ref=None):
+    """Gains and gradient norms: 3,721 / 412 / 12.3 / 1.000; decimals follow `ref` when given
+    (a std is printed to the decimals of its mean: 1,489 ± 57)."""
+    if x is None or math.isnan(x):
+        return "–"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    a = abs(x if ref is None or not math.isfinite(ref) else ref)
+    return f"{x:,.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.3f}"
+
+
+def fmt_loss(x, ref=None):
+    return "–" if math.isnan(x) else "inf" if math.isinf(x) else f"{x:.3f}"
+
+
+def fmt_pct(x, ref=None):
+    return "–" if math.isnan(x) else f"{100 * x:.1f}%"
+
+
+def fmt_tokens(x, ref=None):
+    if math.isnan(x):
+        return "–"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def fmt_hours(x, ref=None):
+    return "–" if math.isnan(x) else f"{x:.2f}"
+
+
+def fmt_step(step):
+    return "never" if step is None else f"{step:,}"
+
+
+def fmt_stat(stat, fmt, total, with_std=True):
+    """'mean ± std', '± –' for one seed, '(n=k)' when fewer than all seeds had a value;
+    just 'inf' when a seed's value was infinite (the per-run table says which)."""
+    if stat.n == 0:
+        return "–"
+    if math.isinf(stat.mean) or not with_std:
+        text = fmt(stat.mean)
+    else:
+        text = f"{fmt(stat.mean)} ± {fmt(stat.std, stat.mean) if stat.n > 1 else '–'}"
+    return text if stat.n == total else f"{text} (n={stat.n})"
+
+
+def per_seed(row, fn):
+    return " / ".join(fn(r) for r in row.runs)
+
+
+def crossing(threshold):
+    return lambda r: fmt_step(r.first_above[threshold]) if r.has_probe else "–"
+
+
+def fmt_diverged(row):
+    d = row.diverged
+    return "0" if not d else f"{len(d)}: " + ", ".join(f"s{r.seed}@{fmt_step(r.step)}" for r in d)
+
+
+def table_columns():
+    """(header, cell(row) -> str) for the main table, in display order."""
+    def st(name, fmt, with_std=True):
+        return lambda row: fmt_stat(row.stats[name], fmt, len(row.runs), with_std)
+    return [
+        ("method", lambda row: METHOD_LABEL.get(row.method, row.method)),
+        ("depth", lambda row: str(row.depth)),
+        ("seeds done/total", lambda row: f"{row.done}/{len(row.runs)}"),
+        ("final train loss", st("final_loss", fmt_loss)),
+        ("best val loss", st("best_val", fmt_loss)),
+        ("final val loss", st("final_val", fmt_loss)),
+        ("peak amax_fwd", st("peak_fwd", fmt_gain)),
+        ("peak amax_bwd", st("peak_bwd", fmt_gain)),
+        ("amax_fwd per seed", lambda row: per_seed(row, lambda r: fmt_gain(r.peak_fwd))),
+        ("amax_bwd per seed", lambda row: per_seed(row, lambda r: fmt_gain(r.peak_bwd))),
+        *[(f"first >{t:g}× step (per seed)", lambda row, t=t: per_seed(row, crossing(t)))
+          for t in THRESHOLDS],
+        ("peak amax_l0_fwd", st("peak_l0_fwd", fmt_gain)),
+        ("peak amax_l0_bwd", st("peak_l0_bwd", fmt_gain)),
+        ("peak grad norm (pre-clip)", st("peak_grad_norm", fmt_gain)),
+        ("clipped steps", st("clip_share", fmt_pct)),
+        ("diverged", fmt_diverged),
+        ("tokens/run", st("tokens", fmt_tokens, with_std=False)),
+        ("wall h/run", st("wall_h", fmt_hours)),
+        ("GPU-h total", lambda row: "cpu" if row.cpu_only else f"{row.gpu_hours:.2f}"),
+    ]
+
+
+def run_columns():
+    """(header, cell(summary) -> str) for the per-run table."""
+    return [
+        ("run", lambda r: r.name), ("state", lambda r: r.state), ("step", lambda r: fmt_step(r.step)),
+        ("final loss", lambda r: fmt_loss(r.final_loss)), ("best val", lambda r: fmt_loss(r.best_val)),
+        ("final val", lambda r: fmt_loss(r.final_val)),
+        ("peak amax_fwd", lambda r: fmt_gain(r.peak_fwd)), ("peak amax_bwd", lambda r: fmt_gain(r.peak_bwd)),
+        *[(f"first >{t:g}×", crossing(t)) for t in THRESHOLDS],
+        ("amax_l0 fwd", lambda r: fmt_gain(r.peak_l0_fwd)),
+        ("amax_l0 bwd", lambda r: fmt_gain(r.peak_l0_bwd)),
+        ("peak grad norm", lambda r: fmt_gain(r.peak_grad_norm)),
+        ("clipped", lambda r: fmt_pct(r.clip_share)),
+        ("tokens", lambda r: fmt_tokens(r.tokens)), ("wall h", lambda r: fmt_hours(r.wall_s / 3600)),
+        ("GPU-h", lambda r: "cpu" if r.n_gpus == 0 else f"{r.gpu_hours:.2f}"),
+    ]
+
+
+def markdown(columns, items):
+    head = [h for h, _ in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(cell(it) for _, cell in columns) + " |" for it in items]
+    return "\n".join(lines)
+
+
+TABLE_NOTES = f"""\
+- mean ± std over seeds; std is the sample standard deviation (ddof=1), "–" with a single seed.
+  "(n=k)": only k seeds had a (finite) value. Final = the last value logged (a running run
+  contributes its latest); diverged runs are left out of the final losses but not of best val loss.
+- seeds done/total: runs with status "completed" / run folders found.
+- amax = composite Amax gain (paper definition, max over sublayers); peaks are over all probe steps.
+  "per seed" lists are in seed order. first >10× / >100× step: the first probe step where
+  max(amax_fwd, amax_bwd) exceeded the level, per seed; "never" = not reached in the steps logged so far.
+- peak grad norm and clipped steps (the share of training lines with `clipped` true) are over
+  the training steps logged (every step, or every --metrics-every).
+- tokens/run (mean) and wall h/run (mean ± std) are per run; GPU-h total = sum over runs of
+  wall time × GPUs (config world_size; "cpu" for runs with device cpu, counted as 0).
+  Wall time = time between metrics lines, leaving out restarts and pauses over {GAP_S / 60:g} min,
+  extended to status.json `updated`."""
+
+
+def csv_rows(rows):
+    """Numeric columns for results.csv: *_mean, *_std, *_n per statistic, per-seed lists joined by ';'."""
+    out = []
+    for row in rows:
+        d = {"method": row.method, "depth": row.depth, "seeds_done": row.done, "seeds_total": len(row.runs),
+             "seeds": ";".join(str(r.seed) for r in row.runs)}
+        for name, st in row.stats.items():
+            d.update({f"{name}_mean": st.mean, f"{name}_std": st.std, f"{name}_n": st.n})
+        d["peak_fwd_per_seed"] = ";".join(repr(r.peak_fwd) for r in row.runs)
+        d["peak_bwd_per_seed"] = ";".join(repr(r.peak_bwd) for r in row.runs)
+        for t in THRESHOLDS:
+            d[f"first_above_{t:g}_per_seed"] = ";".join(
+                "never" if r.first_above[t] is None else str(r.first_above[t]) for r in row.runs)
+        d.update(diverged=len(row.diverged), gpu_hours=row.gpu_hours, cpu_only=row.cpu_only)
+        out.append(d)
+    return out
+
+
+def run_csv_rows(summaries):
+    out = []
+    for s in summaries:
+        d = {k: v for k, v in vars(s).items() if k != "first_above"}
+        d.update({f"first_above_{t:g}": v for t, v in s.first_above.items()})
+        out.append(d)
+    return out
+
+
+def write_csv(path, dicts):
+    if not dicts:
+        return
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dicts[0]))
+        w.writeheader()
+        w.writerows(dicts)
+
+
+# --- verdict: one paragraph per depth, stated only from the numbers above ------------------------
+
+def _spread(stat):
+    """How a mean over seeds was formed, for the verdict."""
+    if math.isinf(stat.mean):
+        return f"non-finite in at least one of {_seeds(stat.n)}"
+    if stat.n == 1:
+        return "1 seed"
+    return f"mean of {_seeds(stat.n)}, ± {fmt_gain(stat.std, stat.mean)} sample std"
+
+
+def _seeds(n):
+    return f"{n} seed{'s' if n != 1 else ''}"
+
+
+def _progress(row):
+    states = {}
+    for r in row.runs:
+        states[r.state] = states.get(r.state, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+
+
+def fmt_dev(x):
+    """A small deviation from 1 with two significant digits: 0.0012, 3.4e-07, 0."""
+    return "0" if x == 0 else f"{x:.2g}"
+
+
+def _crossed(row, threshold):
+    if all(r.first_above[threshold] is None for r in row.runs if r.has_probe):
+        return f"never above {threshold:g}×"
+    return f"first above {threshold:g}× at step {per_seed(row, crossing(threshold))} (per seed)"
+
+
+def verdict_gain(row):
+    """One sentence about a method's composite gains at one depth."""
+    name = METHOD_LABEL.get(row.method, row.method)
+    probed = [r for r in row.runs if r.has_probe]
+    if not probed:
+        return f"{name}: {_seeds(len(row.runs))} ({_progress(row)}) but no probe lines yet."
+    dev = max(r.max_dev for r in probed)
+    if row.method == "baseline" and dev < 1e-6:
+        return (f"baseline: 1 by definition (logged composite gains within 1 ± {fmt_dev(dev)}, "
+                f"{_seeds(len(probed))}).")
+    if row.method == "baseline":
+        return (f"baseline: logged composite gains up to {fmt_dev(dev)} away from 1 "
+                "(expected exactly 1; check the probe).")
+    fwd, bwd = row.stats["peak_fwd"], row.stats["peak_bwd"]
+    if dev < FLAT:
+        return (f"{name}: composite gains stayed within 1 ± {fmt_dev(dev)} (forward and backward, "
+                f"all probe steps, {_seeds(len(probed))}; {_progress(row)}).")
+    cross = "; ".join(_crossed(row, t) for t in THRESHOLDS)
+    top = max(probed, key=lambda r: -math.inf if math.isnan(r.peak_fwd) else r.peak_fwd)
+    return (f"{name}: composite forward gain peaked at {fmt_gain(fwd.mean)}× ({_spread(fwd)}; "
+            f"highest {fmt_gain(top.peak_fwd)}× in seed {top.seed}), backward {fmt_gain(bwd.mean)}× "
+            f"({_spread(bwd)}); {cross}; {_progress(row)}.")
+
+
+def verdict_loss(rows):
+    parts = [f"{METHOD_LABEL.get(r.method, r.method)} {fmt_stat(r.stats['final_val'], fmt_loss, len(r.runs))}"
+             for r in rows if r.stats["final_val"].n]
+    return f"Final val loss (mean ± sample std): {', '.join(parts)}." if parts else "No val loss logged yet."
+
+
+def verdict(rows):
+    """Markdown lines, one paragraph per depth; missing methods are said, not guessed."""
+    lines = []
+    for depth in sorted({r.depth for r in rows}):
+        at = [r for r in rows if r.depth == depth]
+        have = {r.method for r in at}
+        parts = [verdict_gain(r) for r in at]
+        parts += [f"No {METHOD_LABEL[m]} runs at depth {depth}." for m in METHOD_ORDER if m not in have]
+        div = [f"{len(r.diverged)} of {len(r.runs)} {METHOD_LABEL.get(r.method, r.method)} runs diverged"
+               for r in at if r.diverged]
+        if div:
+            parts.append("; ".join(div) + ".")
+        parts.append(verdict_loss(at))
+        lines.append(f"**depth {depth}**: " + " ".join(parts))
+    return lines
+
+
+# --- plots: matplotlib's object API on the Agg canvas (no pyplot, no global state) --------------
+
+@dataclass
+class Band:
+    """Seeds' curves on one step grid: line = mean over seeds of each seed's bin mean;
+    seed band = min/max over seeds of those bin means; full band = min/max of every value in the bin."""
+    x: np.ndarray
+    line: np.ndarray
+    seed_lo: np.ndarray
+    seed_hi: np.ndarray
+    full_lo: np.ndarray
+    full_hi: np.ndarray
+
+
+def bin_curves(curves, points=PLOT_POINTS, geometric=False):
+    """Band of seeds' (steps, values), or None. With more than `points` distinct steps the steps
+    are cut into `points` equal bins; otherwise every distinct step is its own bin. Non-finite
+    values are skipped; `geometric` averages in log space (for values spanning decades)."""
+    curves = [(s, np.log(np.where(v > 0, v, np.nan)) if geometric else v) for s, v in curves if s.size]
+    if not curves:
+        return None
+    steps = np.unique(np.concatenate([s for s, _ in curves]))
+    if steps.size <= points:
+        x, locate = steps.astype(np.float64), (lambda s: np.searchsorted(steps, s))
+    else:
+        edges = np.linspace(steps[0], steps[-1], points + 1)
+        x = (edges[:-1] + edges[1:]) / 2
+        locate = lambda s: np.clip(np.searchsorted(edges, s, side="right") - 1, 0, points - 1)  # noqa: E731
+    mean, lo, hi = (np.stack(a) for a in zip(*[_reduce_bins(locate(s), v, x.size) for s, v in curves]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)          # bins that no seed reached
+        stats = [np.nanmean(mean, 0), np.nanmin(mean, 0), np.nanmax(mean, 0),
+                 np.nanmin(lo, 0), np.nanmax(hi, 0)]
+    return Band(x, *(np.exp(a) if geometric else a for a in stats))
+
+
+def _reduce_bins(bins, values, n):
+    """Per-bin mean, min and max of one seed (NaN for empty bins)."""
+    ok = np.isfinite(values)
+    bins, values = bins[ok], values[ok]
+    count = np.bincount(bins, minlength=n).astype(np.float64)
+    count[count == 0] = np.nan
+    lo, hi = np.full(n, np.inf), np.full(n, -np.inf)
+    np.minimum.at(lo, bins, values)
+    np.maximum.at(hi, bins, values)
+    lo[np.isinf(lo)], hi[np.isinf(hi)] = np.nan, np.nan
+    return np.bincount(bins, weights=values, minlength=n) / count, lo, hi
+
+
+def group_runs(runs):
+    """{depth: {method: [runs]}} in display order."""
+    out = {}
+    for r in sorted(runs, key=lambda r: (r.depth, method_key(r.method), r.seed or 0)):
+        out.setdefault(r.depth, {}).setdefault(r.method, []).append(r)
+    return out
+
+
+def new_figure(n_rows, n_cols, height=3.3, width=6.2):
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width * n_cols, height * n_rows + 0.5), layout="constrained", dpi=110)
+    return fig, fig.subplots(n_rows, n_cols, squeeze=False)
+
+
+def style_of(method):
+    return METHOD_STYLE.get(method, {"color": "tab:green", "ls": "-", "lw": 1.6, "zorder": 2})
+
+
+def draw_method(ax, method, runs, key, points=PLOT_POINTS, geometric=False, envelope=False):
+    """One method's mean line on ax with its seed min–max band, or with a thin line through the
+    largest value of each bin (`envelope`, for spikes); an X where a run diverged.
+    Returns the plotted arrays (for axis scaling)."""
+    band = bin_curves([r.series[key].arrays() for r in runs], points, geometric)
+    if band is None or not np.isfinite(band.line).any():
+        return []
+    style = style_of(method)
+    ok = np.isfinite(band.line)
+    label = f"{METHOD_LABEL.get(method, method)} ({_seeds(len(runs))})"
+    ax.plot(band.x[ok], band.line[ok], label=label, **style)
+    if envelope:
+        ax.plot(band.x[ok], band.full_hi[ok], color=style["color"], lw=0.7, alpha=0.75, zorder=1)
+        plotted = [band.line[ok], band.full_lo[ok], band.full_hi[ok]]
+    else:
+        plotted = [band.line[ok], band.seed_lo[ok], band.seed_hi[ok]]
+        if len(runs) > 1:
+            ax.fill_between(band.x[ok], plotted[1], plotted[2], color=style["color"], alpha=0.18, lw=0,
+                            zorder=style["zorder"] - 1)
+    mark_diverged(ax, method, runs, key)
+    return plotted
+
+
+def mark_diverged(ax, method, runs, key):
+    """An X at the last finite value of each diverged run, so a stopped line is not misread."""
+    pts = []
+    for r in runs:
+        s, v = r.series[key].arrays()
+        ok = np.flatnonzero(np.isfinite(v))
+        if r.status.get("state") == "diverged" and ok.size:
+            pts.append((s[ok[-1]], v[ok[-1]], r.seed))
+    if pts:
+        xs, ys, seeds = zip(*pts)
+        label = f"{METHOD_LABEL.get(method, method)} diverged (seed {', '.join(map(str, seeds))})"
+        ax.plot(xs, ys, ls="none", marker="X", ms=9, mec="black", mew=0.8, color=style_of(method)["color"],
+                zorder=5, label=label)
+
+
+def plot_panel(ax, by_method, key, title, legend_outside=False, **kw):
+    """All methods of one depth on one axis; returns the plotted arrays (empty if none)."""
+    plotted = []
+    for method, runs in by_method.items():
+        plotted += draw_method(ax, method, runs, key, **kw)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(True, which="major", alpha=0.3)
+    if plotted and legend_outside:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    elif plotted:
+        ax.legend(fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="0.5")
+    return plotted
+
+
+def scale_y(ax, values, spread):
+    """Log y when the plotted values span more than `spread`×; else linear, at least ±2 % tall."""
+    v = np.concatenate([np.ravel(a) for a in values]) if values else np.array([])
+    v = v[np.isfinite(v)]
+    if v.size and v.min() > 0 and v.max() / v.min() > spread:
+        ax.set_yscale("log")
+        return True
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    if v.size and v.max() - v.min() < 0.04 * abs(v.mean()):
+        mid = (v.max() + v.min()) / 2
+        ax.set_ylim(mid - 0.02 * abs(mid) - 1e-9, mid + 0.02 * abs(mid) + 1e-9)
+    return False
+
+
+def mark_level(ax, y, text, values):
+    """A dotted horizontal reference line (threshold, clip value) when it lies inside the data."""
+    top = max((float(np.nanmax(v)) for v in values if v.size), default=0.0)
+    if y < top:
+        ax.axhline(y, color="0.45", lw=0.8, ls=":", zorder=1)
+        ax.annotate(text, (0.005, y), xycoords=("axes fraction", "data"), fontsize=8, color="0.35",
+                    va="bottom")
+
+
+def plot_amax(runs, path):
+    groups = group_runs(runs)
+    fig, axes = new_figure(len(groups), 2)
+    for (depth, by_method), row in zip(groups.items(), axes):
+        for ax, key, what in zip(row, ("amax_fwd", "amax_bwd"), ("forward", "backward")):
+            vals = plot_panel(ax, by_method, key, f"depth {depth}: composite {what} gain ({key})")
+            ax.set_ylabel(f"{key} (×)")
+            if scale_y(ax, vals, spread=5.0):
+                for t in THRESHOLDS:
+                    mark_level(ax, t, f"{t:g}×", vals)
+    fig.suptitle("Composite Amax gain: line = mean over seeds, band = seed min–max "
+                 "(baseline is 1 by definition)", fontsize=11)
+    return save(fig, path)
+
+
+def plot_loss(runs, path):
+    groups = group_runs(runs)
+    fig, axes = new_figure(len(groups), 2)
+    for (depth, by_method), (ax_t, ax_v) in zip(groups.items(), axes):
+        focus_loss(ax_t, plot_panel(ax_t, by_method, "loss", f"depth {depth}: train loss"))
+        focus_loss(ax_v, plot_panel(ax_v, by_method, "val_loss", f"depth {depth}: validation loss"))
+        for ax in (ax_t, ax_v):
+            ax.set_ylabel("loss (nats/token)")
+    fig.suptitle(f"Loss: line = mean over seeds (train: averaged in {PLOT_POINTS} step bins), "
+                 "band = seed min–max; y axis zoomed past the first 10% of steps", fontsize=11)
+    return save(fig, path)
+
+
+def focus_loss(ax, values):
+    """Linear y zoomed on the part after the initial drop, where the methods differ."""
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    lows = [float(np.min(v)) for v in values[1::3] if v.size]             # band minima
+    tails = [float(np.max(v[len(v) // 10:])) for v in values[2::3] if v.size > 10]
+    if lows and tails and max(tails) > min(lows):
+        pad = 0.05 * (max(tails) - min(lows))
+        ax.set_ylim(min(lows) - pad, max(tails) + pad)
+
+
+def plot_grad_norm(runs, path):
+    groups = group_runs(runs)
+    fig, axes = new_figure(len(groups), 1, width=11.5)
+    for (depth, by_method), (ax,) in zip(groups.items(), axes):
+        vals = plot_panel(ax, by_method, "grad_norm", f"depth {depth}: pre-clip gradient norm",
+                          points=GRAD_POINTS, geometric=True, envelope=True, legend_outside=True)
+        ax.set_ylabel("grad norm (pre-clip)")
+        scale_y(ax, vals, spread=10.0)
+        clip = clip_value(by_method)
+        if clip:
+            mark_level(ax, clip, f"clip {clip:g}", vals)
+    fig.suptitle(f"Pre-clip gradient norm in {GRAD_POINTS} step bins: thick line = geometric mean "
+                 "(mean over seeds), thin line = largest value of any seed in the bin (spikes)", fontsize=11)
+    return save(fig, path)
+
+
+def clip_value(by_method):
+    clips = {settings(r.config).get("grad_clip") for rs in by_method.values() for r in rs}
+    clips = [c for c in clips if isinstance(c, (int, float)) and c > 0]
+    return clips[0] if len(clips) == 1 else None
+
+
+def pick_heatmap_run(runs, name=None):
+    """The named run, else the HC run with the largest peak amax_fwd that has layer lists,
+    else any run with layer lists (largest peak first); None when no run has them."""
+    if name is not None:
+        match = [r for r in runs if name in (r.name, settings(r.config).get("run_name"))]
+        if not match:
+            raise ReportError(f"--heatmap-run {name}: no such run (have: {', '.join(r.name for r in runs)})")
+        return match[0]
+    with_layers = [r for r in runs if any(len(s) for s in r.layers.values())]
+
+    def peak(r):
+        p = _peak(r.series["amax_fwd"].arrays()[1])
+        return -math.inf if math.isnan(p) else p
+    hc = [r for r in with_layers if r.method == "hc"]
+    return max(hc or with_layers, key=peak, default=None)
+
+
+def layer_matrix(series):
+    """(steps, matrix sublayer × step) of a layer-gain series, or None; rows of an odd length are dropped."""
+    if not len(series):
+        return None
+    lengths = [v.size for v in series.values]
+    n = max(set(lengths), key=lengths.count)
+    keep = [i for i, k in enumerate(lengths) if k == n]
+    steps = np.asarray([series.steps[i] for i in keep], dtype=np.float64)
+    return steps, np.stack([series.values[i] for i in keep], axis=1).astype(np.float64)
+
+
+def step_edges(steps):
+    if steps.size == 1:
+        return np.array([steps[0] - 0.5, steps[0] + 0.5])
+    mid = (steps[:-1] + steps[1:]) / 2
+    return np.concatenate([[2 * steps[0] - mid[0]], mid, [2 * steps[-1] - mid[-1]]])
+
+
+def gain_ticks(r):
+    """Colour-bar ticks for a log scale from 1/r to r: 1, then nice values and their reciprocals."""
+    nice = [t for t in (1.05, 1.1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 1e3, 1e4, 1e5, 1e6) if t <= r]
+    up = {min(nice, key=lambda t: abs(math.log(t / r ** f))) for f in (1 / 3, 2 / 3, 1)} if nice else {r}
+    return sorted({1.0, *up, *(1 / t for t in up)})
+
+
+def plot_heatmap(run, path):
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    mats = {k: layer_matrix(run.layers[k]) for k in LAYER_KEYS}
+    vals = np.concatenate([m[1].ravel() for m in mats.values() if m is not None])
+    vals = vals[np.isfinite(vals) & (vals > 0)]
+    r = max(vals.max(), 1 / vals.min(), 1.01) if vals.size else 1.01
+    norm = LogNorm(vmin=1 / r, vmax=r)          # symmetric around 1, so 1 is the white midpoint
+    fig, axes = new_figure(1, 2, height=min(8.0, 3.0 + 0.045 * 2 * run.depth), width=6.0)
+    mesh = None
+    for ax, key, what in zip(axes[0], LAYER_KEYS, ("forward: g_fwd(H_res_k)", "backward: g_bwd(H_res_k)")):
+        ax.set_title(what, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("sublayer k (even: attention, odd: MLP)")
+        if mats[key] is None:
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="0.5")
+            continue
+        steps, m = mats[key]
+        m = np.ma.masked_invalid(np.clip(m, 1 / r, r))
+        mesh = ax.pcolormesh(step_edges(steps), np.arange(m.shape[0] + 1) - 0.5, m, norm=norm, cmap="RdBu_r")
+    if mesh is not None:
+        bar = fig.colorbar(mesh, ax=axes[0].tolist(), shrink=0.9, aspect=30, pad=0.02,
+                           label="single-layer gain (×), log scale; 1 = neutral")
+        bar.ax.yaxis.set_major_locator(FixedLocator(gain_ticks(r)))
+        bar.ax.yaxis.set_minor_locator(NullLocator())
+        bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.4g}"))
+    fig.suptitle(f"Single-layer gains of {run.name} ({METHOD_LABEL.get(run.method, run.method)}, "
+                 f"depth {run.depth}, seed {run.seed}): red amplifies, blue attenuates", fontsize=11)
+    return save(fig, path)
+
+
+def save(fig, path):
+    fig.savefig(path)
+    return path
+
+
+def write_plots(runs, heat, out):
+    """Write every plot that has data; returns (written paths, notes about skipped ones)."""
+    written, notes = [], []
+    for name, key, plot in (("amax.png", "amax_fwd", plot_amax), ("loss.png", "loss", plot_loss),
+                            ("grad_norm.png", "grad_norm", plot_grad_norm)):
+        if any(len(r.series[key]) for r in runs):
+            written.append(plot(runs, out / name))
+        else:
+            notes.append(f"{name} not written: no run logged `{key}` yet.")
+    if heat is None:
+        notes.append("layer_gains.png not written: no run logged layer_gain_fwd/bwd lists yet.")
+    elif not any(len(s) for s in heat.layers.values()):
+        notes.append(f"layer_gains.png not written: run {heat.name} has no layer_gain lists.")
+    else:
+        written.append(plot_heatmap(heat, out / "layer_gains.png"))
+    return written, notes
+
+
+# --- main: read, aggregate, write, print ---------------------------------------------------------
+
+def results_markdown(root, rows, summaries, verdict_lines, plots, notes):
+    n = len(summaries)
+    parts = [f"# Results: {root}", "",
+             f"{n} run{'s' if n != 1 else ''}, {len(rows)} method × depth rows; "
+             f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py.", "",
+             "## Table", "", markdown(table_columns(), rows), "", TABLE_NOTES, "",
+             "## Verdict", "", *[f"- {v}" for v in verdict_lines], "",
+             "## Runs", "", markdown(run_columns(), summaries), "", "## Plots", ""]
+    parts += [f"![{p.stem}]({p.name})" for p in plots] + [f"- {note}" for note in notes]
+    return "\n".join(parts) + "\n"
+
+
+def report(root, out=None, heatmap_run=None, with_plots=True):
+    """Everything main does after parsing the arguments; raises ReportError for expected problems."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ReportError(f"{root} is not a folder; pass the folder that holds the run folders (e.g. runs)")
+    runs = load_runs(root)
+    if not runs:
+        raise ReportError(f"no runs found under {root} (a run folder holds config.json, "
+                          "or metrics.jsonl and status.json)")
+    heat = pick_heatmap_run(runs, heatmap_run)
+    summaries = sorted((summarize(r) for r in runs),
+                       key=lambda s: (s.depth, method_key(s.method), s.seed or 0, s.name))
+    rows = aggregate(summaries)
+    verdict_lines = verdict(rows)
+    out = Path(out) if out is not None else root / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots, notes = write_plots(runs, heat, out) if with_plots else ([], ["plots skipped (--no-plots)."])
+    (out / "results.md").write_text(results_markdown(root, rows, summaries, verdict_lines, plots, notes))
+    write_csv(out / "results.csv", csv_rows(rows))
+    write_csv(out / "runs.csv", run_csv_rows(summaries))
+    buf = io.StringIO()
+    print(markdown(table_columns(), rows), "", "\n\n".join(verdict_lines), *notes, sep="\n", file=buf)
+    names = ", ".join(["results.csv", "runs.csv", *(p.name for p in plots)])
+    print(f"\nwrote {out / 'results.md'}, {names}", file=buf)
+    return rows, buf.getvalue()
+
+
+def main(argv=None) -> int:
+    """The command line; returns the exit code (0 ok, 2 no runs or bad arguments, 1 write error)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:          # argparse already printed the usage error (or --help)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        _, text = report(args.runs_dir, args.out, args.heatmap_run, with_plots=not args.no_plots)
+    except ReportError as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"report: cannot write the report: {e}", file=sys.stderr)
+        return 1
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

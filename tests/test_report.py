@@ -1,0 +1,419 @@
+"""report.py on hand-written run folders: every number in the table is checked against a value
+computed by hand here (not by report.py's own helpers)."""
+import csv
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import report  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# --- writing run folders -----------------------------------------------------------------------
+
+def write_run(root, name, lines, state="completed", config=None, world_size=1, device="cuda",
+              tail="", with_config=True, updated=None, device_at_top=False):
+    """A run folder as train_c4.py writes it; `tail` is appended raw (e.g. a half-written line)."""
+    method, depth, seed = name.split("_")
+    d = root / name
+    d.mkdir(parents=True)
+    if with_config:
+        cfg = {"residual": method, "depth": int(depth[1:]), "seed": int(seed[1:]), "width": 64, "steps": 10,
+               "batch_size": 4, "micro_batch_size": 2, "seq_len": 16, "expansion": 4, "run_name": name,
+               "grad_clip": 1.0, **(config or {})}
+        record = {"config": cfg, "n_params": 1000, "world_size": world_size, "versions": {}, "git_commit": "x"}
+        (record if device_at_top else cfg)["device"] = device       # train_c4.py writes it at the top
+        (d / "config.json").write_text(json.dumps(record))
+    text = "".join(json.dumps(rec) + "\n" for rec in lines) + tail     # json writes NaN/Infinity
+    (d / "metrics.jsonl").write_text(text)
+    last = max((rec["step"] for rec in lines), default=0)
+    (d / "status.json").write_text(json.dumps({"state": state, "step": last, "exit_code": 0,
+                                               "reason": None, "updated": updated}))
+    return d
+
+
+def probe(fwd, bwd, l0f=1.0, l0b=1.0):
+    return {"amax_fwd": fwd, "amax_bwd": bwd, "amax_l0_fwd": l0f, "amax_l0_bwd": l0b,
+            "amax_fwd_abs": fwd, "amax_bwd_abs": bwd, "min_row_sum": 1.0, "min_col_sum": 1.0}
+
+
+def train(step, t, loss, gn, tokens):
+    return {"step": step, "time": t, "loss": loss, "lr": 1e-4, "grad_norm": gn, "clipped": gn > 1.0,
+            "tokens": tokens, "tokens_per_s": 10.0, "mfu": None, "mem_peak_gb": None}
+
+
+def hc_seed1(root):
+    """Training + probe lines share a step; val on its own lines. Time span 31 s."""
+    return write_run(root, "hc_d4_s1", [
+        {**train(1, 1000.0, 5.0, 2.0, 100), **probe(1.0, 1.0)},
+        train(2, 1010.0, 4.0, 0.5, 200),
+        {"step": 2, "time": 1011.0, "val_loss": 4.5},
+        {**train(3, 1020.0, 3.0, 3.0, 300), **probe(12.0, 5.0, 1.5, 1.2)},
+        {**train(4, 1030.0, 2.0, 0.9, 400), **probe(150.0, 120.0, 1.4, 1.3)},
+        {"step": 4, "time": 1031.0, "val_loss": 3.5},
+    ])
+
+
+def hc_seed2(root):
+    """The 10x level is crossed by amax_bwd only (step 2); 100x never; val best before final."""
+    return write_run(root, "hc_d4_s2", [
+        {**train(1, 2000.0, 6.0, 0.5, 100), **probe(1.0, 1.0)},
+        {**train(2, 2010.0, 3.0, 4.0, 200), **probe(8.0, 11.0, 1.1, 1.0)},
+        {"step": 2, "time": 2011.0, "val_loss": 3.0},
+        {**train(3, 2020.0, 3.5, 0.8, 300), **probe(50.0, 40.0, 1.7, 1.9)},
+        train(4, 2030.0, 3.0, 0.7, 400),
+        {"step": 4, "time": 2041.0, "val_loss": 3.25},
+    ])
+
+
+def table_cells(out_dir, label, depth):
+    """{header: cell} of the main-table row `label` (e.g. 'HC') at `depth` in results.md."""
+    lines = (out_dir / "results.md").read_text().splitlines()
+    header = next(ln for ln in lines if ln.startswith("| method |"))
+    heads = [h.strip() for h in header.strip("|").split("|")]
+    for ln in lines:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if len(cells) == len(heads) and cells[0] == label and cells[1] == str(depth):
+            return dict(zip(heads, cells))
+    raise AssertionError(f"no row {label} depth {depth} in results.md")
+
+
+def sample_std(a, b):
+    return abs(a - b) / math.sqrt(2)      # ddof=1 standard deviation of two values
+
+
+# --- numbers -----------------------------------------------------------------------------------
+
+def test_rows_match_hand_computed_values(tmp_path):
+    hc_seed1(tmp_path), hc_seed2(tmp_path)
+    (row,) = report.collect(tmp_path)
+    assert (row.method, row.depth, row.done, len(row.runs)) == ("hc", 4, 2, 2)
+    expect = {  # field: (seed 1, seed 2)
+        "final_loss": (2.0, 3.0), "best_val": (3.5, 3.0), "final_val": (3.5, 3.25),
+        "peak_fwd": (150.0, 50.0), "peak_bwd": (120.0, 40.0), "peak_l0_fwd": (1.5, 1.7),
+        "peak_l0_bwd": (1.3, 1.9), "peak_grad_norm": (3.0, 4.0), "clip_share": (0.5, 0.25),
+        "tokens": (400, 400)}
+    for name, (a, b) in expect.items():
+        st = row.stats[name]
+        assert st.n == 2, name
+        assert st.mean == pytest.approx((a + b) / 2), name
+        assert st.std == pytest.approx(sample_std(a, b)), name
+    s1, s2 = row.runs
+    assert s1.first_above == {10.0: 3, 100.0: 4}
+    assert s2.first_above == {10.0: 2, 100.0: None}
+    assert s1.wall_s == pytest.approx(31.0) and s2.wall_s == pytest.approx(41.0)
+
+
+def test_markdown_table_cells(tmp_path):
+    hc_seed1(tmp_path), hc_seed2(tmp_path)
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    c = table_cells(tmp_path / "report", "HC", 4)
+    assert c["seeds done/total"] == "2/2"
+    assert c["final train loss"] == "2.500 ± 0.707"
+    assert c["best val loss"] == "3.250 ± 0.354"
+    assert c["final val loss"] == "3.375 ± 0.177"
+    assert c["peak amax_fwd"] == "100 ± 71"
+    assert c["peak amax_bwd"] == "80.0 ± 56.6"
+    assert c["amax_fwd per seed"] == "150 / 50.0"
+    assert c["amax_bwd per seed"] == "120 / 40.0"
+    assert c["first >10× step (per seed)"] == "3 / 2"
+    assert c["first >100× step (per seed)"] == "4 / never"
+    assert c["peak amax_l0_fwd"] == "1.600 ± 0.141"
+    assert c["peak amax_l0_bwd"] == "1.600 ± 0.424"
+    assert c["peak grad norm (pre-clip)"] == "3.500 ± 0.707"
+    assert c["clipped steps"] == "37.5% ± 17.7%"
+    assert c["diverged"] == "0"
+    assert c["tokens/run"] == "400"
+    # wall (31 s + 41 s) / 2 per run; 1 GPU each -> (31 + 41) / 3600 GPU-hours in total
+    assert c["wall h/run"] == "0.01 ± 0.00"
+    assert c["GPU-h total"] == "0.02"
+    assert not list((tmp_path / "report").glob("*.png"))          # --no-plots
+    rows = list(csv.DictReader(open(tmp_path / "report" / "results.csv")))
+    assert float(rows[0]["gpu_hours"]) == pytest.approx(72 / 3600)
+    assert rows[0]["first_above_100_per_seed"] == "4;never"
+
+
+def test_single_seed_std_is_dash(tmp_path):
+    hc_seed1(tmp_path)
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    c = table_cells(tmp_path / "report", "HC", 4)
+    assert c["final train loss"] == "2.000 ± –"
+    assert c["peak amax_fwd"] == "150 ± –"
+    (row,) = report.collect(tmp_path)
+    assert math.isnan(row.stats["final_loss"].std)
+
+
+def test_threshold_must_be_exceeded_not_reached(tmp_path):
+    write_run(tmp_path, "hc_d4_s1", [
+        {**train(1, 0.0, 4.0, 0.5, 10), **probe(10.0, 9.0)},
+        {**train(2, 1.0, 3.0, 0.5, 20), **probe(100.0, 10.5)},
+        {**train(3, 2.0, 3.0, 0.5, 30), **probe(99.0, 100.5)}])
+    (row,) = report.collect(tmp_path)
+    assert row.runs[0].first_above == {10.0: 2, 100.0: 3}
+
+
+def test_gpu_hours_world_size_cpu_and_pauses(tmp_path):
+    gap = report.GAP_S
+    lines = [train(1, 0.0, 3.0, 0.5, 10), train(2, gap, 3.0, 0.5, 20), train(3, 2 * gap, 3.0, 0.5, 30),
+             train(4, 3 * gap + 1, 3.0, 0.5, 40),       # requeued: a pause over GAP_S is not counted
+             train(5, 3 * gap + 601, 3.0, 0.5, 50)]
+    write_run(tmp_path, "mhc_d4_s1", lines, world_size=8)
+    write_run(tmp_path, "mhc_d8_s1", lines[:3], device="cpu")
+    write_run(tmp_path, "hc_d8_s1", lines[:3], device="cpu", device_at_top=True, world_size=1)
+    rows = {(r.method, r.depth): r for r in report.collect(tmp_path)}
+    assert rows["mhc", 4].runs[0].wall_s == pytest.approx(2 * gap + 600)
+    assert rows["mhc", 4].gpu_hours == pytest.approx((2 * gap + 600) / 3600 * 8)
+    assert rows["mhc", 8].runs[0].wall_s == pytest.approx(2 * gap)
+    assert rows["mhc", 8].gpu_hours == 0 and rows["mhc", 8].cpu_only
+    assert rows["hc", 8].gpu_hours == 0 and rows["hc", 8].cpu_only
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert table_cells(tmp_path / "report", "mHC", 8)["GPU-h total"] == "cpu"
+    assert table_cells(tmp_path / "report", "mHC", 4)["GPU-h total"] == "5.33"   # 2400 s x 8 GPUs
+    assert table_cells(tmp_path / "report", "HC", 8)["GPU-h total"] == "cpu"
+
+
+def test_status_updated_extends_wall_time(tmp_path):
+    write_run(tmp_path, "hc_d4_s1", [train(1, 100.0, 3.0, 0.5, 10), train(2, 200.0, 3.0, 0.5, 20)],
+              updated=260.0)
+    (row,) = report.collect(tmp_path)
+    assert row.runs[0].wall_s == pytest.approx(160.0)
+
+
+# --- tolerated input ---------------------------------------------------------------------------
+
+def test_truncated_last_line_and_no_eval(tmp_path, capsys):
+    write_run(tmp_path, "baseline_d4_s1", [
+        {**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)},
+        {**train(2, 1.0, 3.0, 0.5, 20), **probe(1.0, 1.0)},
+    ], state="running", tail='{"step": 3, "time": 2.0, "loss": 99.0, "grad_no')
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    assert "unreadable" not in err          # a half-written last line is expected, not warned about
+    c = table_cells(tmp_path / "report", "baseline", 4)
+    assert c["final train loss"] == "3.000 ± –"
+    assert c["best val loss"] == "–" and c["final val loss"] == "–"
+    assert c["seeds done/total"] == "0/1"
+    assert "No val loss logged yet" in out
+
+
+def test_garbage_line_in_the_middle_is_skipped_with_a_warning(tmp_path, capsys):
+    d = write_run(tmp_path, "hc_d4_s1", [train(1, 0.0, 4.0, 0.5, 10)])
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write("not json\n\n" + json.dumps(train(2, 1.0, 2.0, 0.5, 20)) + "\n")
+    (row,) = report.collect(tmp_path)
+    assert row.stats["final_loss"].mean == 2.0
+    assert "skipped 1 unreadable" in capsys.readouterr().err
+
+
+def test_run_without_config_uses_the_run_name(tmp_path):
+    write_run(tmp_path, "mhc_d12_s7", [train(1, 0.0, 4.0, 0.5, 10)], state="running", with_config=False)
+    (row,) = report.collect(tmp_path)
+    assert (row.method, row.depth, row.runs[0].seed) == ("mhc", 12, 7)
+
+
+def test_resumed_run_replaces_relogged_steps(tmp_path):
+    write_run(tmp_path, "hc_d4_s1", [
+        train(1, 0.0, 4.0, 0.5, 10), train(2, 1.0, 3.0, 5.0, 20), train(3, 2.0, 2.5, 9.0, 30),
+        train(2, 100.0, 3.0, 0.4, 20), train(3, 101.0, 2.0, 0.3, 30), train(4, 102.0, 1.5, 0.2, 40)])
+    (row,) = report.collect(tmp_path)
+    run = row.runs[0]
+    assert run.peak_grad_norm == 0.5                 # the crashed attempt's 5.0 and 9.0 were replaced
+    assert run.clip_share == 0.0
+    assert run.wall_s == pytest.approx(2.0 + 2.0)    # two segments, the gap between them not counted
+
+
+def test_diverged_run_is_listed_as_diverged(tmp_path):
+    hc_seed1(tmp_path)
+    write_run(tmp_path, "hc_d4_s2", [
+        {**train(1, 0.0, 5.0, 0.5, 10), **probe(1.0, 1.0)},
+        {**train(2, 1.0, 4.0, 50.0, 20), **probe(900.0, 800.0)},
+        {"step": 2, "time": 1.5, "val_loss": 3.9},
+        {**train(3, 2.0, float("nan"), float("inf"), 30), **probe(float("inf"), float("nan"))},
+    ], state="diverged")
+    assert "NaN" in (tmp_path / "hc_d4_s2" / "metrics.jsonl").read_text()
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    c = table_cells(tmp_path / "report", "HC", 4)
+    assert c["diverged"] == "1: s2@3"
+    assert c["seeds done/total"] == "1/2"
+    assert c["final train loss"] == "2.000 ± – (n=1)"
+    assert c["final val loss"] == "3.500 ± – (n=1)"      # the diverged run's last val is left out
+    assert c["best val loss"] == "3.700 ± 0.283"        # but its best val counts: (3.5 + 3.9) / 2
+    assert c["peak amax_fwd"] == "inf"
+    assert c["peak amax_bwd"] == "460 ± 481"       # (120 + 800) / 2 ± 680 / sqrt(2), NaN ignored
+    text = (tmp_path / "report" / "results.md").read_text()
+    assert "| hc_d4_s2 | diverged | 3 |" in text
+    assert "1 of 2 HC runs diverged" in text
+    assert "composite forward gain peaked at inf× (non-finite in at least one of 2 seeds" in text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=1, max_size=8))
+def test_stat_is_mean_and_sample_std(values):
+    got = report.Stat.of(values)
+    assert got.n == len(values)
+    assert got.mean == pytest.approx(statistics.fmean(values), rel=1e-9, abs=1e-6)
+    if len(values) > 1:
+        assert got.std == pytest.approx(statistics.stdev(values), rel=1e-6, abs=1e-6)
+    else:
+        assert math.isnan(got.std)
+
+
+def test_plot_curves_average_seeds_step_by_step():
+    a = (np.array([1, 2, 3]), np.array([1.0, 2.0, 3.0]))
+    b = (np.array([2, 3, 4]), np.array([4.0, np.nan, 8.0]))      # NaN is skipped, not averaged
+    band = report.bin_curves([a, b])
+    assert band.x.tolist() == [1, 2, 3, 4]
+    assert band.line.tolist() == [1.0, 3.0, 3.0, 8.0]
+    assert band.seed_lo.tolist() == [1.0, 2.0, 3.0, 8.0] and band.seed_hi.tolist() == [1.0, 4.0, 3.0, 8.0]
+    long = (np.arange(1000), np.arange(1000, dtype=float))
+    band = report.bin_curves([long], points=10)
+    assert band.x.size == 10 and band.line[0] == pytest.approx(np.mean(np.arange(100)), abs=1.0)
+
+
+# --- verdict -----------------------------------------------------------------------------------
+
+def test_verdict_states_numbers_and_missing_methods(tmp_path):
+    hc_seed1(tmp_path), hc_seed2(tmp_path)
+    for seed, dev in ((1, 0.0005), (2, 0.002)):
+        write_run(tmp_path, f"mhc_d4_s{seed}", [
+            {**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0 + dev)},
+            {**train(2, 1.0, 3.0, 0.5, 20), **probe(1.0, 1.0 - dev / 2)}])
+    write_run(tmp_path, "baseline_d8_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}])
+    lines = report.verdict(report.collect(tmp_path))
+    d4, d8 = lines
+    assert d4.startswith("**depth 4**")
+    assert "HC: composite forward gain peaked at 100× (mean of 2 seeds, ± 71 sample std; " \
+           "highest 150× in seed 1)" in d4
+    assert "first above 10× at step 3 / 2 (per seed); first above 100× at step 4 / never (per seed)" in d4
+    assert "mHC: composite gains stayed within 1 ± 0.002" in d4
+    assert "No baseline runs at depth 4." in d4
+    assert "baseline: 1 by definition" in d8
+    assert "No HC runs at depth 8." in d8 and "No mHC runs at depth 8." in d8
+
+
+def test_verdict_without_probe_lines(tmp_path):
+    write_run(tmp_path, "hc_d4_s1", [train(1, 0.0, 4.0, 0.5, 10)], state="running")
+    (line,) = report.verdict(report.collect(tmp_path))
+    assert "HC: 1 seed (1 running) but no probe lines yet." in line
+
+
+# --- plots -------------------------------------------------------------------------------------
+
+def with_layers(lines, depth, gain):
+    for i, rec in enumerate(lines):
+        if "amax_fwd" in rec:
+            rec["layer_gain_fwd"] = [gain ** ((k % 3) - 1) * (1 + 0.1 * i) for k in range(2 * depth)]
+            rec["layer_gain_bwd"] = [1.0 + 0.01 * k for k in range(2 * depth)]
+    return lines
+
+
+def matrix_lines(method, scale, n=60):
+    lines = []
+    for step in range(1, n + 1):
+        rec = train(step, float(step), 5.0 - step / n + 0.05 * (step % 3), 0.3 + (step % 7) / 5, step * 10)
+        if step % 5 == 0:
+            rec.update(probe(scale ** (step / n), scale ** (step / n) * 0.9))
+        if step % 10 == 0:
+            lines.append({"step": step, "time": step + 0.5, "val_loss": 4.9 - step / n})
+        lines.append(rec)
+    return with_layers(lines, 4, 1.5 if method == "hc" else 1.0)
+
+
+def test_plots_are_valid_pngs(tmp_path):
+    for method, scale in (("baseline", 1.0), ("hc", 300.0), ("mhc", 1.0)):
+        for seed in (1, 2):
+            write_run(tmp_path, f"{method}_d4_s{seed}", matrix_lines(method, scale * seed))
+    out = tmp_path / "out"
+    assert report.main([str(tmp_path), "--out", str(out)]) == 0
+    for name in ("amax.png", "loss.png", "grad_norm.png", "layer_gains.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE, name
+        assert len(data) > 5_000, name
+        assert f"]({name})" in (out / "results.md").read_text()
+    assert (out / "results.csv").read_text().startswith("method,depth,")
+    assert "hc_d4_s2" in (out / "runs.csv").read_text()
+
+
+def test_heatmap_defaults_to_the_largest_hc_run_and_can_be_named(tmp_path):
+    for seed, scale in ((1, 10.0), (2, 500.0)):
+        write_run(tmp_path, f"hc_d4_s{seed}", matrix_lines("hc", scale))
+    write_run(tmp_path, "mhc_d4_s1", matrix_lines("mhc", 1.0))
+    runs = report.load_runs(tmp_path)
+    assert report.pick_heatmap_run(runs).name == "hc_d4_s2"
+    assert report.pick_heatmap_run(runs, "mhc_d4_s1").name == "mhc_d4_s1"
+    with pytest.raises(report.ReportError, match="no such run"):
+        report.pick_heatmap_run(runs, "nope")
+
+
+def test_no_layer_lists_skips_heatmap_with_a_note(tmp_path):
+    hc_seed1(tmp_path)
+    assert report.main([str(tmp_path)]) == 0
+    assert (tmp_path / "report" / "amax.png").exists()
+    assert not (tmp_path / "report" / "layer_gains.png").exists()
+    assert "layer_gains.png not written" in (tmp_path / "report" / "results.md").read_text()
+
+
+# --- command line ------------------------------------------------------------------------------
+
+def test_empty_folder_exits_2_with_one_line(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("report: no runs found under") and "\n" not in err
+    assert not (tmp_path / "report").exists()
+
+
+def test_missing_folder_and_bad_arguments_exit_2(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert report.main([str(tmp_path), "--no-such-flag"]) == 2
+    assert "usage:" in capsys.readouterr().err
+    hc_seed1(tmp_path)
+    assert report.main([str(tmp_path), "--heatmap-run", "nope"]) == 2
+    assert "no such run" in capsys.readouterr().err
+
+
+def test_cli_prints_table_and_has_no_traceback(tmp_path):
+    empty = subprocess.run([sys.executable, str(ROOT / "report.py"), str(tmp_path)],
+                           capture_output=True, text=True)
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr
+    hc_seed1(tmp_path)
+    done = subprocess.run([sys.executable, str(ROOT / "report.py"), str(tmp_path), "--no-plots"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "| HC | 4 | 1/1 |" in done.stdout and "**depth 4**" in done.stdout
+
+
+def test_import_has_no_side_effects(tmp_path):
+    code = "import sys, report; assert 'matplotlib' not in sys.modules; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "ok\n" and res.stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reading_is_streaming_and_fast(tmp_path):
+    """10k training lines with a probe every 10 steps: one pass, well under a second normally."""
+    lines = []
+    for step in range(1, 10_001):
+        rec = train(step, float(step), 3.0, 0.5, step)
+        if step % 10 == 0:
+            rec.update(probe(1.0 + step / 1e4, 1.0))
+        lines.append(rec)
+    write_run(tmp_path, "hc_d48_s1", lines)
+    start = time.perf_counter()
+    (row,) = report.collect(tmp_path)
+    elapsed = time.perf_counter() - start
+    assert row.stats["peak_fwd"].mean == pytest.approx(2.0)
+    assert elapsed < 3.0, f"reading 10k lines took {elapsed:.2f} s"
