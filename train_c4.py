@@ -63,6 +63,10 @@ class Interrupted(TrainerError):
     exit_code = EXIT_INTERRUPTED
 
 
+class DeviceFailure(TrainerError):
+    exit_code = EXIT_DEVICE
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     preset: str = "c4"
@@ -97,6 +101,7 @@ class Config:
     data: str = "c4"
     tokenizer: str = "gpt2"
     data_seed: int = 1234
+    data_streams: int = 8
     shuffle_buffer: int = 1024
     # measurement
     eval_every: int = 500
@@ -123,7 +128,7 @@ PRESETS = {
     "tiny": dict(depth=2, width=16, heads=2, expansion=4, seq_len=32, batch_size=4, micro_batch_size="2",
                  steps=20, lr=3e-3, warmup=2, data="sample", tokenizer="byte", eval_every=10,
                  eval_batches=2, metrics_every=5, layer_metrics_every=10, probe_sequences=2,
-                 log_every=5, ckpt_every=10, shuffle_buffer=64, wandb="disabled"),
+                 log_every=5, ckpt_every=10, shuffle_buffer=64, data_streams=2, wandb="disabled"),
     # CPU minutes on the bundled Shakespeare: large enough learning rate for HC to drift visibly
     "demo": dict(depth=4, width=128, heads=4, seq_len=128, batch_size=16, micro_batch_size="16",
                  steps=600, lr=3e-3, warmup=50, data="sample", tokenizer="byte", eval_every=100,
@@ -159,7 +164,8 @@ HELP = dict(
     grad_clip="clip the global gradient norm to this (0 = off); the pre-clip norm is logged",
     seed="model initialisation seed", data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
     "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
-    data_seed="document-order seed, independent of --seed", shuffle_buffer="documents in the shuffle buffer",
+    data_seed="document-order seed, independent of --seed",
+    data_streams="disjoint virtual data streams; the number of processes must divide it", shuffle_buffer="documents in the shuffle buffer",
     eval_every="steps between validation losses", eval_batches="micro-batches in the fixed validation set",
     metrics_every="steps between instability probes", layer_metrics_every="steps between per-layer gain lists",
     probe_sequences="held-out sequences in the fixed probe batch", log_every="steps between plain log lines",
@@ -208,7 +214,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def validate(cfg: Config) -> None:
     positive = ("depth", "width", "heads", "expansion", "seq_len", "batch_size", "steps", "sinkhorn_iters",
                 "eval_every", "eval_batches", "metrics_every", "layer_metrics_every", "probe_sequences",
-                "log_every", "ckpt_every", "keep_checkpoints")
+                "log_every", "ckpt_every", "keep_checkpoints", "data_streams")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
@@ -620,7 +626,7 @@ class DocumentStream:
         """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order."""
         self.files, self.rank, self.world, self.seed, self.buffer_size = files, rank, world, seed, buffer_size
         self.epoch, self.position, self.buffer, self.skipped = 0, None, [], 0
-        self.rng = torch.Generator().manual_seed(seed or 0)
+        self.rng = torch.Generator().manual_seed((seed or 0) * 1_000_003 + rank)
 
     def _open_epoch(self):
         import datasets
@@ -673,12 +679,12 @@ def _guarded(stream, files: list[str]):
                           f"{str(error).splitlines()[0] if str(error) else ''}); check the files of --data") from error
 
 
-class TokenBatches:
-    """Packs tokenized documents, separated by the end-of-text token, into (batch, seq_len + 1) windows."""
+class TokenWindows:
+    """Packs one document stream, documents separated by the end-of-text token, into seq_len + 1 windows."""
 
-    def __init__(self, documents, tokenizer, seq_len: int, batch: int, docs_per_encode: int = 64):
+    def __init__(self, documents: DocumentStream, tokenizer, seq_len: int, docs_per_encode: int = 64):
         self.documents, self.tokenizer = documents, tokenizer
-        self.window, self.batch, self.docs_per_encode = seq_len + 1, batch, docs_per_encode
+        self.window, self.docs_per_encode = seq_len + 1, docs_per_encode
         self.tokens: list[int] = []
         self._docs = iter(documents)
 
@@ -690,13 +696,13 @@ class TokenBatches:
             self.tokens.extend(ids)
             self.tokens.append(self.tokenizer.eot)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        need = self.batch * self.window
+    def take(self, count: int) -> torch.Tensor:
+        need = count * self.window
         while len(self.tokens) < need:
             self._refill()
-        windows = torch.tensor(self.tokens[:need], dtype=torch.long).view(self.batch, self.window)
+        windows = torch.tensor(self.tokens[:need], dtype=torch.long).view(count, self.window)
         del self.tokens[:need]
-        return windows[:, :-1], windows[:, 1:]
+        return windows
 
     def state_dict(self) -> dict:
         return {"documents": self.documents.state_dict(), "tokens": torch.tensor(self.tokens, dtype=torch.int32)}
@@ -707,10 +713,51 @@ class TokenBatches:
         self._docs = iter(self.documents)
 
 
+class RankBatches:
+    """This rank's share of every global batch, the same sequences whatever the number of processes.
+
+    The corpus is split into --data-streams disjoint virtual streams. Sequence p of a global batch
+    always comes from stream p mod streams, and rank r takes positions r, r + world, ... (the streams
+    r, r + world, ...). So 1, 2 or 8 processes train on exactly the same sequences at every step, and
+    a checkpoint saved with one world size resumes exactly with another."""
+
+    def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int):
+        count = cfg.data_streams
+        self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer),
+                                        tokenizer, cfg.seq_len) for v in range(rank, count, world)}
+        self.owners = [p % count for p in range(rank, cfg.batch_size, world)]
+        self.micro, self.cursor = micro, 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        owners = self.owners[self.cursor:self.cursor + self.micro]
+        self.cursor = (self.cursor + self.micro) % len(self.owners)
+        windows = torch.cat([self.streams[v].take(1) for v in owners])
+        return windows[:, :-1], windows[:, 1:]
+
+    @property
+    def skipped(self) -> int:
+        return sum(stream.documents.skipped for stream in self.streams.values())
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "streams": {str(v): s.state_dict() for v, s in self.streams.items()}}
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        """`states` are every rank's saved states: each stream is found wherever it was saved."""
+        saved = {int(v): state for rank_state in states for v, state in rank_state["streams"].items()}
+        missing = sorted(set(self.streams) - set(saved))
+        if missing:
+            raise ConfigError(f"the checkpoint holds no state for data stream(s) {missing}; was --data-streams "
+                              "changed? resume with the original value")
+        for v, stream in self.streams.items():
+            stream.load_state_dict(saved[v])
+        self.cursor = states[0]["cursor"]
+
+
 def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` windows of the held-out files in file order: the same for every run and every eval."""
-    stream = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
-    return TokenBatches(stream, tokenizer, seq_len, count).next_batch()
+    windows = TokenWindows(DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0), tokenizer, seq_len)
+    sequences = windows.take(count)
+    return sequences[:, :-1], sequences[:, 1:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -848,11 +895,12 @@ def _checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
-def read_checkpoint(run_dir: Path, names: list[str], log) -> tuple[Path, dict] | None:
-    """The newest checkpoint whose files all verify and load safely (weights_only); older ones as fallback."""
+def read_checkpoint(run_dir: Path, log) -> tuple[Path, dict] | None:
+    """Every file of the newest checkpoint that verifies and loads safely (weights_only); older ones as fallback."""
     for folder in reversed(checkpoint_dirs(run_dir)):
         problem = _checkpoint_problem(folder)
         if problem is None:
+            names = json.loads((folder / MARKER).read_text())["files"]
             try:
                 return folder, {name: torch.load(folder / name, map_location="cpu", weights_only=True)
                                 for name in names}
@@ -991,6 +1039,8 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
     if cfg.batch_size % (micro * world):
         raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
                           f"{world} process(es)")
+    if cfg.data_streams % world:
+        raise ConfigError(f"{world} processes do not divide --data-streams {cfg.data_streams}")
     return micro, cfg.batch_size // (micro * world)
 
 
@@ -1100,7 +1150,7 @@ class Trainer:
     dist: Dist
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    batches: TokenBatches
+    batches: RankBatches
     val: tuple[torch.Tensor, torch.Tensor]
     micro: int
     accum: int
@@ -1182,19 +1232,21 @@ class Trainer:
             files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict(),
                       "train_state.pt": {"step": self.step, "tokens": self.tokens}}
         write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints)
-        if self.batches.documents.skipped:
-            self.log.info(f"data: {self.batches.documents.skipped} malformed or empty lines skipped so far")
+        if self.batches.skipped:
+            self.log.info(f"data: {self.batches.skipped} malformed or empty lines skipped so far")
 
     def restore(self) -> None:
-        names = ["model.pt", "optimizer.pt", "train_state.pt", f"rank{self.dist.rank}.pt"]
-        found = read_checkpoint(self.run_dir, names, self.log.info)
+        found = read_checkpoint(self.run_dir, self.log.info)
         if found is None:
             return
         folder, files = found
         unwrap(self.model).load_state_dict(files["model.pt"])
         self.optimizer.load_state_dict(files["optimizer.pt"])
-        self.batches.load_state_dict(files[names[-1]]["data"])
-        set_rng_state(files[names[-1]]["rng"])
+        ranks = [state for name, state in sorted(files.items()) if name.startswith("rank")]
+        self.batches.load_state_dict([state["data"] for state in ranks])
+        own = files.get(f"rank{self.dist.rank}.pt")
+        if own is not None:
+            set_rng_state(own["rng"])
         self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
         self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
 
@@ -1278,9 +1330,9 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     model = GPT(cfg, use_flash).to(dist.device)
     optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                                   fused=dist.device.type == "cuda")
-    documents = DocumentStream(train_files, dist.rank, dist.world, cfg.data_seed, cfg.shuffle_buffer)
+    batches = RankBatches(train_files, tokenizer, cfg, dist.rank, dist.world, micro)
     params = count_parameters(cfg)
-    trainer = Trainer(cfg, dist, model, optimizer, TokenBatches(documents, tokenizer, cfg.seq_len, micro), val,
+    trainer = Trainer(cfg, dist, model, optimizer, batches, val,
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir, gpu_peak_flops(dist.device),
                       flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
@@ -1314,6 +1366,7 @@ def train(cfg: Config) -> None:
     log.open_metrics(keep_through_step=trainer.step)
     log.status("running", trainer.step)
     try:
+        check_injected_device_fault()
         trainer.run(stop)
     except Diverged as error:
         log.status("diverged", trainer.step, EXIT_DIVERGED, str(error))
@@ -1363,14 +1416,13 @@ def check_injected_device_fault() -> None:
     failing = set(filter(None, os.environ.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
     visible = set(filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")))
     if failing & visible:
-        raise TrainerError(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
+        raise DeviceFailure(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
                            "TRAIN_C4_FAIL_DEVICES)")
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
-        check_injected_device_fault()
         if cfg.estimate:
             print_estimate(cfg)
         else:

@@ -60,13 +60,13 @@ def test_a_run_writes_every_documented_file_and_key(tmp_path):
 
 
 def test_sigkill_then_rerun_continues_exactly(tmp_path):
-    args = ["--residual", "mhc", "--steps", "200", "--ckpt-every", "20", "--keep-checkpoints", "3"]
+    args = ["--residual", "mhc", "--steps", "60", "--ckpt-every", "10", "--keep-checkpoints", "3"]
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
     reference_dir.mkdir(), resumed_dir.mkdir()
     assert trainer(reference_dir, *args)[0] == 0
     process = trainer(resumed_dir, *args, wait=False)
     checkpoints = resumed_dir / "mhc_d2_s42" / "checkpoints"
-    while not (checkpoints / "step-60").exists() and process.poll() is None:
+    while not (checkpoints / "step-30").exists() and process.poll() is None:
         time.sleep(0.01)
     process.kill()
     process.wait()
@@ -75,7 +75,7 @@ def test_sigkill_then_rerun_continues_exactly(tmp_path):
     assert code == 0, stderr
     assert "resumed from" in stdout
     resumed = metrics(resumed_dir / "mhc_d2_s42")
-    assert [r["step"] for r in resumed] == list(range(201))      # no line lost or duplicated
+    assert [r["step"] for r in resumed] == list(range(61))       # no line lost or duplicated
     assert deterministic(resumed) == deterministic(metrics(reference_dir / "mhc_d2_s42"))
 
 
@@ -168,31 +168,40 @@ def test_gpt2_tokenizer_is_the_real_one_offline():
     assert tokenizer.eot == 50256
 
 
-def test_sample_corpus_streams_and_resumes_exactly():
+def sample_batches(rank=0, world=1, data_seed=7, batch=8, micro=4, streams=4):
     train_files, _ = T.resolve_data_files("sample")
+    cfg = T.parse_config(["--preset", "tiny", "--seq-len", "64", "--data-seed", str(data_seed), "--batch-size",
+                          str(batch), "--data-streams", str(streams), "--shuffle-buffer", "16"])
+    return T.RankBatches(train_files, T.ByteTokenizer(), cfg, rank, world, micro)
 
-    def fresh():
-        stream = T.DocumentStream(train_files, rank=0, world=1, seed=7, buffer_size=16)
-        return T.TokenBatches(stream, T.ByteTokenizer(), seq_len=64, batch=4)
 
-    reference = fresh()
+def test_sample_corpus_streams_and_resumes_exactly():
+    reference = sample_batches()
     expected = [reference.next_batch()[0] for _ in range(30)]
-    loader = fresh()
+    loader = sample_batches()
     seen = [loader.next_batch()[0] for _ in range(10)]
-    for _ in range(2):                                       # a second resume must be exact too
+    for _ in range(2):                                       # a second and third resume must be exact too
         state = loader.state_dict()
-        loader = fresh()
-        loader.load_state_dict(state)
+        loader = sample_batches()
+        loader.load_state_dict([state])
         seen += [loader.next_batch()[0] for _ in range(10)]
     assert all(torch.equal(a, b) for a, b in zip(seen, expected))
 
 
+def test_two_ranks_see_the_single_process_batches_and_resume_across_world_sizes():
+    single = sample_batches(micro=8)
+    ranks = [sample_batches(rank=r, world=2, micro=4) for r in range(2)]
+    for step in range(6):
+        whole = single.next_batch()[0]
+        parts = [rank.next_batch()[0] for rank in ranks]
+        assert torch.equal(whole[0::2], parts[0]) and torch.equal(whole[1::2], parts[1])
+        if step == 2:                                        # save with 2 ranks, resume with 1
+            single = sample_batches(micro=8)
+            single.load_state_dict([rank.state_dict() for rank in ranks])
+    documents = [set(map(bytes, rank.next_batch()[0].tolist())) for rank in ranks]
+    assert not documents[0] & documents[1]
+
+
 def test_data_seed_changes_the_order_and_model_seed_does_not():
-    train_files, _ = T.resolve_data_files("sample")
-
-    def first_batch(data_seed):
-        stream = T.DocumentStream(train_files, rank=0, world=1, seed=data_seed, buffer_size=16)
-        return T.TokenBatches(stream, T.ByteTokenizer(), seq_len=64, batch=2).next_batch()[0]
-
-    assert torch.equal(first_batch(1), first_batch(1))
-    assert not torch.equal(first_batch(1), first_batch(2))
+    assert torch.equal(sample_batches(data_seed=1).next_batch()[0], sample_batches(data_seed=1).next_batch()[0])
+    assert not torch.equal(sample_batches(data_seed=1).next_batch()[0], sample_batches(data_seed=2).next_batch()[0])

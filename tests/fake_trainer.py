@@ -1,0 +1,148 @@
+"""A stand-in for train_c4.py that keeps the launcher contract of design.md, for fast launcher tests.
+
+It parses the flags the launcher passes, writes config.json / status.json atomically and appends
+metrics.jsonl like the real trainer, "trains" by sleeping a little per step, saves a step counter as
+its checkpoint (so a resumed run continues), and exits with the trainer's codes:
+0 done, 2 bad arguments (argparse), 3 diverged, 4 out of memory, 5 device error, 75 interrupted.
+
+Knobs (environment):
+  TRAIN_C4_FAIL_DEVICES   comma list of device ids: exit 5 at start-up when one is in CUDA_VISIBLE_DEVICES
+  FAKE_OOM_ABOVE_MICRO    exit 4 when --micro-batch-size is above this
+  FAKE_DIVERGE            comma list of run names that diverge (exit 3) at step FAKE_DIVERGE_STEP (default 2)
+  FAKE_EXIT               run=code,...: that run always exits with that code at start-up
+  FAKE_EXIT_ONCE          run=code,...: that run exits with that code on its first start only
+  FAKE_STEPS              default --steps (5)
+  FAKE_STEP_SLEEP         seconds per step (0.02)
+  FAKE_DEFAULT_MICRO      default --micro-batch-size (8); FAKE_DEFAULT_BATCH default --batch-size (32)
+  FAKE_NO_CONFIG          when set, config.json is not written (tests the launcher's fallback)
+Test-only files in the run folder: fake.pid (the live process), invocations.jsonl (one line per start
+that ended by itself: argv, CUDA_VISIBLE_DEVICES, start and end step, micro-batch, exit code).
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+EXIT_OK, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_INTERRUPTED = 0, 3, 4, 5, 75
+
+
+def write_json(path, obj):
+    """Write atomically: a reader never sees a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def parse_pairs(text):
+    """'a=1,b=2' -> {'a': 1, 'b': 2}"""
+    pairs = {}
+    for item in filter(None, (text or "").split(",")):
+        name, _, code = item.partition("=")
+        pairs[name] = int(code)
+    return pairs
+
+
+def main():
+    env = os.environ
+    p = argparse.ArgumentParser(description="fake train_c4.py for launcher tests")
+    p.add_argument("--residual", choices=["baseline", "hc", "mhc"], default="mhc")
+    p.add_argument("--depth", type=int, default=32)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--run-name")
+    p.add_argument("--out", default="runs")
+    p.add_argument("--steps", type=int, default=int(env.get("FAKE_STEPS", "5")))
+    p.add_argument("--micro-batch-size", type=int, default=int(env.get("FAKE_DEFAULT_MICRO", "8")))
+    p.add_argument("--batch-size", type=int, default=int(env.get("FAKE_DEFAULT_BATCH", "32")))
+    p.add_argument("--preset", choices=["tiny", "demo", "part1", "c4"], default="c4")
+    p.add_argument("--resume", choices=["auto", "never"], default="auto")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"])
+    p.add_argument("--data", default="c4")
+    p.add_argument("--wandb", default="disabled")
+    args = p.parse_args()  # argparse exits 2 on bad arguments, as the real trainer does
+
+    run = args.run_name or f"{args.residual}_d{args.depth}_s{args.seed}"
+    run_dir = os.path.join(args.out, run)
+    os.makedirs(run_dir, exist_ok=True)
+    ckpt = os.path.join(run_dir, "checkpoint.json")
+    status_path = os.path.join(run_dir, "status.json")
+
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    with open(os.path.join(run_dir, "fake.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    step = 0
+    if args.resume == "auto" and os.path.exists(ckpt):
+        with open(ckpt) as f:
+            step = json.load(f)["step"]
+    record = {"argv": sys.argv[1:], "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+              "start_step": step, "micro_batch_size": args.micro_batch_size,
+              "batch_size": args.batch_size, "pid": os.getpid(), "start": time.time()}
+
+    def finish(state, code, reason=""):
+        write_json(status_path, {"state": state, "step": step, "exit_code": code, "reason": reason,
+                                 "updated": time.time()})
+        record.update(exit_code=code, end=time.time(), end_step=step)
+        with open(os.path.join(run_dir, "invocations.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if reason:
+            print(reason, file=sys.stderr, flush=True)
+        sys.exit(code)
+
+    if not env.get("FAKE_NO_CONFIG"):
+        write_json(os.path.join(run_dir, "config.json"),
+                   {"config": {"residual": args.residual, "depth": args.depth, "seed": args.seed,
+                               "micro_batch_size": args.micro_batch_size, "batch_size": args.batch_size,
+                               "steps": args.steps, "run_name": run}})
+    write_json(status_path, {"state": "running", "step": step, "exit_code": None, "reason": "",
+                             "updated": time.time()})
+    print(f"fake trainer: {run} from step {step}, micro {args.micro_batch_size}, "
+          f"batch {args.batch_size}, CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}", flush=True)
+
+    visible = set(filter(None, env.get("CUDA_VISIBLE_DEVICES", "").split(",")))
+    failing = set(filter(None, env.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
+    if visible & failing:
+        finish("failed", EXIT_DEVICE, f"device error: CUDA error on device {sorted(visible & failing)[0]}")
+    if run in parse_pairs(env.get("FAKE_EXIT")):
+        code = parse_pairs(env["FAKE_EXIT"])[run]
+        finish("failed", code, f"fake failure with exit code {code}")
+    once = parse_pairs(env.get("FAKE_EXIT_ONCE"))
+    marker = os.path.join(run_dir, "fake_exit_once.done")
+    if run in once and not os.path.exists(marker):
+        open(marker, "w").close()
+        finish("failed", once[run], f"fake one-off failure with exit code {once[run]}")
+    oom_above = env.get("FAKE_OOM_ABOVE_MICRO")
+    if oom_above and args.micro_batch_size > int(oom_above):
+        finish("failed", EXIT_OOM, f"out of memory: micro-batch {args.micro_batch_size} does not fit")
+
+    diverge = set(filter(None, env.get("FAKE_DIVERGE", "").split(",")))
+    diverge_step = int(env.get("FAKE_DIVERGE_STEP", "2"))
+    step_sleep = float(env.get("FAKE_STEP_SLEEP", "0.02"))
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics:
+        while step < args.steps:
+            if stop["signal"] is not None:
+                finish("interrupted", EXIT_INTERRUPTED, f"interrupted by signal {stop['signal']} at step {step}")
+            time.sleep(step_sleep)
+            step += 1
+            loss = float("nan") if run in diverge and step >= diverge_step else 10.0 / step
+            metrics.write(json.dumps({"step": step, "time": time.time(), "loss": loss}) + "\n")
+            metrics.flush()
+            if loss != loss:
+                finish("diverged", EXIT_DIVERGED, f"diverged: non-finite loss at step {step}")
+            write_json(ckpt, {"step": step})
+            write_json(status_path, {"state": "running", "step": step, "exit_code": None, "reason": "",
+                                     "updated": time.time()})
+    finish("completed", EXIT_OK)
+
+
+if __name__ == "__main__":
+    main()
