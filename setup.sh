@@ -2,17 +2,28 @@
 # One-command set-up: a .venv with the pinned requirements (re-runs skip what is already installed),
 # flash-attn only where nvidia-smi finds a GPU, then a tiny forward pass to prove the install works.
 #
-#   bash setup.sh          runtime dependencies
-#   bash setup.sh --dev    plus the test tools (pytest, hypothesis, shellcheck)
+#   bash setup.sh                    runtime dependencies
+#   bash setup.sh --dev              plus the test tools (pytest, hypothesis, shellcheck)
+#   bash setup.sh --prefetch-c4 N    also download the first N C4 train shards and the 8 validation
+#                                    shards once (~320 MB each train shard) into --c4-dir (default data/c4)
 set -euo pipefail
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 
 DEV=0
+PREFETCH=0
+C4_DIR=data/c4
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dev) DEV=1 ;;
+    --prefetch-c4)
+      [[ ${2:-} =~ ^[0-9]+$ && $2 -ge 1 && $2 -le 1024 ]] ||
+        { echo "setup.sh: --prefetch-c4 needs a shard count from 1 to 1024" >&2; exit 2; }
+      PREFETCH=$2; shift ;;
+    --c4-dir)
+      [[ -n ${2:-} ]] || { echo "setup.sh: --c4-dir needs a folder" >&2; exit 2; }
+      C4_DIR=$2; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "setup.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -54,3 +65,23 @@ assert logits.shape == (1, 8, 256) and torch.isfinite(logits).all()
 cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "CPU only"
 print(f"setup.sh: ready (torch {torch.__version__}, {cuda}); try: bash run_experiments.sh --demo")
 PY
+
+if [[ $PREFETCH -gt 0 ]]; then
+  # huggingface_hub downloads under a file lock into a temporary file, renames it when complete and
+  # resumes partial downloads, so concurrent or interrupted prefetches are safe; HF_TOKEN is used if set
+  .venv/bin/python - "$PREFETCH" "$C4_DIR" <<'PY' || exit 6
+import sys
+from huggingface_hub import hf_hub_download
+
+count, folder = int(sys.argv[1]), sys.argv[2]
+names = [f"en/c4-train.{i:05d}-of-01024.json.gz" for i in range(count)]
+names += [f"en/c4-validation.{i:05d}-of-00008.json.gz" for i in range(8)]
+for number, name in enumerate(names, 1):
+    try:
+        hf_hub_download("allenai/c4", name, repo_type="dataset", local_dir=folder)
+    except Exception as error:
+        sys.exit(f"setup.sh: could not download {name} ({type(error).__name__}); rerun to resume")
+    print(f"setup.sh: C4 shard {number}/{len(names)} ready: {folder}/{name}", flush=True)
+print(f"setup.sh: train on the local copy with --data '{folder}/en/*.json.gz' (and HF_HUB_OFFLINE=1)")
+PY
+fi

@@ -102,6 +102,8 @@ class Config:
     tokenizer: str = "gpt2"
     data_seed: int = 1234
     data_streams: int = 8
+    prefetch: int = 4
+    data_timeout: float = 600.0
     shuffle_buffer: int = 1024
     # measurement
     eval_every: int = 500
@@ -165,7 +167,9 @@ HELP = dict(
     seed="model initialisation seed", data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
     "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
-    data_streams="disjoint virtual data streams; the number of processes must divide it", shuffle_buffer="documents in the shuffle buffer",
+    data_streams="disjoint virtual data streams; the number of processes must divide it",
+    prefetch="micro-batches read ahead by the background loader thread",
+    data_timeout="seconds without a batch before the run stops with exit 6 instead of hanging", shuffle_buffer="documents in the shuffle buffer",
     eval_every="steps between validation losses", eval_batches="micro-batches in the fixed validation set",
     metrics_every="steps between instability probes", layer_metrics_every="steps between per-layer gain lists",
     probe_sequences="held-out sequences in the fixed probe batch", log_every="steps between plain log lines",
@@ -214,7 +218,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def validate(cfg: Config) -> None:
     positive = ("depth", "width", "heads", "expansion", "seq_len", "batch_size", "steps", "sinkhorn_iters",
                 "eval_every", "eval_batches", "metrics_every", "layer_metrics_every", "probe_sequences",
-                "log_every", "ckpt_every", "keep_checkpoints", "data_streams")
+                "log_every", "ckpt_every", "keep_checkpoints", "data_streams", "prefetch",
+                "data_timeout")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
@@ -444,7 +449,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, mixing_out: list | None = None):
         positions = torch.arange(idx.shape[1], device=idx.device)
         h = self.wte(idx) + self.wpe(positions)
-        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.streams, h.shape[-1])   # expand once
+        # expand once; materialised, because a stride-0 stream dimension sends the first block's small
+        # batched matmuls down a slow per-token path (about 10x on CPU)
+        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.streams, h.shape[-1]).contiguous()
         for block in self.blocks:
             x = block(x, mixing_out)
         logits = self.lm_head(self.ln_f(x.sum(dim=-2)))                        # collapse once
@@ -549,6 +556,7 @@ GPT2_HASHES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0
                "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 C4_HUB = "hf://datasets/allenai/c4/en"
 C4_TRAIN_SHARDS, C4_VALIDATION_SHARDS = 1024, 8
+HUB_RETRIES, HUB_MAX_BACKOFF_S = 6, 60         # about two minutes of retries before exit 6
 
 
 class ByteTokenizer:
@@ -625,6 +633,7 @@ class DocumentStream:
     def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int):
         """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order."""
         self.files, self.rank, self.world, self.seed, self.buffer_size = files, rank, world, seed, buffer_size
+        self.remote = any(f.startswith("hf://") for f in files)
         self.epoch, self.position, self.buffer, self.skipped = 0, None, [], 0
         self.rng = torch.Generator().manual_seed((seed or 0) * 1_000_003 + rank)
 
@@ -641,20 +650,40 @@ class DocumentStream:
         return stream
 
     def __iter__(self):
+        failures = 0
         while True:
-            stream = self._open_epoch()
-            for row in _guarded(stream, self.files):
-                self.position = stream.state_dict()
-                text = parse_c4_line(row["text"])
-                if text is None:
-                    self.skipped += 1
-                    continue
-                self.buffer.append(text)
-                if len(self.buffer) > self.buffer_size:
-                    slot = int(torch.randint(len(self.buffer), (), generator=self.rng))
-                    self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
-                    yield self.buffer.pop()
+            try:
+                stream = self._open_epoch()
+                for row in stream:
+                    self.position, failures = stream.state_dict(), 0
+                    text = parse_c4_line(row["text"])
+                    if text is None:
+                        self.skipped += 1
+                        continue
+                    self.buffer.append(text)
+                    if len(self.buffer) > self.buffer_size:
+                        slot = int(torch.randint(len(self.buffer), (), generator=self.rng))
+                        self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
+                        yield self.buffer.pop()
+            except Exception as error:
+                failures += 1
+                self._wait_or_give_up(error, failures)
+                continue                       # reopen at the saved position: nothing read twice
             self.epoch, self.position = self.epoch + 1, None
+
+    def _wait_or_give_up(self, error: Exception, failures: int) -> None:
+        """Hub errors (429, 5xx, time-outs) are retried with exponential backoff and jitter, so that
+        eight ranks hitting a rate limit together do not retry together; local files are not retried."""
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if not self.remote:
+            raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
+        if failures > HUB_RETRIES or "Offline" in type(error).__name__:
+            raise DataUnavailable(f"C4 could not be streamed from the hub after {failures} attempt(s) ({cause}); "
+                                  "download shards once with `bash setup.sh --prefetch-c4 N` and pass their "
+                                  "glob to --data, or pass another local glob") from error
+        delay = min(HUB_MAX_BACKOFF_S, 2 ** failures) * random.Random().uniform(0.5, 1.5)
+        print(f"warning: hub read failed ({cause}); retry {failures}/{HUB_RETRIES} in {delay:.0f} s", file=sys.stderr)
+        time.sleep(delay)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "buffer": list(self.buffer),
@@ -666,50 +695,40 @@ class DocumentStream:
         self.skipped = state["skipped"]
 
 
-def _guarded(stream, files: list[str]):
-    """Rows of a stream; a shard that cannot be read at all becomes a one-line error, not a traceback."""
-    try:
-        yield from stream
-    except Exception as error:
-        if files and files[0].startswith("hf://"):
-            raise DataUnavailable(f"C4 could not be streamed from the hub ({type(error).__name__}: "
-                                  f"{str(error).splitlines()[0] if str(error) else ''}); prefetch shards with "
-                                  "`bash setup.sh --prefetch-c4 N` or pass a local glob to --data") from error
-        raise ConfigError(f"a data shard is unreadable ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else ''}); check the files of --data") from error
-
-
 class TokenWindows:
-    """Packs one document stream, documents separated by the end-of-text token, into seq_len + 1 windows."""
+    """Packs one document stream, documents separated by the end-of-text token, into seq_len + 1 windows.
+
+    Pending tokens live in a tensor that is replaced, never modified, so a state snapshot is just a
+    reference and an offset: the prefetch thread takes one after every batch."""
 
     def __init__(self, documents: DocumentStream, tokenizer, seq_len: int, docs_per_encode: int = 64):
         self.documents, self.tokenizer = documents, tokenizer
         self.window, self.docs_per_encode = seq_len + 1, docs_per_encode
-        self.tokens: list[int] = []
+        self.tokens, self.offset = torch.zeros(0, dtype=torch.long), 0
         self._docs = iter(documents)
 
     def _refill(self) -> None:
         texts = [text for _, text in zip(range(self.docs_per_encode), self._docs)]
         if not texts:
             raise ConfigError("the data stream holds no usable document")
-        for ids in self.tokenizer.encode_batch(texts):
-            self.tokens.extend(ids)
-            self.tokens.append(self.tokenizer.eot)
+        ids = [token for doc in self.tokenizer.encode_batch(texts) for token in (*doc, self.tokenizer.eot)]
+        self.tokens = torch.cat([self.tokens[self.offset:], torch.tensor(ids, dtype=torch.long)])
+        self.offset = 0
 
     def take(self, count: int) -> torch.Tensor:
         need = count * self.window
-        while len(self.tokens) < need:
+        while len(self.tokens) - self.offset < need:
             self._refill()
-        windows = torch.tensor(self.tokens[:need], dtype=torch.long).view(count, self.window)
-        del self.tokens[:need]
+        windows = self.tokens[self.offset:self.offset + need].view(count, self.window)
+        self.offset += need
         return windows
 
     def state_dict(self) -> dict:
-        return {"documents": self.documents.state_dict(), "tokens": torch.tensor(self.tokens, dtype=torch.int32)}
+        return {"documents": self.documents.state_dict(), "tokens": self.tokens, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
         self.documents.load_state_dict(state["documents"])
-        self.tokens = state["tokens"].tolist()
+        self.tokens, self.offset = state["tokens"], state["offset"]
         self._docs = iter(self.documents)
 
 
@@ -753,6 +772,63 @@ class RankBatches:
         self.cursor = states[0]["cursor"]
 
 
+class Prefetcher:
+    """Builds the next batches in a background thread, so the accelerator does not wait on reading and
+    tokenizing. Each batch travels with the loader state right after it: a checkpoint saves the state
+    of the last batch consumed, not of the ones read ahead. A stall longer than `timeout` raises."""
+
+    def __init__(self, batches: RankBatches, depth: int, timeout: float):
+        import queue
+        import threading
+        self.batches, self.timeout, self._queue_errors = batches, timeout, (queue.Empty, queue.Full)
+        self.state, self.waited = batches.state_dict(), 0.0
+        self.queue, self.stopping = queue.Queue(maxsize=depth), threading.Event()
+        self.thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
+        self.thread.start()
+
+    def _produce(self) -> None:
+        item = None
+        while not self.stopping.is_set():
+            if item is None:
+                try:
+                    item = (self.batches.next_batch(), self.batches.state_dict(), None)
+                except BaseException as error:             # handed to the consumer, raised there
+                    item = (None, None, error)
+            try:
+                self.queue.put(item, timeout=0.1)
+            except self._queue_errors[1]:
+                continue
+            if item[2] is not None:
+                return
+            item = None
+
+    def close(self) -> None:
+        """Stop the thread before the interpreter exits: a thread killed inside torch aborts the process."""
+        self.stopping.set()
+        self.thread.join(timeout=60)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
+        try:
+            batch, state, error = self.queue.get(timeout=self.timeout)
+        except self._queue_errors[0]:
+            raise DataUnavailable(f"the data loader delivered nothing for {self.timeout:.0f} s "
+                                  "(--data-timeout); the data source stalled") from None
+        finally:
+            self.waited += time.perf_counter() - started
+        if error is not None:
+            raise error
+        self.state = state
+        return batch
+
+    @property
+    def skipped(self) -> int:
+        return self.batches.skipped
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
 def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` windows of the held-out files in file order: the same for every run and every eval."""
     windows = TokenWindows(DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0), tokenizer, seq_len)
@@ -774,6 +850,12 @@ class Dist:
         return self.rank == 0
 
 
+# a healthy step, eval or checkpoint of the 2.5B model takes well under a minute; ten minutes
+# without progress means a rank is hung (a dead device, a stuck read), and the job should fail
+# and be requeued rather than hold a node. TRAIN_C4_STEP_TIMEOUT_S overrides it (tests).
+START_TIMEOUT_S, STEP_TIMEOUT_S = 30 * 60, 10 * 60
+
+
 def setup_distributed() -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -782,11 +864,27 @@ def setup_distributed() -> Dist:
         torch.cuda.set_device(device)
     if world > 1:
         import datetime
-        import torch.distributed as dist
-        # start-up waits for every rank to load data and compile; a healthy step never takes this long
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=30))
+        # start-up waits for every rank to stream its first documents, verify and load a checkpoint and
+        # compile: generous; shorten_timeout() tightens it once the first step has gone through
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                             timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     return Dist(rank, world, device)
+
+
+def shorten_timeout(dist: Dist) -> None:
+    """The short collective time-out for the steady state (what torchtitan does after its first step)."""
+    if dist.world > 1:
+        import datetime
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+        seconds = float(os.environ.get("TRAIN_C4_STEP_TIMEOUT_S", STEP_TIMEOUT_S))
+        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+def end_distributed() -> None:
+    """Only when every rank ends together (completed, diverged, interrupted): after a failure the process
+    just exits, since tearing down a group whose peer is gone can block."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def barrier(dist: Dist) -> None:
@@ -800,8 +898,64 @@ def all_ranks_sum(dist: Dist, values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def all_ranks_gather(dist: Dist, obj) -> list:
+    """Every rank's `obj` (small picklable values: file checksums, one-line problems), in rank order."""
+    if dist.world == 1:
+        return [obj]
+    gathered = [None] * dist.world
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
+class PeerFailed(TrainerError):
+    """This rank lost contact with the others because another rank failed first; the job exits with
+    that rank's code, so that the launcher acts on the root cause (halve the batch, fix the data...)."""
+
+    def __init__(self, reason: str, exit_code: int):
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
+def _failure_key(rank: int) -> str:
+    return f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed/{rank}"
+
+
+def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str]:
+    """The job's exit code and one-line reason for a failure seen on this rank.
+
+    A rank's own failure is written to the rendezvous store before the rank exits; the others only see
+    a closed connection (gloo), a time-out or torchrun's SIGTERM (NCCL), and a rank that lost contact
+    (code 5) reports the first failure another rank noted, naming that rank, with its exit code."""
+    if dist.world == 1 or not torch.distributed.is_initialized():
+        return code, reason
+    from torch.distributed.distributed_c10d import _get_default_store
+    with contextlib.suppress(Exception):                   # best effort: the store's host may be gone too
+        store = _get_default_store()
+        if code == EXIT_DEVICE:
+            for rank in range(dist.world):
+                if rank != dist.rank and store.check([_failure_key(rank)]):
+                    peer_code, peer_reason = json.loads(store.get(_failure_key(rank)))
+                    return peer_code, f"rank {rank} failed first: {peer_reason}"
+        store.set(_failure_key(dist.rank), json.dumps([code, reason]))
+    if code == EXIT_DEVICE and "lost contact" in reason:
+        reason += ("; no other rank reported an error: one was killed (out of host memory?) or is hung, "
+                   "see torchrun's summary and the ranks' logs")
+    return code, reason
+
+
+def _vectorise_scalars(model: nn.Module) -> None:
+    """FSDP2 shards dim 0 and refuses 0-d parameters (HC's s_a, s_b; mHC's gates): hold them as
+    1-element vectors, which broadcast exactly like the scalars in the coefficient code.
+    `consolidate` gives them back the model's own shapes."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0:
+                setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+
+
 def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Module:
-    """Activation checkpointing lives in the blocks; then compile per block; then DDP or FSDP2."""
+    """Activation checkpointing lives in the blocks; then compile per block; then DDP or FSDP2.
+    Build the optimizer after this: FSDP2 replaces every parameter by its sharded DTensor."""
     if cfg.compile:
         for block in model.blocks:
             block.compile()
@@ -811,11 +965,20 @@ def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Mo
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    _vectorise_scalars(model)
+    # bf16 weights in the forward on CUDA (compute_dtype), fp32 everywhere on the CPU; gradients are
+    # always reduced in fp32. No input casting: it would copy the probe's mixing_out list at every
+    # block (the probe would see nothing), and the embeddings already come out in the weights' dtype
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
 
 
 def unwrap(model: nn.Module) -> GPT:
@@ -826,6 +989,7 @@ def unwrap(model: nn.Module) -> GPT:
 # checkpointing: temp folder + marker with checksums + rename; the newest complete one is used
 
 MARKER = "COMPLETE.json"
+SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -851,12 +1015,15 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: int) -> None:
-    """Every rank passes the files it owns; the folder appears under its final name only when complete."""
+def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: int, sharded: dict | None = None) -> None:
+    """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
+    (`sharded`, written with torch.distributed.checkpoint into SHARDED/). The folder appears under its
+    final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included."""
     root = run_dir / "checkpoints"
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     if final.exists():
         return                                     # the same step, already saved before a resume
+    from torch.distributed.checkpoint import CheckpointException
     try:
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -865,29 +1032,39 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
         for name, obj in files.items():
             torch.save(obj, tmp / name)
             _fsync_path(tmp / name)
+        written = list(files)
+        if sharded is not None:
+            import torch.distributed.checkpoint as dcp
+            # collective; DCP's writer fsyncs its files. Its metadata names every file of every rank, so
+            # the marker does not depend on a directory listing (stale on network file systems)
+            metadata = dcp.save(sharded, checkpoint_id=tmp / SHARDED)
+            shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+            written += [f"{SHARDED}/{name}" for name in [".metadata", *shards][dist.rank::dist.world]]
         barrier(dist)
+        # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
+        digests = all_ranks_gather(dist, {name: _sha256(tmp / name) for name in written})
         if dist.is_main:
-            marker = {"step": step, "world_size": dist.world,
-                      "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())}}
+            marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
+                      "files": dict(sorted(item for part in digests for item in part.items()))}
             (tmp / MARKER).write_text(json.dumps(marker))
             _fsync_path(tmp / MARKER)
             os.replace(tmp, final)
             _fsync_path(root)
             for old in checkpoint_dirs(run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    except OSError as error:
+    except (OSError, CheckpointException) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise TrainerError(f"could not write checkpoint step-{step} ({error.strerror or error}); "
-                           "the previous checkpoint is intact, free disk space and rerun to resume") from error
+        cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+        raise TrainerError(f"could not write checkpoint step-{step} ({cause}); the previous checkpoint is "
+                           "intact, free disk space and rerun to resume") from error
     barrier(dist)
 
 
-def _checkpoint_problem(folder: Path) -> str | None:
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
+def _checkpoint_problem(folder: Path, marker: dict | None, dist: Dist) -> str | None:
+    """What is wrong with this rank's share of the files (the ranks share the hashing), or None."""
+    if marker is None:
         return "has no valid completion marker"
-    for name, digest in marker["files"].items():
+    for name, digest in list(marker["files"].items())[dist.rank::dist.world]:
         if not (folder / name).is_file():
             return f"is missing {name}"
         if _sha256(folder / name) != digest:
@@ -895,17 +1072,34 @@ def _checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
-def read_checkpoint(run_dir: Path, log) -> tuple[Path, dict] | None:
-    """Every file of the newest checkpoint that verifies and loads safely (weights_only); older ones as fallback."""
-    for folder in reversed(checkpoint_dirs(run_dir)):
-        problem = _checkpoint_problem(folder)
+def _read_marker(folder: Path) -> dict | None:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        return marker if isinstance(marker.get("files"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] | None:
+    """(folder, its top-level .pt files loaded safely (weights_only), its marker) for the newest
+    checkpoint that verifies, older ones as fallback; every rank takes the same decision. DCP's
+    files (format "sharded") are verified here and loaded by the caller."""
+    candidates = all_ranks_gather(dist, [d.name for d in checkpoint_dirs(run_dir)])[0]  # rank 0's listing
+    for name in reversed(candidates):
+        folder = run_dir / "checkpoints" / name
+        marker = _read_marker(folder)
+        problem = _checkpoint_problem(folder, marker, dist)
+        problem = next((p for p in all_ranks_gather(dist, problem) if p), None)
+        files = {}
         if problem is None:
-            names = json.loads((folder / MARKER).read_text())["files"]
             try:
-                return folder, {name: torch.load(folder / name, map_location="cpu", weights_only=True)
-                                for name in names}
+                files = {name: torch.load(folder / name, map_location="cpu", weights_only=True)
+                         for name in marker["files"] if "/" not in name}
             except Exception as error:                     # a crafted or damaged pickle lands here
                 problem = f"cannot be loaded safely ({type(error).__name__})"
+            problem = next((p for p in all_ranks_gather(dist, problem) if p), None)
+        if problem is None:
+            return folder, files, marker
         log(f"checkpoint {folder.name} {problem}; falling back to the previous one")
     return None
 
@@ -922,6 +1116,50 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def consolidate(source: Path, out: Path) -> str:
+    """Write one file with the model's weights from a checkpoint (FSDP's sharded ones included): a GPT
+    state_dict that torch.load(out, weights_only=True) reads without a process group. `source` is a
+    checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
+    if not (source / MARKER).exists() and (source / "checkpoints").is_dir():
+        found = read_checkpoint(source, Dist(0, 1, torch.device("cpu")), lambda line: print(line, file=sys.stderr))
+        if found is None:
+            raise ConfigError(f"{source} holds no complete checkpoint")
+        source = found[0]
+    marker = _read_marker(source)
+    problem = _checkpoint_problem(source, marker, Dist(0, 1, torch.device("cpu")))
+    if problem:
+        raise ConfigError(f"checkpoint {source} {problem}; pass another step-N folder")
+    run_dir = source.parent.parent
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())["config"]
+    except (OSError, ValueError, KeyError):
+        raise ConfigError(f"{run_dir / 'config.json'} is missing or unreadable: the model cannot be rebuilt") from None
+    cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Config)}})
+    if marker.get("format") == "sharded":
+        import torch.distributed.checkpoint as dcp
+        # read only the model's entries (not the optimizer's), in the shapes they were saved with
+        entries = dcp.FileSystemReader(source / SHARDED).read_metadata().state_dict_metadata
+        state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for key, meta in entries.items() if key.startswith("model.")}
+        wrapped = {"model": state}
+        dcp.load(wrapped, checkpoint_id=source / SHARDED, no_dist=True)
+        state = wrapped["model"]
+    else:
+        state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
+    with torch.device("meta"):
+        reference = GPT(cfg).state_dict()
+    state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
+    if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
+        raise ConfigError(f"checkpoint {source} does not match the model of {run_dir / 'config.json'}")
+    # the model's own shapes again: FSDP held its scalars as 1-element vectors
+    state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return f"{out}: {sum(t.numel() for k, t in state.items() if k != 'lm_head.weight'):,} parameters of {cfg.residual} " \
+           f"depth {cfg.depth} from {source}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1150,7 +1388,7 @@ class Trainer:
     dist: Dist
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    batches: RankBatches
+    batches: RankBatches | Prefetcher
     val: tuple[torch.Tensor, torch.Tensor]
     micro: int
     accum: int
@@ -1162,6 +1400,7 @@ class Trainer:
     step: int = 0
     tokens: int = 0
     wandb_run: object = None
+    steady: bool = False        # past the first step: the short collective time-out applies
 
     def autocast(self):
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
@@ -1180,6 +1419,8 @@ class Trainer:
                     _, loss = self.model(x, y)
                 if inject and inject[0] == "loss" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
                     loss = loss * float("nan")
+                if inject and inject[0] == "hang" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
+                    time.sleep(24 * 3600)    # a stuck rank: the others must time out, not wait forever
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
         if inject and inject[0] == "grad" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
@@ -1197,6 +1438,9 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         # the one host synchronisation of a step: divergence must be caught before the update is applied
         loss, stop_votes, norm = torch.cat([loss_and_stop, grad_norm.reshape(1).to(loss_and_stop)]).tolist()
+        if not self.steady:
+            shorten_timeout(self.dist)       # every rank has data, compiled code and working communicators
+            self.steady = True
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
             self.log.metrics({"step": self.step + 1, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": norm})
@@ -1227,21 +1471,46 @@ class Trainer:
         return instability_probe(self.model, probe_idx, self.autocast, with_layers)
 
     def save(self) -> None:
+        """Every rank: its data-loader and RNG state. Model and optimizer: rank 0 writes them whole
+        (one process, DDP), or every rank writes its shards with torch.distributed.checkpoint (FSDP)."""
         files = {f"rank{self.dist.rank}.pt": {"data": self.batches.state_dict(), "rng": rng_state()}}
+        sharded = None
+        if is_sharded(self.model):
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            sharded = {"model": model_state, "optimizer": optimizer_state}
         if self.dist.is_main:
-            files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict(),
-                      "train_state.pt": {"step": self.step, "tokens": self.tokens}}
-        write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints)
+            files["train_state.pt"] = {"step": self.step, "tokens": self.tokens}
+            if sharded is None:
+                files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
+        write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded)
         if self.batches.skipped:
             self.log.info(f"data: {self.batches.skipped} malformed or empty lines skipped so far")
 
     def restore(self) -> None:
-        found = read_checkpoint(self.run_dir, self.log.info)
+        """Called after wrapping: FSDP loads its shards in place, resharded to this world size."""
+        found = read_checkpoint(self.run_dir, self.dist, self.log.info)
         if found is None:
             return
-        folder, files = found
-        unwrap(self.model).load_state_dict(files["model.pt"])
-        self.optimizer.load_state_dict(files["optimizer.pt"])
+        folder, files, marker = found
+        saved_sharded = marker.get("format") == "sharded"
+        if saved_sharded != is_sharded(self.model):
+            fix = ("resume it under torchrun with --parallel fsdp (any number of processes), or export the "
+                   "weights with `python train_c4.py --consolidate CHECKPOINT OUT.pt`" if saved_sharded else
+                   "resume it with one process or --parallel ddp")
+            raise ConfigError(f"checkpoint {folder} holds {'sharded (FSDP)' if saved_sharded else 'whole'} model "
+                              f"and optimizer state, this run is {'FSDP' if is_sharded(self.model) else 'not FSDP'}; {fix}")
+        if saved_sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            dcp.load(state, checkpoint_id=folder / SHARDED)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        else:
+            unwrap(self.model).load_state_dict(files["model.pt"])
+            self.optimizer.load_state_dict(files["optimizer.pt"])
         ranks = [state for name, state in sorted(files.items()) if name.startswith("rank")]
         self.batches.load_state_dict([state["data"] for state in ranks])
         own = files.get(f"rank{self.dist.rank}.pt")
@@ -1250,13 +1519,13 @@ class Trainer:
         self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
         self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
 
-    def record(self, loss: float, norm: float, lr: float, seconds: float) -> dict:
+    def record(self, loss: float, norm: float, lr: float, seconds: float, data_wait: float) -> dict:
         tokens_per_s = self.cfg.batch_size * self.cfg.seq_len / seconds
         mem = torch.cuda.max_memory_allocated(self.dist.device) / 1e9 if self.dist.device.type == "cuda" else None
         mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world) if self.peak_flops else None
         return {"step": self.step, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": norm,
                 "clipped": bool(self.cfg.grad_clip and norm > self.cfg.grad_clip), "tokens": self.tokens,
-                "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_peak_gb": mem}
+                "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_peak_gb": mem, "data_wait_share": data_wait / seconds}
 
     def measurements(self) -> dict:
         """The probe and the validation loss, at their own intervals (and always at the last step)."""
@@ -1273,11 +1542,12 @@ class Trainer:
         if self.step == 0:
             self.log.metrics({"step": 0, "time": time.time(), **self.probe(with_layers=True)})
         while self.step < self.cfg.steps:
-            started, lr = time.perf_counter(), lr_at(self.cfg, self.step)
+            started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.batches.waited
             loss, norm, stopping = self.optimizer_step(stop, inject)
             self.step += 1
             self.tokens += self.cfg.batch_size * self.cfg.seq_len
-            record = self.record(loss, norm, lr, time.perf_counter() - started) | self.measurements()
+            seconds = time.perf_counter() - started
+            record = self.record(loss, norm, lr, seconds, self.batches.waited - waited) | self.measurements()
             self.log.metrics(record)
             if self.wandb_run is not None:
                 self.wandb_run.log(record, step=self.step)
@@ -1328,15 +1598,15 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     val = fixed_sequences(val_files, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg, use_flash).to(dist.device)
+    wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                                   fused=dist.device.type == "cuda")
     batches = RankBatches(train_files, tokenizer, cfg, dist.rank, dist.world, micro)
     params = count_parameters(cfg)
-    trainer = Trainer(cfg, dist, model, optimizer, batches, val,
+    trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir, gpu_peak_flops(dist.device),
                       flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
-    trainer.model = wrap_model(model, cfg, dist, dtype)
     record = run_record(cfg, micro, dist, dtype, use_flash, params)
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)
@@ -1362,6 +1632,7 @@ def announce(trainer: Trainer, params: dict, record: dict) -> None:
 def train(cfg: Config) -> None:
     dist = setup_distributed()
     trainer = build_trainer(cfg, dist)
+    trainer.batches = Prefetcher(trainer.batches, cfg.prefetch, cfg.data_timeout)
     log, stop = trainer.log, StopRequest()
     log.open_metrics(keep_through_step=trainer.step)
     log.status("running", trainer.step)
@@ -1375,9 +1646,19 @@ def train(cfg: Config) -> None:
         log.status("interrupted", trainer.step, EXIT_INTERRUPTED, str(error))
         raise
     except BaseException as error:
-        code, reason = classify_failure(error, trainer.micro)
-        log.status("failed", trainer.step, code, reason)
+        own = classify_failure(error, trainer.micro)
+        code, reason = rank_failure(dist, *own)
+        status = reason if dist.world == 1 else f"rank {dist.rank}: {reason}"
+        if dist.world > 1 and not dist.is_main and (code, reason) == own:
+            # this rank failed first; rank 0 may be killed by torchrun before it can record why
+            write_json_atomic(trainer.run_dir / "status.json", {"state": "failed", "step": trainer.step,
+                              "exit_code": code, "reason": status, "updated": time.time()})
+        log.status("failed", trainer.step, code, status)
+        if (code, reason) != own:
+            raise PeerFailed(reason, code) from error
         raise
+    finally:
+        trainer.batches.close()
     log.status("completed", trainer.step, EXIT_OK)
     log.info(f"completed {trainer.step} steps; run folder {trainer.run_dir}")
     if trainer.wandb_run is not None:
@@ -1393,8 +1674,13 @@ def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]
     if isinstance(error, torch.OutOfMemoryError):
         return EXIT_OOM, f"out of memory at micro-batch {micro}; retry with --micro-batch-size {max(1, (micro or 2) // 2)}"
     text = str(error)
-    if isinstance(error, RuntimeError) and any(key in text for key in ("CUDA error", "NCCL", "cuDNN", "Gloo")):
-        return EXIT_DEVICE, f"device or communication error: {text.splitlines()[0]}"
+    if isinstance(error, RuntimeError) and "gloo/transport" in text:
+        # a peer closed its connection or did not answer within the time-out: gloo's message, minus its source path
+        cause = text.splitlines()[0].split("] ", 1)[-1].split(". This is typically")[0]
+        return EXIT_DEVICE, f"lost contact with the other ranks ({cause})"
+    if isinstance(error, torch.distributed.DistError) or (
+            isinstance(error, RuntimeError) and any(key in text for key in ("CUDA error", "NCCL", "cuDNN", "Gloo"))):
+        return EXIT_DEVICE, f"device or communication error: {text.splitlines()[0] if text else type(error).__name__}"
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted before the first step"
     return 1, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
@@ -1421,19 +1707,47 @@ def check_injected_device_fault() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    dist = Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), torch.device("cpu"))
     try:
+        if "--consolidate" in argv:
+            print(consolidate(*consolidate_arguments(argv)))
+            return EXIT_OK
         cfg = parse_config(argv)
         if cfg.estimate:
             print_estimate(cfg)
         else:
             train(cfg)
+        end_distributed()
         return EXIT_OK
     except BaseException as error:
         code, reason = classify_failure(error, None)
+        if not isinstance(error, (PeerFailed, Diverged, Interrupted)):
+            code, reason = rank_failure(dist, code, reason)
+        if isinstance(error, (Diverged, Interrupted)):
+            end_distributed()                # every rank stops at the same step: a clean shutdown
         if code == 1 and not isinstance(error, (TrainerError, SystemExit)):
             raise
-        print(f"error: {reason}", file=sys.stderr)
+        print(f"error: {'' if dist.world == 1 else f'rank {dist.rank}: '}{reason}", file=sys.stderr)
+        if dist.world > 1:
+            # torchrun sends SIGTERM to every other rank as soon as one exits non-zero, and Python restores
+            # the default handler while it shuts down: a rank a few ms behind would be reported as killed
+            # (-15) instead of with its own exit code
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return code
+
+
+def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
+    parser = _OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
+                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
+                                 "process group: torch.load(OUT, weights_only=True) -> GPT.load_state_dict.")
+    parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
+                        help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
+                        "complete checkpoint), and the .pt file to write")
+    source, out = parser.parse_args(argv).consolidate
+    if not Path(source).is_dir():
+        raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
+    return Path(source), Path(out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""Tokens per second that one process's data loader delivers (read gzip shards, parse, shuffle,
+tokenize with GPT-2 BPE, pack into windows), against what one H100 consumes at depth 32.
+
+    python benchmarks/bench_loader.py [--data sample] [--seconds 20] [--streams 8] [--record]
+"""
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import train_c4 as T  # noqa: E402
+
+H100_BF16_PEAK, REALISTIC_MFU = 989e12, 0.40
+
+
+def gpu_tokens_per_second(depth: int) -> float:
+    """What one H100 consumes at a realistic 40% MFU for the C4 model of this depth."""
+    cfg = T.parse_config(["--depth", str(depth)])
+    flops = T.flops_per_token(cfg, T.count_parameters(cfg)["non_embedding"])
+    return H100_BF16_PEAK * REALISTIC_MFU / flops
+
+
+def measure(data: str, streams: int, seconds: float, micro: int, prefetch: bool) -> float:
+    train_files, _ = T.resolve_data_files(data)
+    cfg = T.parse_config(["--data", data, "--data-streams", str(streams), "--batch-size", str(streams * micro),
+                          "--micro-batch-size", str(micro)])
+    loader = T.RankBatches(train_files, T.GPT2Tokenizer(), cfg, rank=0, world=1, micro=micro)
+    if prefetch:
+        loader = T.Prefetcher(loader, depth=cfg.prefetch, timeout=cfg.data_timeout)
+    for _ in range(streams):                       # warm-up: every stream opened and its buffer filled
+        loader.next_batch()
+    started, batches = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        loader.next_batch()
+        batches += 1
+    elapsed = time.perf_counter() - started
+    if prefetch:
+        loader.close()
+    return batches * micro * cfg.seq_len / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="sample")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--record", action="store_true", help="append the result to docs/benchmarks.md")
+    args = parser.parse_args()
+    delivered = measure(args.data, args.streams, args.seconds, args.micro, prefetch=True)
+    consumed = gpu_tokens_per_second(32)
+    line = (f"| {time.strftime('%Y-%m-%d')} | {platform.machine()}, {os.cpu_count()} cores | "
+            f"`python benchmarks/bench_loader.py --data {args.data} --seconds {args.seconds:g}` | "
+            f"{delivered:,.0f} | {consumed:,.0f} | {delivered / consumed:.1f}x |")
+    print(f"loader: {delivered:,.0f} tokens/s per process (GPT-2 BPE, {args.streams} streams, prefetch thread)")
+    print(f"one H100 at depth 32 and 40% MFU consumes {consumed:,.0f} tokens/s: ratio {delivered / consumed:.1f}x")
+    if args.record:
+        with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The data section: disjoint virtual streams, exact resume through the prefetch thread, hub failures."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_c4 as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_shards(folder, shards=4, docs=30, prefix="c4-train"):
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard in range(shards):
+        with gzip.open(folder / f"{prefix}.{shard:05d}-of-{shards:05d}.json.gz", "wt") as f:
+            for doc in range(docs):
+                f.write(json.dumps({"text": f"doc-{shard}-{doc} " * 5, "timestamp": "2019-04-25T12:00:00Z",
+                                    "url": f"https://example.com/{shard}/{doc}"}) + "\n")
+    return sorted(str(p) for p in folder.glob(f"{prefix}*"))
+
+
+def one_epoch(stream):
+    documents = []
+    for text in stream:
+        documents.append(text.split()[0])
+        if stream.epoch > 0:
+            break
+    return documents[:-1] + stream.buffer                    # what was yielded, plus what the buffer holds
+
+
+@pytest.mark.parametrize("shards", [4, 3])                  # whole shards per stream, or every 4th line
+def test_streams_read_disjoint_documents_whose_union_is_everything(tmp_path, shards):
+    files = write_shards(tmp_path, shards=shards)
+    per_stream = [one_epoch(T.DocumentStream(files, rank=v, world=4, seed=3, buffer_size=5)) for v in range(4)]
+    everything = [d for stream in per_stream for d in stream]
+    assert len(everything) == len(set(everything)) == shards * 30
+
+
+def test_resume_through_the_prefetch_thread_is_exact_after_three_resumes(tmp_path):
+    files = write_shards(tmp_path)
+    cfg = T.parse_config(["--preset", "tiny", "--seq-len", "16", "--data-streams", "2", "--shuffle-buffer", "8"])
+
+    def fresh():
+        return T.RankBatches(files, T.ByteTokenizer(), cfg, rank=0, world=1, micro=2)
+
+    reference = fresh()
+    expected = [reference.next_batch()[0] for _ in range(80)]
+    seen, state = [], None
+    for segment in range(4):
+        batches = fresh()
+        if state is not None:
+            batches.load_state_dict([state])
+        loader = T.Prefetcher(batches, depth=4, timeout=30)
+        seen += [loader.next_batch()[0] for _ in range(20)]
+        time.sleep(0.05)                                     # let the thread read ahead of what was consumed
+        state = loader.state_dict()
+        loader.close()
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected))
+
+
+def test_a_stalled_loader_raises_instead_of_hanging():
+    class Stalled:
+        skipped = 0
+
+        def next_batch(self):
+            time.sleep(60)
+
+        def state_dict(self):
+            return {}
+
+    loader = T.Prefetcher(Stalled(), depth=1, timeout=0.5)
+    with pytest.raises(T.DataUnavailable, match="--data-timeout"):
+        loader.next_batch()
+
+
+def test_hub_errors_are_retried_with_backoff_from_the_saved_position(tmp_path, monkeypatch):
+    files = write_shards(tmp_path, shards=1)
+    stream = T.DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
+    stream.remote = True
+    opened, delays = [], []
+    real_open = stream._open_epoch
+
+    def flaky_open():
+        opened.append(stream.position)
+        if len(opened) in (2, 3):
+            raise ConnectionError("429 Too Many Requests")
+        return real_open()
+
+    monkeypatch.setattr(stream, "_open_epoch", flaky_open)
+    monkeypatch.setattr(T.time, "sleep", delays.append)
+    first = [text for _, text in zip(range(10), stream)]
+    assert len(opened) == 1
+    # the connection drops: the next read reopens twice in vain (429), then continues where it stopped
+    documents = iter(stream)
+    rest = [next(documents) for _ in range(20)]
+    assert [d.split()[0] for d in first + rest] == [f"doc-0-{i}" for i in range(30)]
+    assert len(delays) == 2 and 1 <= delays[0] <= 3 and 2 <= delays[1] <= 6   # 2^k s with +-50 % jitter
+
+
+def test_hub_gives_up_with_exit_6_after_the_retries(tmp_path, monkeypatch):
+    stream = T.DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
+    stream.remote = True
+    monkeypatch.setattr(stream, "_open_epoch", lambda: (_ for _ in ()).throw(TimeoutError("read timed out")))
+    monkeypatch.setattr(T.time, "sleep", lambda seconds: None)
+    with pytest.raises(T.DataUnavailable, match="after 7 attempt"):
+        next(iter(stream))
+
+
+def test_offline_hub_fails_fast_with_exit_6_and_a_way_out(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    started = time.time()
+    result = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), "--data", "c4", "--tokenizer", "byte",
+                             "--preset", "tiny", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 6
+    assert "--prefetch-c4" in result.stderr and "local glob" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and time.time() - started < 60
+
+
+def test_validation_set_is_fixed_whatever_the_model_seed():
+    _, val_files = T.resolve_data_files("sample")
+    first = T.fixed_sequences(val_files, T.ByteTokenizer(), seq_len=32, count=6)
+    torch.manual_seed(123)
+    second = T.fixed_sequences(val_files, T.ByteTokenizer(), seq_len=32, count=6)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert bytes(first[0][0].tolist()).decode().startswith("As You Like It")
