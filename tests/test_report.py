@@ -417,3 +417,21 @@ def test_reading_is_streaming_and_fast(tmp_path):
     elapsed = time.perf_counter() - start
     assert row.stats["peak_fwd"].mean == pytest.approx(2.0)
     assert elapsed < 3.0, f"reading 10k lines took {elapsed:.2f} s"
+
+
+def test_two_real_tiny_runs_are_reported(tmp_path):
+    """The trainer's own output, not a hand-written imitation, goes through the report."""
+    runs = tmp_path / "runs"
+    for residual in ("hc", "mhc"):
+        result = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), "--preset", "tiny", "--residual", residual,
+                                 "--out", str(runs)], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert report.main([str(runs), "--out", str(tmp_path / "report")]) == 0
+    rows = {row.method: row for row in report.collect(runs)}
+    assert set(rows) == {"hc", "mhc"} and all(row.depth == 2 for row in rows.values())
+    mhc_metrics = [json.loads(line) for line in (runs / "mhc_d2_s42" / "metrics.jsonl").read_text().splitlines()]
+    peak = max(m["amax_fwd"] for m in mhc_metrics if "amax_fwd" in m)
+    assert table_cells(tmp_path / "report", "mHC", 2)["peak amax_fwd"].startswith(f"{peak:.3f}"[:4])
+    for png in ("amax.png", "loss.png", "grad_norm.png", "layer_gains.png"):
+        data = (tmp_path / "report" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
