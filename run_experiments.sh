@@ -28,6 +28,8 @@
 #   RUN_EXPERIMENTS_MAX_REQUEUES  most requeues of one job after exit 75 or a device error (default 10).
 #   RUN_EXPERIMENTS_STOP_TIMEOUT  seconds jobs get to save a checkpoint after Ctrl-C/SIGTERM before
 #                                 they are killed (default 600; a second Ctrl-C kills at once).
+#   RUN_EXPERIMENTS_CALIBRATE_STEPS  steps of each calibration run of --calibrate (default 10, at least 4);
+#                                 the first third is warm-up (compilation, allocator) and not timed.
 #
 # Kept in bash for process control; JSON is read by a few lines of Python (json_get, scan_runs).
 
@@ -73,7 +75,12 @@ Failures:
 
 Output and modes:
   --out DIR            run folders, matrix.log (default runs)
-  --dry-run            print the plan (every job, slot, micro-batch, global batch, command); run and write nothing
+  --dry-run            print the plan (every job, slot, micro-batch, global batch, time, command), the wall
+                       time of the queue and its cost; run and write nothing. Times come from the FLOP count
+                       at 40% of the GPU's bf16 peak unless --calibrate
+  --calibrate          with --dry-run: first time a few steps of each distinct method x depth on the slots
+                       (RUN_EXPERIMENTS_CALIBRATE_STEPS, in a temporary folder) and estimate from those
+  --price-per-gpu-hour USD  for the cost of the dry run's estimate (default 2.49)
   --summary            print the state of the matrix and the results table (report.py); run nothing else
   -h, --help           this help
 
@@ -100,13 +107,13 @@ EOF
 die_usage() {
     echo "$PROG: error: $1" >&2
     echo "Usage: bash $PROG [--full|--quick|--demo] [--methods L] [--depths L] [--seeds L] [--steps N] [--gpus L]" >&2
-    echo "       [--exclude-gpus L] [--gpus-per-run K] [--stagger S] [--max-retries N] [--out DIR] [--dry-run] [--summary] [-- flags]" >&2
+    echo "       [--exclude-gpus L] [--gpus-per-run K] [--stagger S] [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--price-per-gpu-hour USD]] [--summary] [-- flags]" >&2
     echo "Try 'bash $PROG --help' for more." >&2
     exit "$EXIT_USAGE"
 }
 
 MODE=""; METHODS=""; DEPTHS=""; SEEDS=""; STEPS=""; GPU_LIST=""; EXCLUDE=""; GPUS_PER_RUN=1
-STAGGER=15; MAX_RETRIES=2; OUT="runs"; DRY_RUN=0; SUMMARY_ONLY=0; EXTRA=()
+STAGGER=15; MAX_RETRIES=2; OUT="runs"; DRY_RUN=0; SUMMARY_ONLY=0; EXTRA=(); CALIBRATE=0; PRICE=2.49
 
 set_mode() {
     [[ -z $MODE || $MODE == "$1" ]] || die_usage "choose one of --full, --quick, --demo"
@@ -123,8 +130,9 @@ while (($#)); do
         -h|--help) usage; exit "$EXIT_OK" ;;
         --full|--quick|--demo) set_mode "${arg#--}"; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
+        --calibrate) CALIBRATE=1; shift ;;
         --summary) SUMMARY_ONLY=1; shift ;;
-        --methods|--depths|--seeds|--steps|--gpus|--exclude-gpus|--gpus-per-run|--stagger|--max-retries|--out)
+        --methods|--depths|--seeds|--steps|--gpus|--exclude-gpus|--gpus-per-run|--stagger|--max-retries|--out|--price-per-gpu-hour)
             (($# >= 2)) || die_usage "$arg needs a value"
             case $arg in
                 --methods) METHODS=$2 ;;        --depths) DEPTHS=$2 ;;
@@ -132,6 +140,7 @@ while (($#)); do
                 --gpus) GPU_LIST=$2 ;;          --exclude-gpus) EXCLUDE=$2 ;;
                 --gpus-per-run) GPUS_PER_RUN=$2 ;;  --stagger) STAGGER=$2 ;;
                 --max-retries) MAX_RETRIES=$2 ;;    --out) OUT=$2 ;;
+                --price-per-gpu-hour) PRICE=$2 ;;
             esac
             shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
@@ -164,6 +173,12 @@ split_list SEED_ARR "$SEEDS" '[0-9]+' "--seeds (non-negative integers)"
 [[ $GPUS_PER_RUN =~ ^[1-9][0-9]*$ ]] || die_usage "--gpus-per-run must be a positive integer, not '$GPUS_PER_RUN'"
 [[ $MAX_RETRIES =~ ^[0-9]+$ ]] || die_usage "--max-retries must be a non-negative integer, not '$MAX_RETRIES'"
 [[ -n $OUT ]] || die_usage "--out must not be empty"
+[[ $PRICE =~ ^[0-9]+(\.[0-9]+)?$ ]] || die_usage "--price-per-gpu-hour must be a number of dollars, not '$PRICE'"
+((!CALIBRATE || DRY_RUN)) || die_usage "--calibrate goes with --dry-run (it times the matrix before you start it)"
+CALIBRATE_STEPS=${RUN_EXPERIMENTS_CALIBRATE_STEPS:-10}
+if [[ ! $CALIBRATE_STEPS =~ ^[0-9]+$ ]] || ((CALIBRATE_STEPS < 4)); then
+    die_usage "RUN_EXPERIMENTS_CALIBRATE_STEPS must be an integer >= 4, not '$CALIBRATE_STEPS'"
+fi
 GPU_ARG=(); EXCLUDE_ARR=()
 if [[ -n $GPU_LIST ]]; then
     split_list GPU_ARG "$GPU_LIST" '[0-9]+' "--gpus (GPU indices)"
@@ -501,12 +516,159 @@ PYEOF
 }
 real_trainer() { [[ -z ${RUN_EXPERIMENTS_TRAINER:-} && -f $ROOT/train_c4.py ]]; }
 
+# --calibrate: CALIBRATE_STEPS steps of each distinct method x depth into a temporary folder, side by side on
+# the slots as in the matrix; the trainer times its own steps (tokens_per_s in metrics.jsonl).
+calibrate() {   # calibrate DIR -> DIR/{method}_d{depth}/metrics.jsonl, DIR/{method}_d{depth}.log
+    local dir=$1 run key slot i=0 k rc pids=() keys=()
+    local -A started=()
+    for run in "${JOBS[@]}" ""; do
+        if [[ -n $run && ${J_STATE[$run]} != skipped_* ]]; then
+            key="${J_METHOD[$run]}_d${J_DEPTH[$run]}"
+            [[ -z ${started[$key]:-} ]] || continue
+            started[$key]=1
+            build_cmd "$run"
+            # last, so that they win: a throw-away run, no W&B, evaluation and checkpoint only at its end
+            CMD+=(--out "$dir" --run-name "$key" --steps "$CALIBRATE_STEPS" --resume never --wandb disabled
+                --eval-every "$CALIBRATE_STEPS" --metrics-every "$CALIBRATE_STEPS" --ckpt-every "$CALIBRATE_STEPS")
+            slot=$(slot_label $((i % nslots)))
+            [[ $slot != cpu ]] || slot=""
+            echo "Calibrating $key on ${slot:+GPU }${slot:-the CPU}: $CALIBRATE_STEPS steps"
+            CUDA_VISIBLE_DEVICES=$slot "${CMD[@]}" >"$dir/$key.log" 2>&1 </dev/null &
+            pids+=($!); keys+=("$key"); i=$((i + 1))
+        fi
+        # a wave fills every slot once; the last one may be partial
+        if ((${#pids[@]} == nslots)) || [[ -z $run && ${#pids[@]} -gt 0 ]]; then
+            for k in "${!pids[@]}"; do
+                wait "${pids[k]}"; rc=$?
+                ((rc == 0)) || echo "  calibration of ${keys[k]} exited $rc: $(tail -n 2 "$dir/${keys[k]}.log" | tr '\n' ' ')"
+            done
+            pids=(); keys=()
+        fi
+    done
+}
+
+# Time and cost of the matrix for the dry run, in one Python call: per job the micro-batch the trainer will use
+# ('auto' resolved by its memory plan) and the time of its remaining steps; then the wall time of the queue
+# (list scheduling, the way the launcher starts jobs) and what the node costs for it.
+declare -A PLAN_MICRO=() PLAN_TIME=()
+PLAN_SUMMARY=()
+plan_matrix() {   # plan_matrix CALIBRATION_DIR_OR_EMPTY GPU_MODEL -> PLAN_MICRO, PLAN_TIME, PLAN_SUMMARY
+    local args=() run kind name micro time line
+    for run in "${JOBS[@]}"; do
+        [[ ${J_STATE[$run]} == skipped_* ]] && continue
+        build_cmd "$run"
+        args+=(::job "$run" "${PREV_STEP[$run]:--}" "${CMD[@]:${#TRAINER_BASE[@]}}")
+    done
+    while IFS= read -r line; do
+        read -r kind name micro time <<<"$line"
+        if [[ $kind == job ]]; then
+            PLAN_MICRO[$name]=$micro; PLAN_TIME[$name]=$time
+        else
+            PLAN_SUMMARY+=("${line#text }")
+        fi
+    done < <(PYTHONDONTWRITEBYTECODE=1 "$PY" - "$ROOT" "$nslots" "$GPUS_PER_RUN" "$STAGGER" "$PRICE" \
+        "$((CPU_MODE ? 0 : ${#GPUS[@]}))" "$2" "$1" "$CALIBRATE_STEPS" "${args[@]}" 2>&1 <<'PYEOF'
+import json, statistics, sys, warnings
+warnings.simplefilter("ignore")
+root, slots, per_run, stagger, price, ngpus, gpu, calibration, steps = sys.argv[1:10]
+slots, per_run, stagger, price, ngpus, steps = int(slots), int(per_run), float(stagger), float(price), int(ngpus), int(steps)
+warmup = steps // 3                   # not timed: compilation, autotuning, the allocator growing
+sys.path.insert(0, root)
+import train_c4 as T
+jobs = []
+for word in sys.argv[10:]:
+    jobs.append([]) if word == "::job" else jobs[-1].append(word)
+
+
+def human(seconds):
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def measured(key):   # the median tokens/s of the timed steps of the calibration run, or None
+    try:
+        with open(f"{calibration}/{key}/metrics.jsonl") as f:
+            rates = [r["tokens_per_s"] for r in map(json.loads, f) if r.get("tokens_per_s") and r["step"] > warmup]
+    except (OSError, ValueError):
+        rates = []
+    return statistics.median(rates) if rates else None
+
+
+peak = None if gpu == "cpu" else next((p for k, p in T.GPU_PEAK_BF16_FLOPS.items() if k in gpu), None)
+guessed = gpu != "cpu" and peak is None
+peak = T.GPU_PEAK_BF16_FLOPS["H100"] if guessed else peak
+micros, rates, durations = {}, {}, []
+for run, done, *args in jobs:
+    try:
+        cfg = T.parse_config(args)
+    except T.TrainerError as error:
+        print(f"text {run}: train_c4.py rejects its flags: {error}")
+        continue
+    key, micro = f"{cfg.residual}_d{cfg.depth}", cfg.micro_batch_size
+    if (key, micro) not in micros:      # auto: resolved as the trainer will, by the memory plan on a GPU
+        try:
+            micros[key, micro] = (micro if micro != "auto" else T.cpu_auto_micro_batch(cfg, per_run) if gpu == "cpu"
+                                  else T.auto_micro_batch(cfg, per_run)[0])
+        except T.ConfigError:
+            micros[key, micro] = "none-fits"
+    if key not in rates:
+        rate = measured(key) if calibration else None
+        if rate is None and peak:
+            numels = T.parameter_numels(cfg)      # the meta model auto_micro_batch already built
+            flops = T.flops_per_token(cfg, numels["total"] - numels["wte.weight"] - numels["wpe.weight"])
+        rates[key] = (rate, True) if rate else (T.ASSUMED_MFU * peak * per_run / flops if peak else None, False)
+    rate = rates[key][0]
+    tokens = max(0, cfg.steps - (int(done) if done.isdigit() else 0)) * cfg.batch_size * cfg.seq_len
+    durations.append(tokens / rate if rate else None)
+    print("job", run, micros[key, micro], human(durations[-1]) if rate else "-")
+if calibration:
+    print(f"text Times from --calibrate: the median tokens/s of steps {warmup + 1}-{steps} of each configuration, "
+          f"measured just now on {'the CPU' if gpu == 'cpu' else gpu or 'the GPUs'} (start-up, compilation and warm-up "
+          "excluded):")
+    for key, (rate, calibrated) in rates.items():
+        print(f"text   {key}: " + (f"{rate:,.0f} tokens/s" if calibrated else "no timed step (see above)"))
+if peak and not all(calibrated for _, calibrated in rates.values()):
+    print(f"text Times from the FLOP count: {T.ASSUMED_MFU:.0%} MFU of the {peak / 1e12:.0f} TFLOP/s dense bf16 peak of "
+          + ("an H100, assumed (nvidia-smi names no GPU)" if guessed else gpu) + f", {per_run} GPU(s) per run. HC and "
+          "mHC also mix their n streams, work the FLOP count leaves out: expect them slower (--calibrate measures)")
+if None in durations:
+    print("text Wall time: unknown without --calibrate (no GPU peak to assume for jobs on the CPU)")
+    sys.exit()
+wall, total = T.queue_schedule(durations, slots, stagger), sum(durations)
+print(f"text Wall time: {len(durations)} job(s) on {slots} slot(s), each started in queue order on the first free "
+      f"slot, launches {stagger:g} s apart: {human(wall)} (the jobs add up to {human(total)}; evaluation, probes, "
+      "checkpoints, start-up and retries not included)")
+if ngpus:
+    print(f"text Cost at ${price:.2f} per GPU-hour: {ngpus} GPU(s) x {wall / 3600:.1f} h = "
+          f"${ngpus * wall / 3600 * price:,.0f} for the node; the jobs themselves use "
+          f"{per_run * total / 3600:,.0f} GPU-hours (${per_run * total / 3600 * price:,.0f})")
+else:
+    print("text Cost: no GPU-hours, the jobs run on the CPU")
+PYEOF
+)
+}
+
 if ((DRY_RUN)); then
     if real_trainer; then
         build_cmd "${JOBS[0]}"
         trainer_defaults "${CMD[@]:${#TRAINER_BASE[@]}}"
     fi
     nslots=$((CPU_MODE ? 1 : ${#GPUS[@]} / GPUS_PER_RUN))
+    if real_trainer; then
+        calibration=""
+        if ((CALIBRATE)); then
+            calibration=$(mktemp -d "${TMPDIR:-/tmp}/run_experiments_calibrate.XXXXXX")
+            trap 'rm -rf "$calibration"' EXIT
+            calibrate "$calibration"
+        fi
+        gpu_model=cpu
+        if ((!CPU_MODE)); then
+            read -ra SMI <<<"${RUN_EXPERIMENTS_NVIDIA_SMI:-nvidia-smi}"
+            gpu_model=$("${SMI[@]}" --query-gpu=name --format=csv,noheader -i "${GPUS[0]}" 2>/dev/null | head -n 1)
+        fi
+        plan_matrix "$calibration" "$gpu_model"
+    elif ((CALIBRATE)); then
+        warn "--calibrate needs the real train_c4.py (RUN_EXPERIMENTS_TRAINER is set): no time estimate"
+    fi
     if ((CPU_MODE)); then
         echo "Plan ($MODE): ${#JOBS[@]} runs; no GPU found: one CPU slot, jobs run one at a time; out: $OUT"
     else
@@ -525,8 +687,12 @@ if ((DRY_RUN)); then
         i=$((i + 1))
         build_cmd "$run"
         micro=$(known_micro "$run"); batch=$(known_batch "$run")
+        if [[ $micro == auto* && -n ${PLAN_MICRO[$run]:-} ]]; then   # resolved as the trainer will
+            rest=${micro#auto}; micro="${PLAN_MICRO[$run]}${rest:- (auto)}"; auto_planned=1
+        fi
         state=${PREV_STATE[$run]:--}
-        printf '%-16s %-18s micro-batch %s, global batch %s%s\n' "$run" "$slot" "$micro" "$batch" \
+        printf '%-16s %-18s micro-batch %s, global batch %s%s%s\n' "$run" "$slot" "$micro" "$batch" \
+            "$([[ ${PLAN_TIME[$run]:--} == - ]] || printf ', %s' "${PLAN_TIME[$run]}")" \
             "$([[ $state == - ]] || printf ', resumes (status: %s)' "$state")"
         if ((CPU_MODE)); then
             printf '    CUDA_VISIBLE_DEVICES= %s\n' "$(quote_cmd "${CMD[@]}")"
@@ -536,7 +702,17 @@ if ((DRY_RUN)); then
             printf '    CUDA_VISIBLE_DEVICES=<slot> %s\n' "$(quote_cmd "${CMD[@]}")"
         fi
     done
-    echo "Dry run: nothing was launched or written."
+    if ((${auto_planned:-0})); then
+        echo "micro-batch auto: the most the trainer's memory plan fits on one ${gpu_model:-GPU} (80 GiB when this" \
+            "machine sees no CUDA device) at 95% of its memory; a job confirms it with one real step (not under" \
+            "FSDP); see python train_c4.py --estimate"
+    fi
+    ((${#PLAN_SUMMARY[@]} == 0)) || printf '%s\n' "${PLAN_SUMMARY[@]}"
+    if ((CALIBRATE)); then
+        echo "Dry run: no job was launched and nothing was written to $OUT (the calibration ran in a temporary folder)."
+    else
+        echo "Dry run: nothing was launched or written."
+    fi
     exit "$EXIT_OK"
 fi
 

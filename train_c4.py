@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -89,7 +90,7 @@ class Config:
     dtype: str = "auto"
     # optimisation
     batch_size: int = 32
-    micro_batch_size: str = "8"
+    micro_batch_size: str = "auto"
     steps: int = 10_000
     lr: float = 1e-4
     warmup: int = 500
@@ -122,6 +123,8 @@ class Config:
     wandb: str = "auto"
     wandb_project: str = "hc-mhc-c4"
     estimate: bool = False
+    estimate_world_size: int = 0
+    gpu_memory_gb: float = 0.0
 
 
 PRESETS = {
@@ -178,7 +181,10 @@ HELP = dict(
     resume="auto: continue from the newest complete checkpoint; never: refuse an existing run",
     parallel="strategy under torchrun", wandb="Weights & Biases mode (auto: online with credentials)",
     wandb_project="W&B project", preset="a named set of defaults; explicit flags win",
-    estimate="print the model size and stop (train nothing)",
+    estimate="print the model size, the memory plan per GPU and the time per step, and stop (train nothing)",
+    estimate_world_size="processes the --estimate plan is for (0: $WORLD_SIZE, else 1); with --parallel fsdp "
+    "the parameters, gradients and optimizer states are sharded over them",
+    gpu_memory_gb="GiB of one GPU for --estimate and --micro-batch-size auto (0: the CUDA device's own, else 80)",
 )
 
 
@@ -227,6 +233,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     if cfg.micro_batch_size != "auto" and not (cfg.micro_batch_size.isdigit() and int(cfg.micro_batch_size) > 0):
         raise ConfigError(f"--micro-batch-size must be a positive integer or 'auto', got {cfg.micro_batch_size!r}")
+    if cfg.gpu_memory_gb < 0 or cfg.estimate_world_size < 0:
+        raise ConfigError("--gpu-memory-gb and --estimate-world-size must be >= 0 (0: the CUDA device's memory, "
+                          "$WORLD_SIZE)")
     if cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError("--lr must be > 0, --grad-clip and --weight-decay >= 0, --min-lr-ratio in [0, 1]")
     if cfg.warmup < 0:
@@ -286,23 +295,51 @@ class PreNorm(nn.Module):
 
 def stream_update(x, H_pre, H_post, H_res, sublayer):
     """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C)."""
-    H_pre, H_post, H_res = (h.to(x.dtype) for h in (H_pre, H_post, H_res))
-    u = torch.einsum("...n,...nc->...c", H_pre, x)
-    y = sublayer(u)
-    return torch.einsum("...ij,...jc->...ic", H_res, x) + H_post.unsqueeze(-1) * y.unsqueeze(-2)
+    # All three products are batched matmuls over the tokens, so their backward is matmuls too; the broadcast
+    # product H_post^T * y would instead reduce over the stream axis through x-sized temporaries (benchmarks.md).
+    # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way.
+    n, C = x.shape[-2:]
+    streams = x.reshape(-1, n, C)
+    with _autocast_off(x):
+        u = torch.bmm(H_pre.to(x.dtype).reshape(-1, 1, n), streams)
+    y = sublayer(u.view(*x.shape[:-2], C))
+    with _autocast_off(x):
+        written = torch.bmm(H_post.to(x.dtype).reshape(-1, n, 1), y.to(x.dtype).reshape(-1, 1, C))
+        return torch.baddbmm(written, H_res.to(x.dtype).reshape(-1, n, n), streams).view(x.shape)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Project exp(logits) onto the doubly stochastic matrices; rows are normalised last, so row sums are exact."""
-    P = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
-    for _ in range(iters):
-        P = P / P.sum(dim=-2, keepdim=True)
-        P = P / P.sum(dim=-1, keepdim=True)
-    return P
+    return _SinkhornNormalisations.apply(torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True)), iters)
 
 
-def _fp32_region(x: torch.Tensor):
-    # mixing coefficients are computed in fp32 whatever the autocast dtype (model-spec.md)
+class _SinkhornNormalisations(torch.autograd.Function):
+    """iters times: P /= column sums, then P /= row sums; forward identical to the plain loop. The backward is
+    written out: through Q = P / s (s: sums over one axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4
+    small kernels per half-step where autograd runs about 8 (the Sinkhorn is hundreds of tiny (..., n, n) ops)."""
+
+    @staticmethod
+    def forward(ctx, P, iters):
+        saved = []
+        for _ in range(iters):
+            for dim in (-2, -1):
+                s = P.sum(dim, keepdim=True)
+                P = P / s
+                saved += [P, s]
+        ctx.save_for_backward(*saved)
+        return P
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        for k in reversed(range(len(saved) // 2)):
+            Q, s = saved[2 * k], saved[2 * k + 1]
+            grad = (grad - (grad * Q).sum(-2 + k % 2, keepdim=True)) / s
+        return grad, None
+
+
+def _autocast_off(x: torch.Tensor):
+    # mixing coefficients are computed in fp32 and the streams mixed in their own dtype, whatever the autocast
     return torch.autocast(x.device.type, enabled=False)
 
 
@@ -342,7 +379,7 @@ class HyperConnection(nn.Module):
 
     def coefficients(self, x):
         n = self.n
-        with _fp32_region(x):
+        with _autocast_off(x):
             xb = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
             d = torch.tanh(F.linear(xb, self.dynamic.weight.float()))       # (..., n, n + 2)
             A_m = self.s_a.float() * d[..., 0] + self.A_m_static.float()
@@ -383,9 +420,11 @@ class ManifoldHyperConnection(nn.Module):
 
     def coefficients(self, x):
         n = self.n
-        with _fp32_region(x):
+        with _autocast_off(x):
             v = x.float().flatten(-2)
-            z = F.linear(v, self.phi.weight.float()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
+            # mean(v^2) through the norm: one pass forward and one x-sized temporary backward (pow + mean: four)
+            mean_square = torch.linalg.vector_norm(v, dim=-1, keepdim=True).square() / v.shape[-1]
+            z = F.linear(v, self.phi.weight.float()) * torch.rsqrt(mean_square + self.eps)
             z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
             H_pre = torch.sigmoid(self.a_pre.float() * z_pre + self.b_pre.float())
             H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
@@ -650,7 +689,7 @@ class DocumentStream:
         return stream
 
     def __iter__(self):
-        failures = 0
+        failures, usable, whole_epoch = 0, 0, self.position is None
         while True:
             try:
                 stream = self._open_epoch()
@@ -660,6 +699,7 @@ class DocumentStream:
                     if text is None:
                         self.skipped += 1
                         continue
+                    usable += 1
                     self.buffer.append(text)
                     if len(self.buffer) > self.buffer_size:
                         slot = int(torch.randint(len(self.buffer), (), generator=self.rng))
@@ -669,7 +709,10 @@ class DocumentStream:
                 failures += 1
                 self._wait_or_give_up(error, failures)
                 continue                       # reopen at the saved position: nothing read twice
-            self.epoch, self.position = self.epoch + 1, None
+            if whole_epoch and not usable and not self.buffer:
+                raise ConfigError(f"data stream {self.rank} of {self.world} holds no usable document "
+                                  f"({self.skipped} malformed or empty lines); check the files of --data")
+            self.epoch, self.position, usable, whole_epoch = self.epoch + 1, None, 0, True
 
     def _wait_or_give_up(self, error: Exception, failures: int) -> None:
         """Hub errors (429, 5xx, time-outs) are retried with exponential backoff and jitter, so that
@@ -777,10 +820,11 @@ class Prefetcher:
     tokenizing. Each batch travels with the loader state right after it: a checkpoint saves the state
     of the last batch consumed, not of the ones read ahead. A stall longer than `timeout` raises."""
 
-    def __init__(self, batches: RankBatches, depth: int, timeout: float):
+    def __init__(self, batches: RankBatches, depth: int, timeout: float, pin_memory: bool = False):
         import queue
         import threading
         self.batches, self.timeout, self._queue_errors = batches, timeout, (queue.Empty, queue.Full)
+        self.pin_memory = pin_memory
         self.state, self.waited = batches.state_dict(), 0.0
         self.queue, self.stopping = queue.Queue(maxsize=depth), threading.Event()
         self.thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
@@ -791,7 +835,10 @@ class Prefetcher:
         while not self.stopping.is_set():
             if item is None:
                 try:
-                    item = (self.batches.next_batch(), self.batches.state_dict(), None)
+                    batch = self.batches.next_batch()
+                    if self.pin_memory:                # page-locked: the copy to the GPU runs asynchronously
+                        batch = tuple(t.pin_memory() for t in batch)
+                    item = (batch, self.batches.state_dict(), None)
                 except BaseException as error:             # handed to the consumer, raised there
                     item = (None, None, error)
             try:
@@ -871,12 +918,14 @@ def setup_distributed() -> Dist:
     return Dist(rank, world, device)
 
 
-def shorten_timeout(dist: Dist) -> None:
-    """The short collective time-out for the steady state (what torchtitan does after its first step)."""
+def shorten_timeout(dist: Dist, data_timeout: float) -> None:
+    """The short collective time-out for the steady state (what torchtitan does after its first step).
+    It stays 2 minutes above --data-timeout: a rank starved of data then gives up first and says why,
+    instead of its peers timing out without knowing the cause."""
     if dist.world > 1:
         import datetime
         from torch.distributed.distributed_c10d import _set_pg_timeout
-        seconds = float(os.environ.get("TRAIN_C4_STEP_TIMEOUT_S", STEP_TIMEOUT_S))
+        seconds = float(os.environ.get("TRAIN_C4_STEP_TIMEOUT_S", max(STEP_TIMEOUT_S, data_timeout + 120)))
         _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
@@ -907,15 +956,6 @@ def all_ranks_gather(dist: Dist, obj) -> list:
     return gathered
 
 
-class PeerFailed(TrainerError):
-    """This rank lost contact with the others because another rank failed first; the job exits with
-    that rank's code, so that the launcher acts on the root cause (halve the batch, fix the data...)."""
-
-    def __init__(self, reason: str, exit_code: int):
-        super().__init__(reason)
-        self.exit_code = exit_code
-
-
 def _failure_key(rank: int) -> str:
     return f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed/{rank}"
 
@@ -925,7 +965,8 @@ def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str]:
 
     A rank's own failure is written to the rendezvous store before the rank exits; the others only see
     a closed connection (gloo), a time-out or torchrun's SIGTERM (NCCL), and a rank that lost contact
-    (code 5) reports the first failure another rank noted, naming that rank, with its exit code."""
+    (code 5) reports the failure another rank noted, naming that rank, with its exit code: the launcher
+    then acts on the root cause (halve the micro-batch, retry the data...) instead of blaming a GPU."""
     if dist.world == 1 or not torch.distributed.is_initialized():
         return code, reason
     from torch.distributed.distributed_c10d import _get_default_store
@@ -935,7 +976,7 @@ def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str]:
             for rank in range(dist.world):
                 if rank != dist.rank and store.check([_failure_key(rank)]):
                     peer_code, peer_reason = json.loads(store.get(_failure_key(rank)))
-                    return peer_code, f"rank {rank} failed first: {peer_reason}"
+                    return peer_code, f"rank {rank} failed: {peer_reason}"
         store.set(_failure_key(dist.rank), json.dumps([code, reason]))
     if code == EXIT_DEVICE and "lost contact" in reason:
         reason += ("; no other rank reported an error: one was killed (out of host memory?) or is hung, "
@@ -1085,8 +1126,8 @@ def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] |
     checkpoint that verifies, older ones as fallback; every rank takes the same decision. DCP's
     files (format "sharded") are verified here and loaded by the caller."""
     candidates = all_ranks_gather(dist, [d.name for d in checkpoint_dirs(run_dir)])[0]  # rank 0's listing
-    for name in reversed(candidates):
-        folder = run_dir / "checkpoints" / name
+    for folder_name in reversed(candidates):
+        folder = run_dir / "checkpoints" / folder_name
         marker = _read_marker(folder)
         problem = _checkpoint_problem(folder, marker, dist)
         problem = next((p for p in all_ranks_gather(dist, problem) if p), None)
@@ -1122,15 +1163,18 @@ def consolidate(source: Path, out: Path) -> str:
     """Write one file with the model's weights from a checkpoint (FSDP's sharded ones included): a GPT
     state_dict that torch.load(out, weights_only=True) reads without a process group. `source` is a
     checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
-    if not (source / MARKER).exists() and (source / "checkpoints").is_dir():
-        found = read_checkpoint(source, Dist(0, 1, torch.device("cpu")), lambda line: print(line, file=sys.stderr))
-        if found is None:
-            raise ConfigError(f"{source} holds no complete checkpoint")
-        source = found[0]
-    marker = _read_marker(source)
-    problem = _checkpoint_problem(source, marker, Dist(0, 1, torch.device("cpu")))
-    if problem:
-        raise ConfigError(f"checkpoint {source} {problem}; pass another step-N folder")
+    one = Dist(0, 1, torch.device("cpu"))
+    candidates = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1]
+    for folder in candidates:
+        marker = _read_marker(folder)
+        problem = _checkpoint_problem(folder, marker, one)
+        if problem is None:
+            source = folder
+            break
+        print(f"checkpoint {folder} {problem}", file=sys.stderr)
+    else:
+        raise ConfigError(f"{source} holds no complete checkpoint; pass a run folder or one of its "
+                          "checkpoints/step-N folders")
     run_dir = source.parent.parent
     try:
         saved = json.loads((run_dir / "config.json").read_text())["config"]
@@ -1138,13 +1182,16 @@ def consolidate(source: Path, out: Path) -> str:
         raise ConfigError(f"{run_dir / 'config.json'} is missing or unreadable: the model cannot be rebuilt") from None
     cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Config)}})
     if marker.get("format") == "sharded":
+        import warnings
         import torch.distributed.checkpoint as dcp
         # read only the model's entries (not the optimizer's), in the shapes they were saved with
         entries = dcp.FileSystemReader(source / SHARDED).read_metadata().state_dict_metadata
         state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
                  for key, meta in entries.items() if key.startswith("model.")}
         wrapped = {"model": state}
-        dcp.load(wrapped, checkpoint_id=source / SHARDED, no_dist=True)
+        with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(wrapped, checkpoint_id=source / SHARDED, no_dist=True)
         state = wrapped["model"]
     else:
         state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
@@ -1153,13 +1200,14 @@ def consolidate(source: Path, out: Path) -> str:
     state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
     if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
         raise ConfigError(f"checkpoint {source} does not match the model of {run_dir / 'config.json'}")
-    # the model's own shapes again: FSDP held its scalars as 1-element vectors
+    # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
     state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
+    state["lm_head.weight"] = state["wte.weight"]
     tmp = out.with_name(f".{out.name}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, out)
-    return f"{out}: {sum(t.numel() for k, t in state.items() if k != 'lm_head.weight'):,} parameters of {cfg.residual} " \
-           f"depth {cfg.depth} from {source}"
+    count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
+    return f"{out}: {count:,} parameters of {cfg.residual} depth {cfg.depth} from {source}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1269,11 +1317,329 @@ MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "to
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
 
 
+# ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto), the time and cost of a matrix
+
+GiB = 2 ** 30
+DEFAULT_GPU_MEMORY_GIB = 80.0   # the card planned for when no CUDA device is visible (an H100 80GB shows 79.2)
+# Framework overhead per process, assumed (it cannot be measured without a GPU): the CUDA context with the
+# cuBLAS workspaces and the kernels of the first step (0.5-1 GiB on an H100), NCCL's buffers when there are
+# peers, and the caching allocator's fragmentation (reserved minus allocated) as a share of the allocated
+# peak: a few per cent when every step repeats the same shapes
+CUDA_CONTEXT_BYTES, NCCL_BYTES, FRAGMENTATION = 1.0 * GiB, 1.0 * GiB, 0.05
+AUTO_MARGIN = 0.05      # auto fills at most 95% of the card by the plan: a model of the memory, not a measurement
+CPU_AUTO_MICRO = 8      # auto on the CPU, where there is no device memory to plan against
+ASSUMED_MFU = 0.40      # time estimates without calibration: this share of the GPU's dense bf16 peak
+# grad_fn nodes that only view or cast: followed from a saved tensor, they lead to the parameter that
+# autocast copied to bf16 (memory per model, not per token)
+_VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                 "UnsqueezeBackward0", "ExpandBackward0", "UnsafeViewBackward0"}
+
+
+class _CudaAutocastOnCpu(torch.overrides.TorchFunctionMode):
+    """CPU autocast with CUDA's casting policy where the two differ for this model: on CUDA, layer_norm and
+    sum run in fp32 (a bf16 input is cast, and layer_norm saves the fp32 copy); the CPU keeps bf16."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (torch.is_autocast_enabled("cpu") and args and isinstance(args[0], torch.Tensor)
+                and args[0].dtype == torch.bfloat16):
+            if func is F.layer_norm:
+                args = (args[0].float(), *args[1:])
+            elif func in (torch.sum, torch.Tensor.sum) and kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        return func(*args, **kwargs)
+
+
+def saved_bytes(model: GPT, idx: torch.Tensor, bf16: bool) -> dict:
+    """The bytes one training forward keeps for the backward pass, by where they were saved: (block, 'attn' or
+    'mlp', 'body' or 'streams'), 'loss' (the log-probabilities) or 'other' (embedding, collapse, head); with
+    activation checkpointing, the sublayer inputs the checkpoints hold. Measured with saved-tensor hooks on the
+    CPU, each storage counted once; parameters are not counted, 'weight_casts' names those autocast copied."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    param_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, counts, casts, where = set(), {}, set(), ["other"]
+
+    def count(t: torch.Tensor, label) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.data_ptr() in param_storage or storage.nbytes() == 0:
+            return
+        seen.add(storage.data_ptr())
+        fn = t.grad_fn
+        while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
+            fn = fn.next_functions[0][0]
+        if id(getattr(fn, "variable", None)) in names:
+            casts.add(names[id(fn.variable)])
+        else:
+            label = "loss" if type(t.grad_fn).__name__ == "LogSoftmaxBackward0" else label
+            counts[label] = counts.get(label, 0) + storage.nbytes()
+
+    def pack(t):
+        count(t, where[-1])
+        return t
+
+    def enter(label, checkpointed=False):
+        def hook(module, args):
+            where.append(label)
+            if checkpointed:
+                count(args[0], label)       # non-reentrant checkpointing keeps the sublayer's input alive
+        return hook
+
+    def leave(module, args, output):
+        where.pop()
+
+    handles = []
+    for i, block in enumerate(model.blocks):
+        for part in ("attn", "mlp"):
+            conn, body = getattr(block, f"{part}_conn"), getattr(block, part)
+            handles += [conn.register_forward_pre_hook(enter((i, part, "streams"), block.activation_checkpointing)),
+                        body.register_forward_pre_hook(enter((i, part, "body"))),
+                        conn.register_forward_hook(leave), body.register_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _CudaAutocastOnCpu() if bf16 else contextlib.nullcontext(), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(idx, idx)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {**counts, "weight_casts": casts}
+
+
+def _saved_per_token(cfg: Config, width: int, depth: int, bf16: bool, micro: int = 2, seq_len: int = 16) -> dict:
+    small = dataclasses.replace(cfg, width=width, depth=depth, seq_len=seq_len, compile=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT(small)
+        idx = torch.randint(0, model.wte.num_embeddings, (micro, seq_len))
+        saved = saved_bytes(model, idx, bf16)
+    casts = saved.pop("weight_casts")
+    return {"weight_casts": casts, **{k: v / (micro * seq_len) for k, v in saved.items()}}
+
+
+@functools.cache
+def activation_profile(residual: str, expansion: int, heads: int, tokenizer: str, sinkhorn_iters: int,
+                       bf16: bool, checkpointing: bool) -> dict:
+    """Activation bytes per token as (a, b) with bytes = a * width + b, measured on the real GPT on the CPU at
+    widths 2 and 4 x heads (the real head count: per-head terms like attention's logsumexp are exact) and depths
+    2 and 3, with the real vocabulary. Keys: 'block' (the depth difference), its parts 'attention', 'mlp' and
+    'streams' (the n-stream states, mixing coefficients and the sublayer outputs written into the streams),
+    'sublayer' (the larger sublayer: what checkpointing recomputes at once), 'loss' (log-probabilities),
+    'rest' (embedding, expansion, collapse, head); 'weight_casts': the parameters autocast copies to bf16."""
+    cfg = Config(residual=residual, expansion=expansion, heads=heads, tokenizer=tokenizer,
+                 sinkhorn_iters=sinkhorn_iters, activation_checkpointing=checkpointing)
+    widths, rows = (2 * heads, 4 * heads), []
+    for width in widths:
+        d2, d3 = (_saved_per_token(cfg, width, depth, bf16) for depth in (2, 3))
+        total = {name: sum(v for k, v in d.items() if k != "weight_casts") for name, d in (("d2", d2), ("d3", d3))}
+        part = {(p, s): d2.get((1, p, s), 0.0) for p in ("attn", "mlp") for s in ("body", "streams")}
+        row = {"block": total["d3"] - total["d2"], "loss": d2.get("loss", 0.0),
+               "attention": part["attn", "body"], "mlp": part["mlp", "body"],
+               "sublayer": max(part[p, "body"] + part[p, "streams"] for p in ("attn", "mlp"))}
+        row["streams"] = row["block"] - row["attention"] - row["mlp"]
+        row["rest"] = total["d2"] - 2 * row["block"] - row["loss"]
+        rows.append(row)
+    fit = {"weight_casts": frozenset(map(_any_block, d2["weight_casts"] | d3["weight_casts"]))}
+    for key in rows[0]:
+        a = (rows[1][key] - rows[0][key]) / (widths[1] - widths[0])
+        fit[key] = (a, rows[0][key] - a * widths[0])
+    return fit
+
+
+def _any_block(name: str) -> str:
+    """'blocks.7.attn.inner.qkv.weight' -> '*.attn.inner.qkv.weight': the same parameter in every block."""
+    return ".".join(["*"] + name.split(".")[2:]) if name.startswith("blocks.") else name
+
+
+@functools.cache
+def parameter_numels(cfg: Config) -> dict:
+    """numel per parameter name (block parameters summed over the blocks as '*.attn.inner.qkv.weight'...),
+    with 'total', 'tensors' and 'block' (one block's), from the model built on the meta device."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    numels = {"total": 0, "tensors": 0, "block": sum(p.numel() for p in model.blocks[0].parameters())}
+    for name, p in model.named_parameters():
+        numels[_any_block(name)] = numels.get(_any_block(name), 0) + p.numel()
+        numels["total"] += p.numel()
+        numels["tensors"] += 1
+    return numels
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device, term by term (insertion order is print order); `notes` says how each was derived."""
+    micro: int
+    world: int
+    card: float
+    terms: dict
+    notes: dict
+
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated should show (mem_peak_gb in metrics.jsonl, in GB)."""
+        return sum(v for k, v in self.terms.items() if not k.startswith("overhead"))
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def gpu_memory_bytes(cfg: Config) -> float:
+    if cfg.gpu_memory_gb > 0:
+        return cfg.gpu_memory_gb * GiB
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return DEFAULT_GPU_MEMORY_GIB * GiB
+
+
+def memory_plan(cfg: Config, micro: int, world: int = 1, card: float | None = None) -> MemoryPlan:
+    """The memory one GPU needs to train `cfg` at this micro-batch (dtype auto plans bf16, as on CUDA).
+    Parameter terms are exact; activations are activation_profile scaled to the real width, depth and tokens."""
+    numels, bf16 = parameter_numels(cfg), cfg.dtype != "fp32"
+    P, block, shards = numels["total"], numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
+    fit, full = (activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters, bf16,
+                                    checkpointing) for checkpointing in (cfg.activation_checkpointing, False))
+    C, L, tokens, sharded = cfg.width, cfg.depth, micro * cfg.seq_len, f" / {shards} ranks" if shards > 1 else ""
+    per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
+    terms, notes = {}, {}
+
+    def term(name: str, value: float, note: str) -> None:
+        terms[name], notes[name] = value, note
+
+    term("weights", 4 * P / shards, f"{P:,} fp32 parameters{sharded}")
+    term("gradients", 4 * P / shards, f"fp32{sharded}")
+    term("optimizer", 8 * P / shards + 4 * numels["tensors"],
+         f"AdamW: 2 fp32 states per parameter{sharded}, a step count per tensor")
+    if world > 1 and cfg.parallel == "ddp":
+        term("ddp buckets", 4 * P, "DDP's all-reduce buckets: a second fp32 copy of the gradients")
+    if shards > 1:
+        unsharded = 2 if bf16 else 4
+        term("fsdp all-gathered", unsharded * (P - (L - 2) * block) + (unsharded + 4) * block,
+             "whole parameters of the root and of 2 blocks (running + prefetched), one block's whole gradients")
+    elif bf16:
+        # autocast caches its bf16 copies until the forward ends (checkpointing or not), and the backward keeps them
+        cast = sum(numels[name] for name in full["weight_casts"])
+        term("autocast weight cache", 2 * cast, f"bf16 copies of the {cast:,} matmul weights")
+    if cfg.activation_checkpointing:
+        term("act: checkpointed inputs", tokens * L * per_token["block"],
+             f"{L} blocks x {micro} x {cfg.seq_len} tokens x {per_token['block'] / 1024:.1f} KiB (stream states held)")
+    else:
+        parts = ", ".join(f"{k} {per_token[k] / 1024:.1f}" for k in ("attention", "mlp", "streams"))
+        term("act: blocks", tokens * L * per_token["block"],
+             f"{L} blocks x {micro} x {cfg.seq_len} tokens x ({parts} KiB)")
+    term("act: embedding, head", tokens * per_token["rest"],
+         "embedding, n-stream expansion, collapse, final norm, head input")
+    loss = tokens * per_token["loss"]
+    term("act: log-probabilities", loss,
+         f"fp32 log_softmax over the {padded_vocab_size(cfg.tokenizer):,}-token vocabulary")
+    # the backward's own peak on top of what is saved: the loss backward holds two more fp32 buffers of the
+    # logits' size (the gradients into and out of log_softmax); with checkpointing, one sublayer is recomputed
+    recompute = tokens * (full["sublayer"][0] * C + full["sublayer"][1]) if cfg.activation_checkpointing else 0.0
+    term("act: backward peak", max(2 * loss, recompute),
+         "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
+    allocated = sum(terms.values())
+    term("overhead: CUDA context", CUDA_CONTEXT_BYTES + (NCCL_BYTES if world > 1 else 0),
+         "assumed: context, cuBLAS workspaces, kernels" + (", NCCL buffers" if world > 1 else ""))
+    term("overhead: fragmentation", FRAGMENTATION * allocated, f"assumed: {FRAGMENTATION:.0%} of the allocated peak")
+    return MemoryPlan(micro, world, gpu_memory_bytes(cfg) if card is None else card, terms, notes)
+
+
+def divisors_descending(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def auto_micro_batch(cfg: Config, world: int, card: float | None = None) -> tuple[int, MemoryPlan]:
+    """The largest micro-batch dividing the per-process batch whose plan fills at most 1 - AUTO_MARGIN of the card."""
+    for micro in divisors_descending(cfg.batch_size // world):
+        plan = memory_plan(cfg, micro, world, card)
+        if plan.total <= (1 - AUTO_MARGIN) * plan.card:
+            return micro, plan
+    raise ConfigError(f"micro-batch 1 already needs {plan.total / GiB:.1f} GiB of this {plan.card / GiB:.1f} GiB GPU "
+                      "(see --estimate): use --activation-checkpointing, or --parallel fsdp over more GPUs")
+
+
+def cpu_auto_micro_batch(cfg: Config, world: int) -> int:
+    return next(d for d in divisors_descending(cfg.batch_size // world) if d <= CPU_AUTO_MICRO)
+
+
+def confirm_micro_batch(cfg: Config, dist: Dist, model: nn.Module, dtype: torch.dtype, micro: int,
+                        accum: int) -> tuple[int, int]:
+    """--micro-batch-size auto on CUDA: one real forward and backward at the planned micro-batch, with the memory
+    of AdamW's states (allocated at its first step) set aside; on out-of-memory, the next divisor at most half
+    as large. Not under FSDP, whose collectives would hang the ranks that did not fail: the plan stands there."""
+    if cfg.micro_batch_size != "auto" or dist.device.type != "cuda" or (dist.world > 1 and cfg.parallel == "fsdp"):
+        return micro, accum
+    local, per_rank = unwrap(model), cfg.batch_size // dist.world     # DDP's module: no all-reduce in the trial
+    while True:
+        try:
+            # held, not used: the room AdamW's exp_avg and exp_avg_sq take at the first optimizer step
+            states = torch.empty(8 * sum(p.numel() for p in local.parameters()), dtype=torch.uint8, device=dist.device)
+            idx = torch.zeros(micro, cfg.seq_len, dtype=torch.long, device=dist.device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                _, loss = local(idx, idx)
+            loss.backward()
+            break
+        except torch.OutOfMemoryError:
+            if micro == 1:
+                raise
+            micro = next(d for d in divisors_descending(per_rank) if d <= micro // 2)
+        finally:
+            states = idx = loss = None
+            local.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    if dist.world > 1:                       # every rank must use the same micro-batch
+        agreed = torch.tensor(micro, device=dist.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        micro = int(agreed)
+    torch.cuda.reset_peak_memory_stats(dist.device)
+    if dist.is_main:
+        print(f"micro-batch auto: {micro}, confirmed by one forward and backward on {torch.cuda.get_device_name()}",
+              flush=True)
+    return micro, per_rank // micro
+
+
+def queue_schedule(durations: list[float], slots: int, stagger: float = 0.0) -> float:
+    """Wall time of jobs started in queue order, each on the first slot to become free, launches at least
+    `stagger` seconds apart: what run_experiments.sh does (list scheduling, not the sum over slots)."""
+    free, last_launch = [0.0] * slots, -math.inf
+    for duration in durations:
+        slot = min(range(slots), key=free.__getitem__)
+        last_launch = max(free[slot], last_launch + stagger)
+        free[slot] = last_launch + duration
+    return max(free, default=0.0)
+
+
+def print_memory_plan(plan: MemoryPlan) -> None:
+    width = max(map(len, plan.terms)) + 2
+    for key, value in plan.terms.items():
+        print(f"  {key:<{width}}{value / GiB:7.2f} GiB  {plan.notes[key]}")
+    short = plan.total - plan.card
+    verdict = f"does NOT fit, {short / GiB:.1f} GiB short" if short > 0 else f"fits, {-short / GiB:.1f} GiB to spare"
+    print(f"  {'allocated peak':<{width}}{plan.allocated / GiB:7.2f} GiB  = {plan.allocated / 1e9:.1f} GB: "
+          "compare mem_peak_gb in metrics.jsonl")
+    print(f"  {'total':<{width}}{plan.total / GiB:7.2f} GiB  of {plan.card / GiB:.1f} GiB: {verdict}")
+
+# ---- end of the planner
+
+
 def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
-    """(micro-batch per device, accumulation steps) so that every optimizer step sees --batch-size sequences."""
+    """(micro-batch per device, accumulation steps) so that every optimizer step sees --batch-size sequences.
+    'auto' on CUDA: the largest micro-batch the memory plan fits on this GPU (build_trainer then confirms it with
+    one real step); on the CPU: the per-process batch capped at CPU_AUTO_MICRO."""
     if cfg.micro_batch_size == "auto":
-        raise ConfigError("--micro-batch-size auto needs the memory planner, which is not built yet; give a number")
-    micro = int(cfg.micro_batch_size)
+        if cfg.batch_size % world:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
+        if torch.cuda.is_available():
+            micro, plan = auto_micro_batch(cfg, world)
+            why = (f"planned {plan.total / GiB:.1f} of {plan.card / GiB:.1f} GiB, at most {1 - AUTO_MARGIN:.0%} "
+                   "of the card; --estimate shows the plan")
+        else:
+            micro = cpu_auto_micro_batch(cfg, world)
+            why = (f"CPU: the per-process batch {cfg.batch_size // world} capped at {CPU_AUTO_MICRO}, "
+                   "no GPU memory to plan against")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"micro-batch auto: {micro} ({why})", flush=True)
+    else:
+        micro = int(cfg.micro_batch_size)
     if cfg.batch_size % (micro * world):
         raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
                           f"{world} process(es)")
@@ -1417,10 +1783,13 @@ class Trainer:
             with sync:
                 with self.autocast():
                     _, loss = self.model(x, y)
-                if inject and inject[0] == "loss" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
-                    loss = loss * float("nan")
-                if inject and inject[0] == "hang" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
-                    time.sleep(24 * 3600)    # a stuck rank: the others must time out, not wait forever
+                if inject and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
+                    if inject[0] == "loss":
+                        loss = loss * float("nan")
+                    if inject[0] == "hang":      # a stuck rank: the others must time out, not wait forever
+                        time.sleep(24 * 3600)
+                    if inject[0] == "oom":       # one rank fails alone: the others must name it and stop
+                        raise torch.OutOfMemoryError("injected by TRAIN_C4_INJECT_NAN")
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
         if inject and inject[0] == "grad" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
@@ -1439,7 +1808,7 @@ class Trainer:
         # the one host synchronisation of a step: divergence must be caught before the update is applied
         loss, stop_votes, norm = torch.cat([loss_and_stop, grad_norm.reshape(1).to(loss_and_stop)]).tolist()
         if not self.steady:
-            shorten_timeout(self.dist)       # every rank has data, compiled code and working communicators
+            shorten_timeout(self.dist, self.cfg.data_timeout)   # every rank has data, compiled code, communicators
             self.steady = True
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -1490,6 +1859,10 @@ class Trainer:
     def restore(self) -> None:
         """Called after wrapping: FSDP loads its shards in place, resharded to this world size."""
         found = read_checkpoint(self.run_dir, self.dist, self.log.info)
+        if found is None and checkpoint_dirs(self.run_dir):
+            # silently starting over would overwrite the logged history of a run that made progress
+            raise ConfigError(f"no checkpoint of {self.run_dir} is usable (see above); move that folder away "
+                              "or choose another --run-name to start over")
         if found is None:
             return
         folder, files, marker = found
@@ -1498,8 +1871,9 @@ class Trainer:
             fix = ("resume it under torchrun with --parallel fsdp (any number of processes), or export the "
                    "weights with `python train_c4.py --consolidate CHECKPOINT OUT.pt`" if saved_sharded else
                    "resume it with one process or --parallel ddp")
+            this_run = "FSDP" if is_sharded(self.model) else "not FSDP"
             raise ConfigError(f"checkpoint {folder} holds {'sharded (FSDP)' if saved_sharded else 'whole'} model "
-                              f"and optimizer state, this run is {'FSDP' if is_sharded(self.model) else 'not FSDP'}; {fix}")
+                              f"and optimizer state, this run is {this_run}; {fix}")
         if saved_sharded:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -1601,6 +1975,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                                   fused=dist.device.type == "cuda")
+    micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
     batches = RankBatches(train_files, tokenizer, cfg, dist.rank, dist.world, micro)
     params = count_parameters(cfg)
     trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
@@ -1632,9 +2007,10 @@ def announce(trainer: Trainer, params: dict, record: dict) -> None:
 def train(cfg: Config) -> None:
     dist = setup_distributed()
     trainer = build_trainer(cfg, dist)
-    trainer.batches = Prefetcher(trainer.batches, cfg.prefetch, cfg.data_timeout)
+    trainer.batches = Prefetcher(trainer.batches, cfg.prefetch, cfg.data_timeout, dist.device.type == "cuda")
     log, stop = trainer.log, StopRequest()
-    log.open_metrics(keep_through_step=trainer.step)
+    # a fresh start logs its own step-0 probe again, so nothing of an earlier attempt is kept
+    log.open_metrics(keep_through_step=trainer.step if trainer.step else -1)
     log.status("running", trainer.step)
     try:
         check_injected_device_fault()
@@ -1648,14 +2024,13 @@ def train(cfg: Config) -> None:
     except BaseException as error:
         own = classify_failure(error, trainer.micro)
         code, reason = rank_failure(dist, *own)
-        status = reason if dist.world == 1 else f"rank {dist.rank}: {reason}"
+        status = reason if dist.world == 1 or reason.startswith("rank ") else f"rank {dist.rank}: {reason}"
         if dist.world > 1 and not dist.is_main and (code, reason) == own:
             # this rank failed first; rank 0 may be killed by torchrun before it can record why
             write_json_atomic(trainer.run_dir / "status.json", {"state": "failed", "step": trainer.step,
                               "exit_code": code, "reason": status, "updated": time.time()})
         log.status("failed", trainer.step, code, status)
-        if (code, reason) != own:
-            raise PeerFailed(reason, code) from error
+        error.failure = (code, reason)      # what main reports: classifying again there would lose the context
         raise
     finally:
         trainer.batches.close()
@@ -1687,14 +2062,48 @@ def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]
 
 
 def print_estimate(cfg: Config) -> None:
-    """Model size and work per token, from the meta device: nothing is allocated."""
+    """Model size, work per token and the memory plan of one GPU: the model is built on the meta device and the
+    activations are measured on tiny copies on the CPU, so nothing of the real size is allocated."""
     params = count_parameters(cfg)
     print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {params['total']:,} parameters "
           f"({params['embedding']:,} embedding, {params['non_embedding']:,} non-embedding, "
           f"{params['streams']:,} in the residual connections)")
-    print(f"{flops_per_token(cfg, params['non_embedding']):.4g} training FLOPs per token; "
+    flops = flops_per_token(cfg, params["non_embedding"])
+    print(f"{flops:.4g} training FLOPs per token; "
           f"{cfg.batch_size * cfg.seq_len:,} tokens per step; {cfg.steps * cfg.batch_size * cfg.seq_len:,} tokens in "
           f"{cfg.steps:,} steps")
+    world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.batch_size % world:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
+    try:
+        auto, _ = auto_micro_batch(cfg, world)
+        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
+                     "of the card)")
+    except ConfigError as error:
+        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
+    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
+    if cfg.batch_size % (micro * world):
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
+                          f"{world} process(es)")
+    strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
+    print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
+          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}:")
+    print_memory_plan(memory_plan(cfg, micro, world))
+    if cfg.residual != "baseline":
+        fit = activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters,
+                                 cfg.dtype != "fp32", False)["streams"]
+        streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
+        print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
+              f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
+    print(auto_line)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H100 (assumed: no CUDA device here)"
+    peak = next((p for key, p in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
+    if peak:
+        tokens_per_s = ASSUMED_MFU * peak * world / flops
+        print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name}: {tokens_per_s:,.0f} tokens/s, "
+              f"{cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
+              f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
 
 
 def check_injected_device_fault() -> None:
@@ -1720,9 +2129,11 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg)
         end_distributed()
         return EXIT_OK
+    except SystemExit as done:               # --help
+        return done.code if isinstance(done.code, int) else EXIT_OK
     except BaseException as error:
-        code, reason = classify_failure(error, None)
-        if not isinstance(error, (PeerFailed, Diverged, Interrupted)):
+        code, reason = getattr(error, "failure", None) or classify_failure(error, None)
+        if not hasattr(error, "failure") and not isinstance(error, (Diverged, Interrupted)):
             code, reason = rank_failure(dist, code, reason)
         if isinstance(error, (Diverged, Interrupted)):
             end_distributed()                # every rank stops at the same step: a clean shutdown

@@ -1,0 +1,177 @@
+"""torchrun with 2 CPU processes (gloo) against one process: the same losses and weights, an exact
+resume under DDP and FSDP, and a failure on one rank that ends the whole job instead of hanging it.
+
+Every torchrun start costs seconds (three interpreters import torch), so each test shares its runs."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_c4 as T
+
+ROOT = Path(__file__).resolve().parent.parent
+ARGS = ["--preset", "tiny", "--residual", "hc", "--steps", "20"]
+RUN = "hc_d2_s42"
+# fp32 on the CPU. The only difference from one process is the order of the gradient sums (two local
+# backward passes added by gloo instead of one backward over the whole batch): a few ulps, measured
+# 2e-7 relative at most over 20 steps. A real fault is far above 1e-5: a wrong or repeated batch, a
+# gradient not averaged or a rank-local gradient norm moves the loss or the norm by 1e-3 or more.
+LOSS_RTOL = 1e-5
+# The weights carry those ulps through AdamW: measured after 20 steps, at most 2.3e-7 on HC's dynamic
+# weights (which start at 0) and 2.2e-6 on mHC's b_res (about 4, so 4 ulps). Any real fault moves a
+# weight by a good part of an update (lr 3e-3): 1e-5 absolute + 1e-5 relative is 40x above the noise
+# and 100x below that.
+PARAM_RTOL = PARAM_ATOL = 1e-5
+# values that must be identical between an interrupted-and-resumed run and an uninterrupted one
+DETERMINISTIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "amax_fwd", "amax_bwd",
+                      "layer_gain_fwd")
+
+
+def offline_env(tmp: Path, **extra) -> dict:
+    # module-scoped runs start before conftest's per-test environment: set it here
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "HF_HOME": str(tmp / "hf_home"), "WANDB_MODE": "disabled", "TRAIN_C4_INJECT_NAN": "", **extra}
+
+
+def start(out: Path, *command: str, env: dict | None = None) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=offline_env(out, **(env or {})), cwd=out)
+
+
+def trainer(out: Path, *args: str, env: dict | None = None, wait: bool = True):
+    return finish(start(out, sys.executable, str(ROOT / "train_c4.py"), *ARGS, "--out", str(out), *args, env=env),
+                  wait)
+
+
+def torchrun(out: Path, parallel: str, *args: str, env: dict | None = None, wait: bool = True):
+    return finish(start(out, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(ROOT / "train_c4.py"), *ARGS, "--parallel", parallel, "--out", str(out), *args,
+                        env=env), wait)
+
+
+def finish(process: subprocess.Popen, wait: bool):
+    if not wait:
+        return process
+    stdout, stderr = process.communicate(timeout=300)
+    return process.returncode, stdout, stderr
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(records: list[dict]) -> list[dict]:
+    return [{k: r[k] for k in DETERMINISTIC_KEYS if k in r} for r in records]
+
+
+def max_relative(records: list[dict], reference: list[dict], key: str) -> float:
+    pairs = [(r[key], s[key]) for r, s in zip(records, reference, strict=True) if key in r]
+    assert pairs and len(pairs) == sum(key in s for s in reference)
+    return max(abs(a - b) / abs(b) for a, b in pairs)
+
+
+def weights(run_dir: Path, out: Path, command_line: bool = False) -> dict:
+    """The run's final weights through the converter: one file, loaded without a process group."""
+    if command_line:
+        code, _, stderr = finish(start(out.parent, sys.executable, str(ROOT / "train_c4.py"), "--consolidate",
+                                       str(run_dir / "checkpoints" / "step-20"), str(out)), wait=True)
+        assert code == 0, stderr
+    else:                                                            # the same function, without a start-up
+        T.consolidate(run_dir / "checkpoints" / "step-20", out)
+    state = torch.load(out, weights_only=True)
+    T.GPT(T.parse_config(ARGS)).load_state_dict(state)              # strict: every key and shape
+    return state
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    code, _, stderr = trainer(out)
+    assert code == 0, stderr
+    return out / RUN
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one_process_and_resume_exactly(parallel, single, tmp_path):
+    code, stdout, stderr = torchrun(tmp_path / "whole", parallel)
+    assert code == 0, stderr
+    whole = tmp_path / "whole" / RUN
+    assert "micro-batch 2 x 1 accumulation steps x 2 process(es)" in stdout
+    reference = metrics(single)
+    for key in ("loss", "grad_norm", "val_loss"):                    # global values, logged once by rank 0
+        assert max_relative(metrics(whole), reference, key) < LOSS_RTOL, key
+    marker = json.loads((whole / "checkpoints" / "step-20" / "COMPLETE.json").read_text())
+    sharded = [name for name in marker["files"] if name.startswith(f"{T.SHARDED}/")]
+    assert bool(sharded) == (parallel == "fsdp") and {"rank0.pt", "rank1.pt"} <= marker["files"].keys()
+    if parallel == "fsdp":                                           # the marker's checksums cover DCP's files
+        assert f"{T.SHARDED}/.metadata" in sharded and len(sharded) >= 3
+        whole_weights = weights(whole, tmp_path / "whole.pt", command_line=True)
+        single_weights = weights(single, tmp_path / "single.pt")
+        for name, value in single_weights.items():
+            torch.testing.assert_close(whole_weights[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+
+    # stopped by SIGTERM to torchrun (which forwards it): every rank saves its part and exits 75; a rerun
+    # of the same command continues with exactly the values of the uninterrupted run
+    process = torchrun(tmp_path / "resumed", parallel, wait=False)
+    resumed = tmp_path / "resumed" / RUN
+    while process.poll() is None and (not (resumed / "metrics.jsonl").exists()
+                                      or len((resumed / "metrics.jsonl").read_text().splitlines()) < 2):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    status = json.loads((resumed / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["exit_code"] == 75, stderr
+    assert status["step"] < 20, "the run finished before it could be stopped"
+    assert "error: rank 0: stopped by a signal" in stderr and "error: rank 1: stopped by a signal" in stderr
+    code, stdout, stderr = torchrun(tmp_path / "resumed", parallel)
+    assert code == 0, stderr
+    assert f"resumed from {resumed / 'checkpoints' / ('step-' + str(status['step']))}" in stdout
+    assert deterministic(metrics(resumed)) == deterministic(metrics(whole))
+    if parallel == "fsdp":                                            # optimizer shards restored exactly too
+        resumed_weights = weights(resumed, tmp_path / "resumed.pt")
+        assert all(torch.equal(resumed_weights[k], v) for k, v in whole_weights.items())
+        # a damaged shard is caught by the marker's checksums: the previous checkpoint is used
+        shard = next(name for name in sharded if name.endswith(".distcp"))
+        path = whole / "checkpoints" / "step-20" / shard
+        path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 0xFF]))
+        problems = []
+        folder, _, marker = T.read_checkpoint(whole, T.Dist(0, 1, torch.device("cpu")), problems.append)
+        assert folder.name == "step-10" and marker["format"] == "sharded"
+        assert problems == [f"checkpoint step-20 has a corrupted {shard} (checksum mismatch); falling back to the "
+                            "previous one"]
+
+
+def exit_codes(torchrun_stderr: str) -> list[str]:
+    """The per-rank exit codes of torchrun's failure summary."""
+    return re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", torchrun_stderr, flags=re.MULTILINE)
+
+
+def test_non_finite_loss_on_one_rank_stops_every_rank_as_diverged(tmp_path):
+    code, _, stderr = torchrun(tmp_path, "ddp", env={"TRAIN_C4_INJECT_NAN": "loss:4:1"})
+    ended = time.time()
+    assert code != 0
+    assert exit_codes(stderr) == ["3", "3"], stderr                  # rank 0 saw it too: the loss is global
+    assert "error: rank 0: non-finite loss at step 4" in stderr and "error: rank 1: non-finite loss" in stderr
+    status = json.loads((tmp_path / RUN / "status.json").read_text())
+    assert status["state"] == "diverged" and status["exit_code"] == 3 and status["step"] == 3
+    assert ended - status["updated"] < 15, "a rank waited for the other instead of stopping"
+
+
+def test_a_failure_on_one_rank_ends_the_job_and_names_that_rank(tmp_path):
+    code, _, stderr = torchrun(tmp_path, "fsdp", env={"TRAIN_C4_INJECT_NAN": "oom:3:1"})
+    assert code != 0
+    # rank 0 only lost its connection (exit 5 on its own); it takes rank 1's reason and exit code, so
+    # the launcher halves the micro-batch instead of suspecting the GPUs
+    assert exit_codes(stderr) == ["4", "4"], stderr
+    assert "error: rank 1: out of memory at micro-batch 2" in stderr
+    assert "error: rank 0: rank 1 failed: out of memory" in stderr
+    status = json.loads((tmp_path / RUN / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 4 and status["reason"].startswith("rank 1 failed")

@@ -1,0 +1,202 @@
+"""Failures tried for real: bad shards, a disk that fills up, a checkpoint crafted to run code, and
+random command lines. Each must end in a clear message and lose nothing already written."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import train_c4 as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(out, *args, prelude=""):
+    """The trainer in a fresh process; `prelude` runs first (to wrap a function, as a failing disk would)."""
+    code = f"{prelude}\nimport sys, train_c4\nsys.exit(train_c4.main({['--preset', 'tiny', '--out', str(out), *args]!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return result.returncode, result.stdout, result.stderr
+
+
+def shard(path, lines, raw=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if raw is not None:
+        path.write_bytes(raw)
+        return
+    with gzip.open(path, "wb") as f:
+        f.write(b"".join(line if isinstance(line, bytes) else (line + "\n").encode() for line in lines))
+
+
+def doc(i, text=None):
+    return json.dumps({"text": text or f"document number {i} " * 8, "timestamp": "2019-04-25T12:00:00Z",
+                       "url": f"https://example.com/{i}"})
+
+
+def loader(files, streams=1):
+    cfg = T.parse_config(["--preset", "tiny", "--data-streams", str(streams), "--batch-size", "2",
+                          "--micro-batch-size", "2"])
+    return T.RankBatches([str(f) for f in files], T.ByteTokenizer(), cfg, rank=0, world=1, micro=2)
+
+
+def test_bad_lines_are_skipped_and_counted_and_big_documents_pass(tmp_path):
+    lines = [doc(i) for i in range(40)]
+    lines[3] = "\x00\x01 garbage {"                                  # not JSON
+    lines[4] = json.dumps({"url": "no text here"})
+    lines[5] = doc(5, text="   ")                                   # an empty document
+    lines[7] = doc(7, text="x" * 10_000_000)                        # a 10 MB single document
+    shard(tmp_path / "c4-train.00000-of-00001.json.gz", lines)
+    stream = T.DocumentStream([str(tmp_path / "c4-train.00000-of-00001.json.gz")], 0, 1, seed=None, buffer_size=0)
+    documents = []
+    for text in stream:
+        if stream.epoch:
+            break
+        documents.append(text)
+    assert len(documents) == 37 and stream.skipped == 3 and max(map(len, documents)) == 10_000_000
+    batches = loader([tmp_path / "c4-train.00000-of-00001.json.gz"])
+    assert all(batches.next_batch()[0].shape == (2, 32) for _ in range(20))
+
+
+@pytest.mark.parametrize("content", [b"", b"this is not gzip at all", gzip.compress(b""),
+                                     gzip.compress(b'{"text": "caf\xe9 is not UTF-8"}\n')])
+def test_an_unusable_shard_is_a_clear_error_not_a_hang(tmp_path, content):
+    path = tmp_path / "c4-train.00000-of-00001.json.gz"
+    shard(path, [], raw=content)
+    with pytest.raises(T.ConfigError, match="unreadable|no usable document"):
+        loader([path]).next_batch()
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_the_rerun_resumes(tmp_path):
+    # the second checkpoint write fails as a full disk would: ENOSPC from inside torch.save
+    prelude = """
+import errno, torch
+_real_save, _calls = torch.save, []
+def _save(obj, path, *a, **k):
+    if str(path).endswith("model.pt"):
+        _calls.append(path)
+        if len(_calls) == 2:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    return _real_save(obj, path, *a, **k)
+torch.save = _save
+"""
+    code, stdout, stderr = run(tmp_path, "--residual", "hc", prelude=prelude)
+    assert code != 0 and "No space left on device" in stderr and "previous checkpoint is intact" in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    run_dir = tmp_path / "hc_d2_s42"
+    assert [d.name for d in (run_dir / "checkpoints").iterdir()] == ["step-10"]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    code, stdout, stderr = run(tmp_path, "--residual", "hc")
+    assert code == 0, stderr
+    assert "resumed from" in stdout and "(step 10," in stdout
+
+
+def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
+    assert run(tmp_path, "--residual", "mhc", "--steps", "10")[0] == 0
+    folder = tmp_path / "mhc_d2_s42" / "checkpoints" / "step-10"
+    witness = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {witness}",))
+
+    torch.save({"model": Exploit()}, folder / "model.pt")
+    marker = json.loads((folder / T.MARKER).read_text())        # an attacker can fix the checksums too
+    marker["files"]["model.pt"] = T._sha256(folder / "model.pt")
+    (folder / T.MARKER).write_text(json.dumps(marker))
+    code, stdout, stderr = run(tmp_path, "--residual", "mhc", "--steps", "20")
+    assert not witness.exists()
+    assert "step-10 cannot be loaded safely" in stdout
+    assert code == 2 and "no checkpoint" in stderr and "is usable" in stderr
+    assert len((tmp_path / "mhc_d2_s42" / "metrics.jsonl").read_text().splitlines()) == 11   # history kept
+
+
+FLAGS = {
+    "--depth": st.integers(-2, 4), "--width": st.sampled_from([0, 8, 12, 16, 30]),
+    "--heads": st.integers(-1, 4), "--batch-size": st.integers(-1, 8), "--micro-batch-size":
+    st.sampled_from(["0", "1", "2", "3", "auto", "x"]), "--residual": st.sampled_from(["hc", "mhc", "baseline", "x"]),
+    "--lr": st.sampled_from(["0", "1e-3", "-1", "nan?"]), "--data": st.sampled_from(["sample", "/no/such/*.gz"]),
+    "--preset": st.sampled_from(["tiny", "demo", "nope"]), "--grad-clip": st.sampled_from(["-1", "0", "1"]),
+    "--data-streams": st.integers(0, 3), "--run-name": st.sampled_from(["ok", "a/b", ".hidden"]),
+    "--tokenizer": st.sampled_from(["byte", "gpt2", "bpe"]), "--steps": st.sampled_from(["1", "0", "ten"]),
+}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(sorted(FLAGS)), st.none(), max_size=6).flatmap(
+    lambda chosen: st.fixed_dictionaries({flag: FLAGS[flag] for flag in chosen})))
+def test_random_command_lines_give_a_run_or_one_line_error(flags):
+    """Everything the trainer checks before it starts: any flag combination is accepted or refused in
+    one line (exit 2); the accepted ones are checked end to end by the tests that run the trainer."""
+    argv = [item for flag, value in flags.items() for item in (flag, str(value))]
+    try:
+        cfg = T.parse_config(argv)
+        T.batch_plan(cfg, world=1)
+        T.resolve_data_files(cfg.data)
+    except T.ConfigError as error:
+        assert "\n" not in str(error) and str(error)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied"])
+def test_a_damaged_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, damage):
+    assert run(tmp_path, "--residual", "hc", "--steps", "20")[0] == 0
+    newest = tmp_path / "hc_d2_s42" / "checkpoints" / "step-20"
+    if damage == "truncated":
+        data = (newest / "optimizer.pt").read_bytes()
+        (newest / "optimizer.pt").write_bytes(data[: len(data) // 3])
+    else:
+        for file in newest.iterdir():
+            file.unlink()
+    code, stdout, stderr = run(tmp_path, "--residual", "hc", "--steps", "30")
+    assert code == 0, stderr
+    assert "step-20" in stdout and "falling back to the previous one" in stdout and "(step 10," in stdout
+
+
+def metrics_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_at_five_points_including_a_checkpoint_write_loses_nothing(tmp_path):
+    """Each attempt kills itself at its own point (two of them halfway through writing a checkpoint);
+    the next attempt resumes, and the finished run equals one that was never interrupted."""
+    args = ("--residual", "mhc", "--steps", "60", "--ckpt-every", "10", "--keep-checkpoints", "2")
+    assert run(tmp_path / "reference", *args)[0] == 0
+    save_kill = """
+import os, signal, torch
+_real, _n = torch.save, [0]
+def _save(obj, path, *a, **k):
+    _real(obj, path, *a, **k)
+    if str(path).endswith({file!r}):
+        _n[0] += 1
+        if _n[0] == {count}:
+            os.kill(os.getpid(), signal.SIGKILL)
+torch.save = _save
+"""
+    step_kill = """
+import os, signal, train_c4
+_real = train_c4.Trainer.optimizer_step
+def _step(self, *a, **k):
+    if self.step == {step}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _real(self, *a, **k)
+train_c4.Trainer.optimizer_step = _step
+"""
+    # in order: before any checkpoint; inside step-20's write (model saved, optimizer not), so 10 is used;
+    # mid-step; inside step-40's write after the optimizer file; mid-step again
+    preludes = [step_kill.format(step=7), save_kill.format(file="model.pt", count=2), step_kill.format(step=27),
+                save_kill.format(file="optimizer.pt", count=2), step_kill.format(step=45)]
+    for prelude in preludes:
+        assert run(tmp_path / "resumed", *args, prelude=prelude)[0] == -9
+    code, stdout, stderr = run(tmp_path / "resumed", *args)
+    assert code == 0, stderr
+    resumed, reference = metrics_of(tmp_path / "resumed" / "mhc_d2_s42"), metrics_of(tmp_path / "reference" / "mhc_d2_s42")
+    assert [r["step"] for r in resumed] == list(range(61))       # strictly increasing: nothing lost or repeated
+    keys = ("loss", "grad_norm", "val_loss", "amax_fwd", "amax_bwd")
+    assert [[r.get(k) for k in keys] for r in resumed] == [[r.get(k) for k in keys] for r in reference]
+    leftovers = [p.name for p in (tmp_path / "resumed" / "mhc_d2_s42" / "checkpoints").iterdir()]
+    assert sorted(leftovers) == ["step-50", "step-60"]            # no temp folder left behind

@@ -1,0 +1,147 @@
+"""The fast paths of the model against plain reference code, torch.compile against eager, and the step benchmark."""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_c4 as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def reference_sinkhorn(logits, iters):
+    """model-spec.md word for word, differentiated by autograd."""
+    P = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        P = P / P.sum(dim=-2, keepdim=True)
+        P = P / P.sum(dim=-1, keepdim=True)
+    return P
+
+
+def reference_stream_update(x, H_pre, H_post, H_res, sublayer):
+    """x_next = H_res @ x + H_post^T * F(H_pre @ x), written as einsums."""
+    u = torch.einsum("...n,...nc->...c", H_pre, x)
+    y = sublayer(u)
+    return torch.einsum("...ij,...jc->...ic", H_res, x) + H_post.unsqueeze(-1) * y.unsqueeze(-2)
+
+
+def tiny_config(residual, **overrides):
+    cfg = T.parse_config(["--preset", "tiny", "--residual", residual])
+    return dataclasses.replace(cfg, **overrides)
+
+
+def randomize_mixing(model, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_conn." in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [0.1, 3.0])
+def test_sinkhorn_equals_the_reference_loop(dtype, scale):
+    generator = torch.Generator().manual_seed(0)
+    logits = (scale * torch.randn(64, 4, 4, generator=generator)).to(dtype)
+    grad_out = torch.randn(64, 4, 4, generator=generator).to(dtype)
+    fast_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    fast, ref = T.sinkhorn(fast_in, 20), reference_sinkhorn(ref_in, 20)
+    assert torch.equal(fast, ref)                                  # the same divisions in the same order: bit-exact
+    fast.backward(grad_out)
+    ref.backward(grad_out)
+    # the backward is the same derivative in a different arrangement: equal up to rounding of ~80 small steps
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(fast_in.grad, ref_in.grad, rtol=tol, atol=tol)
+
+
+def test_sinkhorn_backward_passes_gradcheck_with_few_and_many_iterations():
+    for iters in (1, 3):
+        m = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda t: T.sinkhorn(t, iters), (m,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("transposed_res", [False, True])      # HC hands over A_r^T, a non-contiguous view
+def test_stream_update_equals_the_einsum_reference(dtype, transposed_res):
+    generator = torch.Generator().manual_seed(0)
+    B, L, n, C = 2, 5, 4, 8
+    sublayer = torch.nn.Sequential(torch.nn.LayerNorm(C), torch.nn.Linear(C, C)).to(dtype)
+    tensors = [torch.randn(shape, generator=generator).to(dtype)
+               for shape in ((B, L, n, C), (B, L, n), (B, L, n), (B, L, n, n))]
+    grad_out = torch.randn(B, L, n, C, generator=generator).to(dtype)
+    results = []
+    for fn in (T.stream_update, reference_stream_update):
+        x, H_pre, H_post, H_res = (t.clone().requires_grad_() for t in tensors)
+        out = fn(x, H_pre, H_post, H_res.transpose(-1, -2) if transposed_res else H_res, sublayer)
+        out.backward(grad_out)
+        results.append([out.detach(), x.grad, H_pre.grad, H_post.grad, H_res.grad]
+                       + [p.grad.clone() for p in sublayer.parameters()])
+        sublayer.zero_grad()
+    # matmuls against einsum + broadcast: the same sums, possibly in another order
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for fast, ref in zip(*results):
+        torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
+def test_compiled_blocks_agree_with_eager(residual):
+    """block.compile() (what --compile does) against eager: loss and every gradient.
+
+    Tolerance: inductor fuses the small ops and may reassociate reductions (LayerNorm, softmax, the Sinkhorn
+    sums); in fp32 each reassociation moves a result by a few ulp (~1e-7 relative), and through two blocks, the
+    20 Sinkhorn iterations and the backward this grows to ~1e-6 (measured max 2e-6 on these gradients). rtol 1e-4
+    / atol 1e-5 sits well above rounding and far below any semantic difference (a wrong transpose, a dropped
+    normalisation or a missing stream all change the gradients at the 1e-2 level)."""
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = T.GPT(tiny_config(residual, depth=2))
+        randomize_mixing(model)
+        if compiled:
+            torch._dynamo.reset()
+            for block in model.blocks:
+                block.compile()
+        for _ in range(2):                                        # the second call runs the cached graphs
+            model.zero_grad()
+            _, loss = model(idx, idx)
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_a_block_compiles_without_graph_breaks(residual):
+    cfg = tiny_config(residual)
+    block = T.GPT(cfg).blocks[0]
+    x = torch.randn(2, 8, cfg.expansion, cfg.width, requires_grad=True)
+    for kwargs in ({}, {"mixing_out": []}):                        # training step and instability probe
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(block)(x, **kwargs)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+
+
+def test_step_benchmark_runs_in_smoke_mode():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--smoke", "--json"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hc/baseline" in done.stdout and "smoke" in done.stdout
+
+
+def test_saved_activation_bytes_drop_with_checkpointing():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_step
+    args = bench_step.parse_args(["--smoke"])
+    for residual in ("baseline", "mhc"):
+        plain = bench_step.saved_activation_bytes(args, residual, False, torch.device("cpu"))
+        checkpointed = bench_step.saved_activation_bytes(args, residual, True, torch.device("cpu"))
+        assert 0 < checkpointed < plain
