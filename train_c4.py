@@ -197,7 +197,10 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.",
-                                     argument_default=argparse.SUPPRESS)
+                                 argument_default=argparse.SUPPRESS,
+                                 epilog="python train_c4.py --consolidate CHECKPOINT OUT.pt writes one file with the "
+                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
+                                 "process group.")
     for field in dataclasses.fields(Config):
         flag = "--" + field.name.replace("_", "-")
         if field.type == "bool":
@@ -304,8 +307,9 @@ def stream_update(x, H_pre, H_post, H_res, sublayer):
         u = torch.bmm(H_pre.to(x.dtype).reshape(-1, 1, n), streams)
     y = sublayer(u.view(*x.shape[:-2], C))
     with _autocast_off(x):
-        written = torch.bmm(H_post.to(x.dtype).reshape(-1, n, 1), y.to(x.dtype).reshape(-1, 1, C))
-        return torch.baddbmm(written, H_res.to(x.dtype).reshape(-1, n, n), streams).view(x.shape)
+        mixed = torch.bmm(H_res.to(x.dtype).reshape(-1, n, n), streams)
+        # H_post^T y accumulated in place: no x-sized outer product, no copy of it
+        return mixed.baddbmm_(H_post.to(x.dtype).reshape(-1, n, 1), y.to(x.dtype).reshape(-1, 1, C)).view(x.shape)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
@@ -421,10 +425,7 @@ class ManifoldHyperConnection(nn.Module):
     def coefficients(self, x):
         n = self.n
         with _autocast_off(x):
-            v = x.float().flatten(-2)
-            # mean(v^2) through the norm: one pass forward and one x-sized temporary backward (pow + mean: four)
-            mean_square = torch.linalg.vector_norm(v, dim=-1, keepdim=True).square() / v.shape[-1]
-            z = F.linear(v, self.phi.weight.float()) * torch.rsqrt(mean_square + self.eps)
+            z = _RMSScaledProjection.apply(x.float().flatten(-2), self.phi.weight.float(), self.eps)
             z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
             H_pre = torch.sigmoid(self.a_pre.float() * z_pre + self.b_pre.float())
             H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
@@ -434,6 +435,28 @@ class ManifoldHyperConnection(nn.Module):
     def forward(self, x, sublayer):
         H_pre, H_post, H_res = self.coefficients(x)
         return stream_update(x, H_pre, H_post, H_res, sublayer), H_res
+
+
+class _RMSScaledProjection(torch.autograd.Function):
+    """z = (v @ phi^T) / sqrt(mean(v^2) + eps) over the last axis, with the backward written out: the RMS term's
+    gradient, a per-token multiple of v, is added in place into the projection's, so the backward writes one
+    nC-sized tensor per token where autograd writes five (the projection's, the norm's three, their sum)."""
+
+    @staticmethod
+    def forward(ctx, v, phi, eps):
+        raw = v @ phi.t()
+        inv_rms = torch.rsqrt(torch.linalg.vecdot(v, v).unsqueeze(-1) / v.shape[-1] + eps)
+        ctx.save_for_backward(v, phi, raw, inv_rms)
+        return raw * inv_rms
+
+    @staticmethod
+    def backward(ctx, grad):
+        v, phi, raw, inv_rms = ctx.saved_tensors
+        grad_raw = grad * inv_rms
+        # d inv_rms / dv = -inv_rms^3 v / N
+        coef = (grad * raw).sum(-1, keepdim=True) * inv_rms.pow(3) / -v.shape[-1]
+        grad_v = (grad_raw @ phi).addcmul_(v, coef)
+        return grad_v, grad_raw.flatten(0, -2).t() @ v.flatten(0, -2), None
 
 
 CONNECTIONS = {"baseline": lambda cfg, k: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection}
@@ -450,16 +473,18 @@ class Block(nn.Module):
         self.mlp_conn = CONNECTIONS[cfg.residual](cfg, 2 * index + 1)
         self.activation_checkpointing = cfg.activation_checkpointing
 
-    def forward(self, x, mixing_out: list | None = None):
+    def forward(self, x, return_mixing: bool = False):
+        # the H_res are returned, not appended to a caller's list: a list argument makes torch.compile guard on
+        # its length, i.e. one graph per block index in the probe, past dynamo's limit of 8 at depth > 6
+        mixing = []
         for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # the stream mixing is recomputed with the sublayer: storing it would cost n x C per token
                 x, H_res = checkpoint(conn, x, sublayer, use_reentrant=False)
             else:
                 x, H_res = conn(x, sublayer)
-            if mixing_out is not None:
-                mixing_out.append(H_res)
-        return x
+            mixing.append(H_res)
+        return (x, mixing) if return_mixing else x
 
 
 class GPT(nn.Module):
@@ -492,7 +517,15 @@ class GPT(nn.Module):
         # batched matmuls down a slow per-token path (about 10x on CPU)
         x = h.unsqueeze(-2).expand(*h.shape[:-1], self.streams, h.shape[-1]).contiguous()
         for block in self.blocks:
-            x = block(x, mixing_out)
+            if mixing_out is None:
+                x = block(x)
+            else:
+                x, mixing = block(x, return_mixing=True)
+                mixing_out.extend(mixing)
+        if x.requires_grad and self.streams > 1:
+            # the sum's backward hands the last block the same gradient for every stream through a stride-0
+            # view: the same slow path as above, in the backward
+            x.register_hook(torch.Tensor.contiguous)
         logits = self.lm_head(self.ln_f(x.sum(dim=-2)))                        # collapse once
         if targets is None:
             return logits
@@ -1739,7 +1772,7 @@ class StopRequest:
 
 
 def fault_injection() -> tuple[str, int, int] | None:
-    """Test hook TRAIN_C4_INJECT_NAN="loss|grad:STEP[:RANK]": make that step non-finite on purpose."""
+    """Test hook TRAIN_C4_INJECT_NAN="WHAT:STEP[:RANK]": WHAT is loss or grad (made non-finite), hang or oom."""
     spec = os.environ.get("TRAIN_C4_INJECT_NAN")
     if not spec:
         return None

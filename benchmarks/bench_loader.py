@@ -1,11 +1,12 @@
 """Tokens per second that one process's data loader delivers (read gzip shards, parse, shuffle,
 tokenize with GPT-2 BPE, pack into windows), against what one H100 consumes at depth 32.
 
-    python benchmarks/bench_loader.py [--data sample] [--seconds 20] [--streams 8] [--record]
+    python benchmarks/bench_loader.py [--data sample] [--seconds 20] [--streams 8]
+
+Results are kept by hand in docs/benchmarks.md ("Data loader"), with the command and the machine.
 """
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -51,18 +52,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--record", action="store_true", help="append the result to docs/benchmarks.md")
     args = parser.parse_args()
     delivered = measure(args.data, args.streams, args.seconds, args.micro, prefetch=True)
     consumed = gpu_tokens_per_second(32)
-    line = (f"| {time.strftime('%Y-%m-%d')} | {platform.machine()}, {os.cpu_count()} cores | "
-            f"`python benchmarks/bench_loader.py --data {args.data} --seconds {args.seconds:g}` | "
-            f"{delivered:,.0f} | {consumed:,.0f} | {delivered / consumed:.1f}x |")
     print(f"loader: {delivered:,.0f} tokens/s per process (GPT-2 BPE, {args.streams} streams, prefetch thread)")
     print(f"one H100 at depth 32 and 40% MFU consumes {consumed:,.0f} tokens/s: ratio {delivered / consumed:.1f}x")
-    if args.record:
-        with open(ROOT / "docs" / "benchmarks.md", "a") as f:
-            f.write(line + "\n")
 
 
 if __name__ == "__main__":

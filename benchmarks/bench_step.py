@@ -62,12 +62,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure saved-activation bytes with and without activation checkpointing (no timing)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="print a torch.profiler table (top ROWS ops by self time) of one step per variant, no timing")
+    p.add_argument("--explain", action="store_true",
+                   help="torch._dynamo.explain on one block per variant (training and probe call): graphs, breaks")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--smoke", action="store_true", help="tiny model, a couple of steps, no timing claims (CI)")
     p.add_argument("--against", metavar="LABEL=PATH", action="append", default=[],
                    help="also time the variants built by another train_c4.py (e.g. before=/tmp/old.py, from "
                    "`git show REV:train_c4.py`), interleaved with the current ones; repeatable")
     p.add_argument("--record", action="store_true", help=f"append a row to {DOC.relative_to(ROOT)}")
+    p.add_argument("--note", default="", help="a word on the code state, written into the recorded row")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line as well")
     args = p.parse_args(argv)
     if args.smoke:
@@ -114,6 +117,10 @@ class Variant:
         torch.manual_seed(0)
         self.model = T.GPT(cfg).to(device)
         if cfg.compile:
+            # every block of every variant here shares Block.forward's code object, and dynamo allows 8 graphs
+            # per code object: 3 variants x (training, probe) x trainers would fall back to eager silently.
+            # A run of the trainer holds one model (training, evaluation and probe graphs: 3).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             for block in self.model.blocks:
                 block.compile()
         self.optimizer = torch.optim.AdamW(T.decay_groups(self.model, cfg.weight_decay), lr=cfg.lr,
@@ -267,6 +274,24 @@ def run_profile(args, device: torch.device) -> int:
     return 0
 
 
+def run_explain(args, device: torch.device) -> int:
+    """What --compile's block.compile() gets: the graphs and graph breaks of one block, for a training call
+    (grad on) and for the instability probe's call (no grad, eval, return_mixing)."""
+    for name in args.variants:
+        cfg = config(args, name)
+        model = T.GPT(cfg).to(device)
+        x = torch.randn(args.micro_batch, cfg.seq_len, model.streams, cfg.width, device=device, requires_grad=True)
+        for call, kwargs in (("training", {}), ("probe", {"return_mixing": True})):
+            torch._dynamo.reset()
+            block = model.blocks[0].train(call == "training")
+            with torch.set_grad_enabled(call == "training"):
+                e = torch._dynamo.explain(block)(x, **kwargs)
+            reasons = "; ".join(r.reason for r in e.break_reasons) or "none"
+            print(f"{name:>8} {call:>8}: graphs {e.graph_count}, graph breaks {e.graph_break_count}, "
+                  f"ops {e.op_count}, break reasons: {reasons}")
+    return 0
+
+
 def machine(device: torch.device) -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -274,8 +299,10 @@ def machine(device: torch.device) -> str:
         cpu = model
     except (OSError, StopIteration):
         pass
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu}, {torch.get_num_threads()} threads"
-    return f"{where}; {platform.system()} {platform.python_version()}, torch {torch.__version__}"
+    threads = torch.get_num_threads()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{cpu} ({os.cpu_count()} cores), {threads} thread{'s' * (threads > 1)}"
+    return f"{where}; {platform.system()}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def record_row(args, result: dict, device: torch.device, command: str) -> str:
@@ -287,7 +314,8 @@ def record_row(args, result: dict, device: torch.device, command: str) -> str:
 
     mode = "compile" if args.compile else "eager"
     config_text = (f"{args.dtype} w{args.width} d{args.depth} T{args.seq} B{args.micro_batch} n{args.n} "
-                   f"{args.tokenizer} {mode}{' ckpt' if args.activation_checkpointing else ''}")
+                   f"{args.tokenizer} {mode}{' ckpt' if args.activation_checkpointing else ''}"
+                   f"{'; ' + args.note if args.note else ''}")
     if "memory" in result:
         numbers = "; ".join(f"{k} {m['saved_mb']} -> {m['saved_mb_checkpointed']} MB ({m['saving']:.0%} saved)"
                             for k, m in result["memory"].items())
@@ -316,14 +344,17 @@ def main(argv=None) -> int:
                                                         "activation_checkpointing")}}
     if args.profile:
         return run_profile(args, device)
+    if args.explain:
+        return run_explain(args, device)
     if args.memory:
         result["memory"] = run_memory(args, device)
     else:
         result |= run_timing(args, device)
     if load_before is not None:
         result["load"] = f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
-    command = "python benchmarks/bench_step.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:])
-                                                            if a != "--record")
+    argv = argv if argv is not None else sys.argv[1:]
+    command = "python benchmarks/bench_step.py " + " ".join(a for i, a in enumerate(argv) if a not in ("--record", "--note")
+                                                            and (i == 0 or argv[i - 1] != "--note"))
     print(render(args, result))
     if args.json:
         print(json.dumps(result))

@@ -45,7 +45,7 @@ def launcher_env(tmp_path, **extra):
     return env
 
 
-def launch(tmp_path, *args, env=None, timeout=40, out=None):
+def launch(tmp_path, *args, env=None, timeout=120, out=None):
     out = out or tmp_path / "runs"
     cmd = ["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", *map(str, args)]
     return subprocess.run(cmd, env=env or launcher_env(tmp_path), capture_output=True, text=True,
@@ -82,7 +82,7 @@ def status(out, run):
     return json.loads((Path(out) / run / "status.json").read_text())
 
 
-def wait_for(predicate, timeout=15.0, what="condition"):
+def wait_for(predicate, timeout=60.0, what="condition"):
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -312,14 +312,15 @@ def test_sigterm_stops_the_jobs_and_the_next_invocation_resumes(tmp_path):
     out = tmp_path / "runs"
     args = ["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc,mhc",
             "--depths", "2", "--seeds", "1", "--gpus", "0,1"]
-    env = launcher_env(tmp_path, FAKE_STEPS=40, FAKE_STEP_SLEEP=0.1)
+    # 400 steps of 0.1 s: the jobs cannot finish before the signal, even on a loaded machine
+    env = launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
     try:
         wait_for(lambda: all(status(out, r)["step"] >= 3 for r in ("hc_d2_s1", "mhc_d2_s1")),
                  what="both jobs to make progress")
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=15)
+        output, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -330,7 +331,7 @@ def test_sigterm_stops_the_jobs_and_the_next_invocation_resumes(tmp_path):
     assert events(out, "STOP")
 
     r = launch(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1",
-               env=launcher_env(tmp_path, FAKE_STEPS=40, FAKE_STEP_SLEEP=0.005))
+               env=launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.001))
     assert r.returncode == 0, r.stdout + r.stderr
     for run in ("hc_d2_s1", "mhc_d2_s1"):
         first, second = invocations(out, run)
@@ -353,7 +354,7 @@ def test_a_killed_trainer_is_requeued_and_resumes(tmp_path):
         wait_for(lambda: int(pid_file.read_text()) != first_pid and status(out, run)["step"] >= 6,
                  what="the retry to make progress")
         os.kill(int(pid_file.read_text()), signal.SIGTERM)   # a preemption: exit 75, a requeue
-        output, _ = proc.communicate(timeout=20)
+        output, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
