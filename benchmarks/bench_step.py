@@ -47,8 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per step")
     p.add_argument("--n", type=int, default=4, help="streams of HC and mHC (--expansion)")
     p.add_argument("--tokenizer", choices=("gpt2", "byte"), default="byte",
-                   help="vocabulary: byte (256: the body dominates the step, as in the large models) or gpt2 (50304: at width "
-                   "512 its head is 2/3 of the FLOPs and dilutes the stream cost)")
+                   help="vocabulary: byte (256: the body dominates the step, as in the large models) or gpt2 "
+                   "(50304: at width 512 its head is 2/3 of the FLOPs and dilutes the stream cost)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of baseline,hc,mhc")
     p.add_argument("--compile", action="store_true", help="torch.compile each block, as the trainer's --compile")
     p.add_argument("--activation-checkpointing", action="store_true")
@@ -89,7 +89,7 @@ def config(args, residual: str, checkpointing: bool | None = None, module=T) -> 
     argv = ["--residual", residual, "--depth", str(args.depth), "--width", str(args.width), "--heads", str(args.heads),
             "--expansion", str(args.n), "--seq-len", str(args.seq), "--tokenizer", args.tokenizer,
             "--micro-batch-size", str(args.micro_batch), "--batch-size", str(args.micro_batch),
-            "--dtype", args.dtype, "--probe-sequences", str(args.probe_sequences), "--attn", "sdpa"]
+            "--dtype", args.dtype, "--probe-sequences", str(args.probe_sequences)]
     if args.activation_checkpointing if checkpointing is None else checkpointing:
         argv.append("--activation-checkpointing")
     if args.compile:
@@ -114,8 +114,10 @@ class Variant:
         self.residual, self.label, self.device, self.T = residual, label, device, module
         self.name = residual + (f"@{label}" if label else "")
         self.cfg = cfg = config(args, residual, module=module)
+        self.dtype = T.compute_dtype(cfg, device)
         torch.manual_seed(0)
-        self.model = T.GPT(cfg).to(device)
+        # the trainer's attention kernel: flash-attn on CUDA in bf16 when installed, SDPA otherwise
+        self.model = T.GPT(cfg, T.use_flash_attention(cfg, device, self.dtype)).to(device)
         if cfg.compile:
             # every block of every variant here shares Block.forward's code object, and dynamo allows 8 graphs
             # per code object: 3 variants x (training, probe) x trainers would fall back to eager silently.
@@ -129,7 +131,6 @@ class Variant:
         generator = torch.Generator().manual_seed(1)
         self.idx = torch.randint(0, vocab, (args.micro_batch, cfg.seq_len), generator=generator).to(device)
         self.probe_idx = torch.randint(0, vocab, (cfg.probe_sequences, cfg.seq_len), generator=generator).to(device)
-        self.dtype = T.compute_dtype(cfg, device)
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.non_embedding = T.count_parameters(cfg)["non_embedding"]
@@ -195,7 +196,8 @@ def run_timing(args, device: torch.device) -> dict:
         tok_s = tokens / (ms / 1e3)
         out["variants"][v.name] = {
             "ms_per_step": round(ms, 2), "tokens_per_s": round(tok_s, 1), "noise": round(spread(v.times), 3),
-            "cpu_ms_per_step": round(statistics.median(v.cpu_times) * 1e3, 2), "cpu_noise": round(spread(v.cpu_times), 3),
+            "cpu_ms_per_step": round(statistics.median(v.cpu_times) * 1e3, 2),
+            "cpu_noise": round(spread(v.cpu_times), 3),
             "mfu": round(tok_s * T.flops_per_token(v.cfg, v.non_embedding) / peak, 4) if peak else None}
     for label, _ in trainers if "baseline" in args.variants else []:
         at = f"@{label}" if label else ""
@@ -353,8 +355,8 @@ def main(argv=None) -> int:
     if load_before is not None:
         result["load"] = f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     argv = argv if argv is not None else sys.argv[1:]
-    command = "python benchmarks/bench_step.py " + " ".join(a for i, a in enumerate(argv) if a not in ("--record", "--note")
-                                                            and (i == 0 or argv[i - 1] != "--note"))
+    shown = [a for i, a in enumerate(argv) if a not in ("--record", "--note") and (i == 0 or argv[i - 1] != "--note")]
+    command = "python benchmarks/bench_step.py " + " ".join(shown)
     print(render(args, result))
     if args.json:
         print(json.dumps(result))
