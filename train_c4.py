@@ -577,19 +577,17 @@ def gain_metrics(H: torch.Tensor) -> dict:
     """Every probe metric from the per-token mixing matrices H (L sublayers, tokens, n, n); per-token
     gains are averaged over tokens, then the max (or min) over sublayers is taken."""
     P, S = composites(H.double())
-    per_layer_fwd, per_layer_bwd = row_gain(H).mean(-1), col_gain(H).mean(-1)
-    return {
-        "amax_fwd": row_gain(P).mean(-1).max().item(),
-        "amax_bwd": col_gain(S).mean(-1).max().item(),
-        "amax_fwd_abs": P.abs().sum(-1).amax(-1).mean(-1).max().item(),
-        "amax_bwd_abs": S.abs().sum(-2).amax(-1).mean(-1).max().item(),
-        "amax_l0_fwd": per_layer_fwd[0].item(),
-        "amax_l0_bwd": per_layer_bwd[0].item(),
-        "min_row_sum": P.sum(-1).amin(-1).mean(-1).min().item(),
-        "min_col_sum": S.sum(-2).amin(-1).mean(-1).min().item(),
-        "layer_gain_fwd": per_layer_fwd.tolist(),
-        "layer_gain_bwd": per_layer_bwd.tolist(),
-    }
+    scalars = torch.stack([row_gain(P).mean(-1).max(), col_gain(S).mean(-1).max(),
+                           P.abs().sum(-1).amax(-1).mean(-1).max(), S.abs().sum(-2).amax(-1).mean(-1).max(),
+                           P.sum(-1).amin(-1).mean(-1).min(), S.sum(-2).amin(-1).mean(-1).min()])
+    layers = torch.stack([row_gain(H).mean(-1), col_gain(H).mean(-1)]).double()
+    # one device-to-host copy for everything the probe logs, not one synchronisation per value
+    values = torch.cat([scalars, layers.flatten()]).tolist()
+    amax_fwd, amax_bwd, amax_fwd_abs, amax_bwd_abs, min_row_sum, min_col_sum = values[:6]
+    layer_fwd, layer_bwd = values[6:6 + H.shape[0]], values[6 + H.shape[0]:]
+    return {"amax_fwd": amax_fwd, "amax_bwd": amax_bwd, "amax_fwd_abs": amax_fwd_abs, "amax_bwd_abs": amax_bwd_abs,
+            "amax_l0_fwd": layer_fwd[0], "amax_l0_bwd": layer_bwd[0], "min_row_sum": min_row_sum,
+            "min_col_sum": min_col_sum, "layer_gain_fwd": layer_fwd, "layer_gain_bwd": layer_bwd}
 
 
 def unit_gain_metrics(sublayers: int) -> dict:

@@ -1,5 +1,4 @@
 """The residual variants and the instability metrics of model-spec.md, on tiny CPU models."""
-import dataclasses
 
 import pytest
 import torch
@@ -7,18 +6,7 @@ import torch
 import train_c4 as T
 
 
-def tiny_config(residual, **overrides):
-    cfg = T.parse_config(["--preset", "tiny", "--residual", residual])
-    return dataclasses.replace(cfg, **overrides)
-
-
-def randomize_mixing(model, seed=0):
-    """Move every mixing parameter away from its identity-like init so that mixing really happens."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_conn." in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+from helpers import randomize_mixing, tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("residual", ["hc", "mhc"])

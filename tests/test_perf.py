@@ -1,5 +1,4 @@
 """The fast paths of the model against plain reference code, torch.compile against eager, and the step benchmark."""
-import dataclasses
 import os
 import subprocess
 import sys
@@ -29,17 +28,7 @@ def reference_stream_update(x, H_pre, H_post, H_res, sublayer):
     return torch.einsum("...ij,...jc->...ic", H_res, x) + H_post.unsqueeze(-1) * y.unsqueeze(-2)
 
 
-def tiny_config(residual, **overrides):
-    cfg = T.parse_config(["--preset", "tiny", "--residual", residual])
-    return dataclasses.replace(cfg, **overrides)
-
-
-def randomize_mixing(model, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_conn." in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+from helpers import randomize_mixing, tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

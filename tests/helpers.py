@@ -1,0 +1,20 @@
+"""Small builders shared by the model and performance tests."""
+import dataclasses
+
+import torch
+
+import train_c4 as T
+
+
+def tiny_config(residual, **overrides):
+    cfg = T.parse_config(["--preset", "tiny", "--residual", residual])
+    return dataclasses.replace(cfg, **overrides)
+
+
+def randomize_mixing(model, seed=0):
+    """Move every mixing parameter away from its identity-like init so that mixing really happens."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_conn." in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
