@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -103,6 +104,7 @@ class Config:
     tokenizer: str = "gpt2"
     data_seed: int = 1234
     data_streams: int = 8
+    data_workers: int = 1
     prefetch: int = 4
     data_timeout: float = 600.0
     shuffle_buffer: int = 1024
@@ -133,17 +135,17 @@ PRESETS = {
     "tiny": dict(depth=2, width=16, heads=2, expansion=4, seq_len=32, batch_size=4, micro_batch_size="2",
                  steps=20, lr=3e-3, warmup=2, data="sample", tokenizer="byte", eval_every=10,
                  eval_batches=2, metrics_every=5, layer_metrics_every=10, probe_sequences=2,
-                 log_every=5, ckpt_every=10, shuffle_buffer=64, data_streams=2, wandb="disabled"),
+                 log_every=5, ckpt_every=10, shuffle_buffer=64, data_streams=2, wandb="disabled", data_workers=0),
     # CPU minutes on the bundled Shakespeare: large enough learning rate for HC to drift visibly
     "demo": dict(depth=4, width=128, heads=4, seq_len=128, batch_size=16, micro_batch_size="16",
                  steps=600, lr=3e-3, warmup=50, data="sample", tokenizer="byte", eval_every=100,
                  eval_batches=4, metrics_every=20, layer_metrics_every=100, probe_sequences=4,
-                 log_every=20, ckpt_every=200, shuffle_buffer=64),
+                 log_every=20, ckpt_every=200, shuffle_buffer=64, data_workers=0),
     # the public 10M-parameter small-scale reproduction (character-level Shakespeare)
     "part1": dict(depth=6, width=384, heads=6, seq_len=256, batch_size=64, micro_batch_size="16",
                   steps=5000, lr=1e-3, warmup=100, data="sample", tokenizer="byte", eval_every=250,
                   eval_batches=8, metrics_every=50, layer_metrics_every=250, log_every=50,
-                  ckpt_every=500, shuffle_buffer=64),
+                  ckpt_every=500, shuffle_buffer=64, data_workers=0),
 }
 
 CHOICES = dict(residual=("baseline", "hc", "mhc"), preset=tuple(PRESETS), attn=("auto", "flash", "sdpa"),
@@ -171,7 +173,9 @@ HELP = dict(
     "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
     data_streams="disjoint virtual data streams; the number of processes must divide it",
-    prefetch="micro-batches read ahead by the background loader thread",
+    data_workers="loader processes per rank, each reading and tokenizing its share of the rank's streams "
+    "(0: a background thread of the training process)",
+    prefetch="micro-batches read ahead by the background loader thread (with --data-workers 0)",
     data_timeout="seconds without a batch before the run stops with exit 6 instead of hanging", shuffle_buffer="documents in the shuffle buffer",
     eval_every="steps between validation losses", eval_batches="micro-batches in the fixed validation set",
     metrics_every="steps between instability probes", layer_metrics_every="steps between per-layer gain lists",
@@ -241,8 +245,8 @@ def validate(cfg: Config) -> None:
                           "$WORLD_SIZE)")
     if cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError("--lr must be > 0, --grad-clip and --weight-decay >= 0, --min-lr-ratio in [0, 1]")
-    if cfg.warmup < 0:
-        raise ConfigError(f"--warmup must be >= 0, got {cfg.warmup}")
+    if cfg.warmup < 0 or cfg.data_workers < 0:
+        raise ConfigError(f"--warmup and --data-workers must be >= 0, got {cfg.warmup} and {cfg.data_workers}")
     if os.sep in cfg.run_name or cfg.run_name.startswith("."):
         raise ConfigError(f"--run-name {cfg.run_name!r} must be a plain folder name")
 
@@ -724,9 +728,10 @@ class DocumentStream:
         while True:
             try:
                 stream = self._open_epoch()
-                for row in stream:
+                # iter(), unlike a plain loop, does not split the shards again inside a DataLoader worker
+                for row in stream.iter(batch_size=1):
                     self.position, failures = stream.state_dict(), 0
-                    text = parse_c4_line(row["text"])
+                    text = parse_c4_line(row["text"][0])
                     if text is None:
                         self.skipped += 1
                         continue
@@ -815,6 +820,7 @@ class RankBatches:
     a checkpoint saved with one world size resumes exactly with another."""
 
     def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int):
+        self.recipe = (files, tokenizer, cfg, rank, world, micro)      # what a loader process rebuilds it from
         count = cfg.data_streams
         self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer),
                                         tokenizer, cfg.seq_len) for v in range(rank, count, world)}
@@ -905,6 +911,128 @@ class Prefetcher:
 
     def state_dict(self) -> dict:
         return self.state
+
+
+class _StepShares(torch.utils.data.IterableDataset):
+    """What one loader process reads: the windows of its own streams (every workers-th stream of the rank),
+    one optimizer step after another. Its streams' states after each recent step stay in the process, and a
+    thread sends one when the training process asks (at a checkpoint): a state holds the shuffle buffers,
+    megabytes that would cost the training process more to receive every step than reading the data."""
+
+    KEEP = 8            # recent steps whose states are kept: more than a worker can run ahead (prefetch 2)
+
+    def __init__(self, batches: RankBatches, workers: int):
+        import multiprocessing
+        self.recipe, self.state, self.workers = batches.recipe, batches.state_dict(), workers
+        self.requests, self.replies = [multiprocessing.Queue() for _ in range(workers)], multiprocessing.Queue()
+
+    def __iter__(self):
+        import threading
+        worker = torch.utils.data.get_worker_info().id
+        batches = RankBatches(*self.recipe)
+        batches.load_state_dict([self.state])
+        mine = sorted(batches.streams)[worker::self.workers]
+        slots, states = [p for p, v in enumerate(batches.owners) if v in mine], {}
+        threading.Thread(target=self._answer, args=(worker, states), daemon=True).start()
+        try:
+            for step in itertools.count():
+                windows = torch.cat([batches.streams[batches.owners[p]].take(1) for p in slots])
+                states[step] = {str(v): batches.streams[v].state_dict() for v in mine}
+                states.pop(step - self.KEEP, None)
+                yield slots, windows, None
+        except TrainerError as error:          # raised in the training process as one line, not a worker traceback
+            yield None, None, error
+
+    def _answer(self, worker: int, states: dict) -> None:
+        while True:
+            self.replies.put(states[self.requests[worker].get()])
+
+    def states_after(self, step: int, timeout: float) -> dict:
+        """Every worker's stream states after `step` (counted from 0), merged."""
+        import queue
+        for requests in self.requests:
+            requests.put(step)
+        streams = {}
+        try:
+            for _ in self.requests:
+                streams |= self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise DataUnavailable(f"a data loader process did not send its state within {timeout:.0f} s") from None
+        return streams
+
+
+def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
+    """A SIGTERM or Ctrl-C sent to the job's process group (the launcher, a terminal) must reach the training
+    process alone: it finishes its step with data from the workers, checkpoints, then ends them. In a group
+    of its own a worker would outlive a training process killed outright, so Linux is asked to end it then."""
+    os.setpgrp()
+    if sys.platform == "linux":
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+        if os.getppid() == 1:                               # the training process died before the line above
+            os._exit(1)
+
+
+class LoaderProcesses:
+    """--data-workers > 0: the rank's streams are read and tokenized in a torch DataLoader's worker processes,
+    so the training process's interpreter lock is left to the training loop. DataLoader hands the workers'
+    step shares back in worker order, which makes the batches exactly those of the in-process loader. The
+    state is that after the last whole step consumed; checkpoints are only taken between steps."""
+
+    def __init__(self, batches: RankBatches, workers: int, timeout: float, pin_memory: bool = False):
+        self.workers, self.timeout, self.pin_memory, self.micro = workers, timeout, pin_memory, batches.micro
+        self.per_step, self.steps, self.cursor, self.waited = len(batches.owners), 0, 0, 0.0
+        self.state, self.inputs, self.targets = (0, batches.state_dict()), None, None
+        self.shares = _StepShares(batches, workers)
+        self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=workers,
+                                                       prefetch_factor=2, timeout=timeout,
+                                                       worker_init_fn=_leave_group_signals_to_the_trainer))
+
+    def _next_step(self) -> None:
+        started = time.perf_counter()
+        try:
+            shares = [next(self.loader) for _ in range(self.workers)]
+        except RuntimeError as error:
+            if "timed out" not in str(error):
+                raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
+            raise DataUnavailable(f"the data loader delivered nothing for {self.timeout:.0f} s "
+                                  "(--data-timeout); the data source stalled") from None
+        finally:
+            self.waited += time.perf_counter() - started
+        for *_, error in shares:
+            if error is not None:
+                raise error
+        windows = torch.empty(self.per_step, shares[0][1].shape[1], dtype=torch.long)
+        for slots, part, _ in shares:
+            windows[slots] = part
+        self.inputs, self.targets = (t.contiguous() for t in (windows[:, :-1], windows[:, 1:]))
+        if self.pin_memory:
+            self.inputs, self.targets = self.inputs.pin_memory(), self.targets.pin_memory()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cursor == 0:
+            self._next_step()
+        start, self.cursor = self.cursor, (self.cursor + self.micro) % self.per_step
+        self.steps += self.cursor == 0
+        return self.inputs[start:start + self.micro], self.targets[start:start + self.micro]
+
+    def state_dict(self) -> dict:
+        if self.state[0] != self.steps:
+            self.state = (self.steps, {"cursor": 0, "streams": self.shares.states_after(self.steps - 1, self.timeout)})
+        return self.state[1]
+
+    @property
+    def skipped(self) -> int:
+        return sum(stream["documents"]["skipped"] for stream in self.state_dict()["streams"].values())
+
+    def close(self) -> None:
+        self.loader = None                     # the DataLoader iterator shuts its workers down when released
+
+
+def start_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Prefetcher | LoaderProcesses:
+    if cfg.data_workers:
+        return LoaderProcesses(batches, cfg.data_workers, cfg.data_timeout, pin_memory)
+    return Prefetcher(batches, cfg.prefetch, cfg.data_timeout, pin_memory)
 
 
 def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1676,6 +1804,9 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
                           f"{world} process(es)")
     if cfg.data_streams % world:
         raise ConfigError(f"{world} processes do not divide --data-streams {cfg.data_streams}")
+    if cfg.data_workers > cfg.data_streams // world:
+        raise ConfigError(f"--data-workers {cfg.data_workers} exceeds the {cfg.data_streams // world} data stream(s) "
+                          f"of each of {world} process(es); raise --data-streams or lower --data-workers")
     return micro, cfg.batch_size // (micro * world)
 
 
@@ -1785,7 +1916,7 @@ class Trainer:
     dist: Dist
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    batches: RankBatches | Prefetcher
+    batches: RankBatches | Prefetcher | LoaderProcesses
     val: tuple[torch.Tensor, torch.Tensor]
     micro: int
     accum: int
@@ -2033,12 +2164,15 @@ def announce(trainer: Trainer, params: dict, record: dict) -> None:
              f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
     log.info(f"run: {cfg.steps:,} steps, {cfg.steps * tokens_per_step:,} tokens, "
              f"{trainer.flops_per_token:.3g} FLOPs per token")
+    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({cfg.data_streams // trainer.dist.world} per process, "
+             f"{loader} each), data seed {cfg.data_seed}")
 
 
 def train(cfg: Config) -> None:
     dist = setup_distributed()
     trainer = build_trainer(cfg, dist)
-    trainer.batches = Prefetcher(trainer.batches, cfg.prefetch, cfg.data_timeout, dist.device.type == "cuda")
+    trainer.batches = start_loader(trainer.batches, cfg, dist.device.type == "cuda")
     log, stop = trainer.log, StopRequest()
     # a fresh start logs its own step-0 probe again, so nothing of an earlier attempt is kept
     log.open_metrics(keep_through_step=trainer.step if trainer.step else -1)

@@ -42,7 +42,33 @@ def test_streams_read_disjoint_documents_whose_union_is_everything(tmp_path, sha
     assert len(everything) == len(set(everything)) == shards * 30
 
 
-def test_resume_through_the_prefetch_thread_is_exact_after_three_resumes(tmp_path):
+def first_documents(windows, count):
+    """The ids of the first `count` documents in a stream's consecutive byte windows."""
+    documents = bytes(torch.cat(windows).tolist()).decode().split("\0")
+    assert len(documents) > count, "read too little"
+    return [document.split()[0] for document in documents[:count]]
+
+
+def test_two_ranks_times_two_loader_processes_read_disjoint_documents_whose_union_is_everything(tmp_path):
+    files = write_shards(tmp_path)
+    cfg = T.parse_config(["--preset", "tiny", "--seq-len", "64", "--batch-size", "8", "--data-streams", "4",
+                          "--shuffle-buffer", "0"])
+    documents = []
+    for rank in range(2):
+        batches = T.RankBatches(files, T.ByteTokenizer(), cfg, rank=rank, world=2, micro=4)   # a step per batch
+        loader, by_stream = T.LoaderProcesses(batches, workers=2, timeout=60), {v: [] for v in batches.streams}
+        for _ in range(15):
+            x, y = loader.next_batch()
+            for v, window in zip(batches.owners, torch.cat([x, y[:, -1:]], dim=1)):
+                by_stream[v].append(window)
+        loader.close()
+        # one shard per stream, no shuffle buffer: a stream's first epoch is its first 30 documents
+        documents += [d for windows in by_stream.values() for d in first_documents(windows, 30)]
+    assert len(documents) == len(set(documents)) == 4 * 30
+
+
+@pytest.mark.parametrize("kind", ["thread", "processes"])
+def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_path, kind):
     files = write_shards(tmp_path)
     cfg = T.parse_config(["--preset", "tiny", "--seq-len", "16", "--data-streams", "2", "--shuffle-buffer", "8"])
 
@@ -50,18 +76,43 @@ def test_resume_through_the_prefetch_thread_is_exact_after_three_resumes(tmp_pat
         return T.RankBatches(files, T.ByteTokenizer(), cfg, rank=0, world=1, micro=2)
 
     reference = fresh()
-    expected = [reference.next_batch()[0] for _ in range(80)]
+    expected = [reference.next_batch() for _ in range(80)]
     seen, state = [], None
     for segment in range(4):
         batches = fresh()
         if state is not None:
             batches.load_state_dict([state])
-        loader = T.Prefetcher(batches, depth=4, timeout=30)
-        seen += [loader.next_batch()[0] for _ in range(20)]
-        time.sleep(0.05)                                     # let the thread read ahead of what was consumed
+        if kind == "thread":
+            loader = T.Prefetcher(batches, depth=4, timeout=30)
+        else:
+            loader = T.LoaderProcesses(batches, workers=2, timeout=30)
+        seen += [loader.next_batch() for _ in range(20)]     # whole steps: checkpoints are taken between steps
+        time.sleep(0.05)                                     # let the loader read ahead of what was consumed
         state = loader.state_dict()
         loader.close()
-    assert all(torch.equal(a, b) for a, b in zip(seen, expected))
+    assert all(torch.equal(a, b) for pair, reference_pair in zip(seen, expected)
+               for a, b in zip(pair, reference_pair))
+
+
+def test_a_loader_process_error_arrives_as_one_clean_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json\n{\"no_text\": 1}\n")
+    cfg = T.parse_config(["--preset", "tiny", "--data-streams", "2"])
+    loader = T.LoaderProcesses(T.RankBatches([str(bad)], T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    with pytest.raises(T.ConfigError, match="holds no usable document") as error:
+        loader.next_batch()
+    assert "Traceback" not in str(error.value)
+    loader.close()
+
+
+def test_a_stalled_loader_process_raises_instead_of_hanging(tmp_path, monkeypatch):
+    files = write_shards(tmp_path)
+    monkeypatch.setattr(T.TokenWindows, "take", lambda self, count: time.sleep(60))   # inherited by the fork
+    cfg = T.parse_config(["--preset", "tiny"])
+    loader = T.LoaderProcesses(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=1, timeout=2)
+    with pytest.raises(T.DataUnavailable, match="--data-timeout"):
+        loader.next_batch()
+    loader.close()
 
 
 def test_a_stalled_loader_raises_instead_of_hanging():

@@ -119,8 +119,10 @@ def test_two_processes_match_one_process_and_resume_exactly(parallel, single, tm
             torch.testing.assert_close(whole_weights[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
 
     # stopped by SIGTERM to torchrun (which forwards it): every rank saves its part and exits 75; a rerun
-    # of the same command continues with exactly the values of the uninterrupted run
-    process = torchrun(tmp_path / "resumed", parallel, wait=False)
+    # of the same command continues with exactly the values of the uninterrupted run (under FSDP with each
+    # rank's data read by a loader process instead of a thread: the same batches)
+    loader = ["--data-workers", "1"] if parallel == "fsdp" else []
+    process = torchrun(tmp_path / "resumed", parallel, *loader, wait=False)
     resumed = tmp_path / "resumed" / RUN
     while process.poll() is None and (not (resumed / "metrics.jsonl").exists()
                                       or len((resumed / "metrics.jsonl").read_text().splitlines()) < 2):
@@ -131,7 +133,7 @@ def test_two_processes_match_one_process_and_resume_exactly(parallel, single, tm
     assert status["state"] == "interrupted" and status["exit_code"] == 75, stderr
     assert status["step"] < 20, "the run finished before it could be stopped"
     assert "error: rank 0: stopped by a signal" in stderr and "error: rank 1: stopped by a signal" in stderr
-    code, stdout, stderr = torchrun(tmp_path / "resumed", parallel)
+    code, stdout, stderr = torchrun(tmp_path / "resumed", parallel, *loader)
     assert code == 0, stderr
     assert f"resumed from {resumed / 'checkpoints' / ('step-' + str(status['step']))}" in stdout
     assert deterministic(metrics(resumed)) == deterministic(metrics(whole))

@@ -483,3 +483,42 @@ def test_real_trainer_tiny_matrix(tmp_path):
         assert (out / run / "metrics.jsonl").stat().st_size > 0
     r = launch(tmp_path, *args, env=env)
     assert r.returncode == 0 and not launches(out)
+
+
+
+@pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
+def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes(tmp_path):
+    """The launcher's SIGTERM reaches each job's process group: every trainer finishes its step with data
+    from its two loader processes, checkpoints and exits 75, and nothing of it is left running."""
+    out, runs = tmp_path / "runs", ("hc_d2_s1", "mhc_d2_s1")
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_PROBE="true")
+    del env["RUN_EXPERIMENTS_TRAINER"]
+    args = ["--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--steps", "150", "--gpus", "0,1",
+            "--", "--preset", "tiny", "--data-workers", "2"]
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        wait_for(lambda: all(len((out / run / "metrics.jsonl").read_text().splitlines()) > 5 for run in runs),
+                 timeout=120, what="both trainers to make progress")
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    stopped_at = {}
+    for run in runs:
+        stopped = status(out, run)
+        assert (stopped["state"], stopped["exit_code"]) == ("interrupted", 75), stopped
+        assert (out / run / "checkpoints" / f"step-{stopped['step']}" / "COMPLETE.json").exists()
+        stopped_at[run] = stopped["step"]
+    wait_for(lambda: subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 1,
+             timeout=10, what="every trainer and loader process to end")
+
+    r = launch(tmp_path, *args, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for run in runs:
+        assert status(out, run)["state"] == "completed"
+        assert f"(step {stopped_at[run]}, " in (out / run / "train.log").read_text()      # resumed there
+        steps = [json.loads(line)["step"] for line in (out / run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == list(range(151))                # nothing lost or repeated across the stop

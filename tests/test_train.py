@@ -60,10 +60,12 @@ def test_a_run_writes_every_documented_file_and_key(tmp_path):
 
 
 def test_sigkill_then_rerun_continues_exactly(tmp_path):
+    """The reference reads its data in a thread, the killed and resumed run in two loader processes."""
     args = ["--residual", "mhc", "--steps", "60", "--ckpt-every", "10", "--keep-checkpoints", "3"]
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
     reference_dir.mkdir(), resumed_dir.mkdir()
     assert trainer(reference_dir, *args)[0] == 0
+    args += ["--data-workers", "2"]
     process = trainer(resumed_dir, *args, wait=False)
     checkpoints = resumed_dir / "mhc_d2_s42" / "checkpoints"
     while not (checkpoints / "step-30").exists() and process.poll() is None:
