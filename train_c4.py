@@ -2049,6 +2049,10 @@ class Trainer:
             self.optimizer.load_state_dict(files["optimizer.pt"])
         ranks = [state for name, state in sorted(files.items()) if name.startswith("rank")]
         self.batches.load_state_dict([state["data"] for state in ranks])
+        if len(ranks) != self.dist.world:
+            self.log.info(f"data: the checkpoint was written by {len(ranks)} process(es), this run has "
+                          f"{self.dist.world}; every data stream continues where it stopped, so the batches are "
+                          "those of an uninterrupted run")
         own = files.get(f"rank{self.dist.rank}.pt")
         if own is not None:
             set_rng_state(own["rng"])
