@@ -1901,7 +1901,7 @@ class StopRequest:
 
 
 def fault_injection() -> tuple[str, int, int] | None:
-    """Test hook TRAIN_C4_INJECT_NAN="WHAT:STEP[:RANK]": WHAT is loss or grad (made non-finite), hang or oom."""
+    """Test hook TRAIN_C4_INJECT_NAN="WHAT:STEP[:RANK]": WHAT is loss, grad or data (made non-finite), hang or oom."""
     spec = os.environ.get("TRAIN_C4_INJECT_NAN")
     if not spec:
         return None
@@ -1933,6 +1933,17 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
+    def injected(self, inject, fault: str) -> bool:
+        """The TRAIN_C4_INJECT_NAN fault `fault` is due in this step on this rank."""
+        return bool(inject) and inject[0] == fault and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank)
+
+    def corrupted_input(self, inject):
+        """Token ids cannot hold a NaN: the injected data fault makes the embedded batch, the data's first
+        floating-point form, non-finite (the hook's handle removes it on leaving the with-block)."""
+        if not self.injected(inject, "data"):
+            return contextlib.nullcontext()
+        return unwrap(self.model).wte.register_forward_hook(lambda module, args, out: out * float("nan"))
+
     def micro_steps(self, stop: StopRequest, inject) -> torch.Tensor:
         """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only."""
         device, loss_sum = self.dist.device, torch.zeros((), device=self.dist.device)
@@ -1943,18 +1954,17 @@ class Trainer:
                 self.model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                with self.autocast():
+                with self.autocast(), self.corrupted_input(inject):
                     _, loss = self.model(x, y)
-                if inject and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
-                    if inject[0] == "loss":
-                        loss = loss * float("nan")
-                    if inject[0] == "hang":      # a stuck rank: the others must time out, not wait forever
-                        time.sleep(24 * 3600)
-                    if inject[0] == "oom":       # one rank fails alone: the others must name it and stop
-                        raise torch.OutOfMemoryError("injected by TRAIN_C4_INJECT_NAN")
+                if self.injected(inject, "loss"):
+                    loss = loss * float("nan")
+                if self.injected(inject, "hang"):       # a stuck rank: the others must time out, not wait forever
+                    time.sleep(24 * 3600)
+                if self.injected(inject, "oom"):        # one rank fails alone: the others must name it and stop
+                    raise torch.OutOfMemoryError("injected by TRAIN_C4_INJECT_NAN")
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-        if inject and inject[0] == "grad" and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank):
+        if self.injected(inject, "grad"):
             next(self.model.parameters()).grad.fill_(float("inf"))
         stop_flag = torch.tensor(float(stop.requested), device=device)
         return all_ranks_sum(self.dist, torch.stack([loss_sum / (self.accum * self.dist.world), stop_flag]))

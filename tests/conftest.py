@@ -14,6 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a real multi-run scenario of 10-35 s; `-m 'not slow'` skips them")
+
+
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

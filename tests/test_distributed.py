@@ -99,6 +99,7 @@ def single(tmp_path_factory):
     return out / RUN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_match_one_process_and_resume_exactly(parallel, single, tmp_path):
     code, stdout, stderr = torchrun(tmp_path / "whole", parallel)

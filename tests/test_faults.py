@@ -161,6 +161,7 @@ def metrics_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sigkill_at_five_points_including_a_checkpoint_write_loses_nothing(tmp_path):
     """Each attempt kills itself at its own point (two of them halfway through writing a checkpoint);
     the next attempt resumes, and the finished run equals one that was never interrupted."""

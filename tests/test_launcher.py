@@ -486,6 +486,7 @@ def test_real_trainer_tiny_matrix(tmp_path):
 
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
 def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes(tmp_path):
     """The launcher's SIGTERM reaches each job's process group: every trainer finishes its step with data

@@ -225,6 +225,7 @@ def test_dry_run_estimates_wall_time_and_cost_from_flops(tmp_path):
     assert "goes with --dry-run" in launcher(tmp_path, "--calibrate").stderr
 
 
+@pytest.mark.slow
 def test_demo_dry_run_calibrates_on_the_cpu(tmp_path):
     r = launcher(tmp_path, "--demo", "--dry-run", "--calibrate", "--methods", "mhc", "--stagger", "0",
                  RUN_EXPERIMENTS_CALIBRATE_STEPS="4")

@@ -419,6 +419,7 @@ def test_reading_is_streaming_and_fast(tmp_path):
     assert elapsed < 3.0, f"reading 10k lines took {elapsed:.2f} s"
 
 
+@pytest.mark.slow
 def test_two_real_tiny_runs_are_reported(tmp_path):
     """The trainer's own output, not a hand-written imitation, goes through the report."""
     runs = tmp_path / "runs"

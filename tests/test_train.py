@@ -59,6 +59,7 @@ def test_a_run_writes_every_documented_file_and_key(tmp_path):
     assert sorted(d.name for d in (run / "checkpoints").iterdir()) == ["step-10", "step-20"]
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_continues_exactly(tmp_path):
     """The reference reads its data in a thread, the killed and resumed run in two loader processes."""
     args = ["--residual", "mhc", "--steps", "60", "--ckpt-every", "10", "--keep-checkpoints", "3"]
@@ -96,8 +97,8 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_75(tmp_path):
     assert "blocks.0.attn_conn.A_r_static" in state
 
 
-@pytest.mark.parametrize("where", ["loss", "grad"])
-def test_injected_non_finite_value_stops_the_run_as_diverged(tmp_path, where):
+@pytest.mark.parametrize("where", ["loss", "grad", "data"])
+def test_injected_non_finite_value_stops_the_run_as_diverged_and_the_report_says_so(tmp_path, where):
     code, _, stderr = trainer(tmp_path, "--residual", "hc", env={"TRAIN_C4_INJECT_NAN": f"{where}:7"})
     assert code == 3
     assert "non-finite" in stderr and len(stderr.strip().splitlines()) == 1
@@ -107,6 +108,12 @@ def test_injected_non_finite_value_stops_the_run_as_diverged(tmp_path, where):
     last = metrics(run)[-1]
     assert last["step"] == 7 and not all(map(lambda v: v == v and abs(v) < float("inf"),
                                              (last["loss"], last["grad_norm"])))
+    report = subprocess.run([sys.executable, str(ROOT / "report.py"), str(tmp_path), "--no-plots"],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    hc_row = next(line for line in (tmp_path / "report" / "results.md").read_text().splitlines()
+                  if line.startswith("| HC "))
+    assert "| 1: s42@7 |" in hc_row                    # the diverged column: seed 42 at step 7
 
 
 BAD_INPUTS = [
