@@ -1167,8 +1167,8 @@ def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Mo
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     _vectorise_scalars(model)
     # bf16 weights in the forward on CUDA (compute_dtype), fp32 everywhere on the CPU; gradients are
-    # always reduced in fp32. No input casting: it would copy the probe's mixing_out list at every
-    # block (the probe would see nothing), and the embeddings already come out in the weights' dtype
+    # always reduced in fp32. No input casting: it would hand every block its residual streams in bf16,
+    # and the streams are kept and mixed in fp32 (as without FSDP) so that their gains are measured unrounded
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
@@ -1232,24 +1232,14 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
         for name, obj in files.items():
             torch.save(obj, tmp / name)
             _fsync_path(tmp / name)
-        written = list(files)
-        if sharded is not None:
-            import torch.distributed.checkpoint as dcp
-            # collective; DCP's writer fsyncs its files. Its metadata names every file of every rank, so
-            # the marker does not depend on a directory listing (stale on network file systems)
-            metadata = dcp.save(sharded, checkpoint_id=tmp / SHARDED)
-            shards = sorted({info.relative_path for info in metadata.storage_data.values()})
-            written += [f"{SHARDED}/{name}" for name in [".metadata", *shards][dist.rank::dist.world]]
+        written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
         barrier(dist)
         # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
         digests = all_ranks_gather(dist, {name: _sha256(tmp / name) for name in written})
         if dist.is_main:
             marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
                       "files": dict(sorted(item for part in digests for item in part.items()))}
-            (tmp / MARKER).write_text(json.dumps(marker))
-            _fsync_path(tmp / MARKER)
-            os.replace(tmp, final)
-            _fsync_path(root)
+            _seal(tmp, final, marker)
             for old in checkpoint_dirs(run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     except (OSError, CheckpointException) as error:
@@ -1258,6 +1248,24 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
         raise TrainerError(f"could not write checkpoint step-{step} ({cause}); the previous checkpoint is "
                            "intact, free disk space and rerun to resume") from error
     barrier(dist)
+
+
+def _write_shards(sharded: dict, tmp: Path, dist: Dist) -> list[str]:
+    """Collective: DCP writes every rank's shards (and fsyncs them); returns this rank's share of DCP's
+    files to hash. DCP's metadata names every file of every rank, so the marker does not depend on a
+    directory listing (stale on network file systems)."""
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.save(sharded, checkpoint_id=tmp / SHARDED)
+    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+    return [f"{SHARDED}/{name}" for name in [".metadata", *shards][dist.rank::dist.world]]
+
+
+def _seal(tmp: Path, final: Path, marker: dict) -> None:
+    """The marker, then the rename: a checkpoint folder under its final name is always complete."""
+    (tmp / MARKER).write_text(json.dumps(marker))
+    _fsync_path(tmp / MARKER)
+    os.replace(tmp, final)
+    _fsync_path(final.parent)
 
 
 def _checkpoint_problem(folder: Path, marker: dict | None, dist: Dist) -> str | None:
@@ -1322,43 +1330,19 @@ def consolidate(source: Path, out: Path) -> str:
     """Write one file with the model's weights from a checkpoint (FSDP's sharded ones included): a GPT
     state_dict that torch.load(out, weights_only=True) reads without a process group. `source` is a
     checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
-    one = Dist(0, 1, torch.device("cpu"))
-    candidates = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1]
-    for folder in candidates:
-        marker = _read_marker(folder)
-        problem = _checkpoint_problem(folder, marker, one)
-        if problem is None:
-            source = folder
-            break
-        print(f"checkpoint {folder} {problem}", file=sys.stderr)
-    else:
-        raise ConfigError(f"{source} holds no complete checkpoint; pass a run folder or one of its "
-                          "checkpoints/step-N folders")
-    run_dir = source.parent.parent
+    folder, marker = _complete_checkpoint(source)
+    run_dir = folder.parent.parent
     try:
         saved = json.loads((run_dir / "config.json").read_text())["config"]
     except (OSError, ValueError, KeyError):
         raise ConfigError(f"{run_dir / 'config.json'} is missing or unreadable: the model cannot be rebuilt") from None
     cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Config)}})
-    if marker.get("format") == "sharded":
-        import warnings
-        import torch.distributed.checkpoint as dcp
-        # read only the model's entries (not the optimizer's), in the shapes they were saved with
-        entries = dcp.FileSystemReader(source / SHARDED).read_metadata().state_dict_metadata
-        state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-                 for key, meta in entries.items() if key.startswith("model.")}
-        wrapped = {"model": state}
-        with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(wrapped, checkpoint_id=source / SHARDED, no_dist=True)
-        state = wrapped["model"]
-    else:
-        state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
+    state = _saved_model_state(folder, sharded=marker.get("format") == "sharded")
     with torch.device("meta"):
         reference = GPT(cfg).state_dict()
     state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
     if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
-        raise ConfigError(f"checkpoint {source} does not match the model of {run_dir / 'config.json'}")
+        raise ConfigError(f"checkpoint {folder} does not match the model of {run_dir / 'config.json'}")
     # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
     state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
     state["lm_head.weight"] = state["wte.weight"]
@@ -1366,7 +1350,36 @@ def consolidate(source: Path, out: Path) -> str:
     torch.save(state, tmp)
     os.replace(tmp, out)
     count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
-    return f"{out}: {count:,} parameters of {cfg.residual} depth {cfg.depth} from {source}"
+    return f"{out}: {count:,} parameters of {cfg.residual} depth {cfg.depth} from {folder}"
+
+
+def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
+    """`source` itself when it is a complete checkpoint, else the newest complete one of the run folder."""
+    one = Dist(0, 1, torch.device("cpu"))
+    for folder in [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1]:
+        marker = _read_marker(folder)
+        problem = _checkpoint_problem(folder, marker, one)
+        if problem is None:
+            return folder, marker
+        print(f"checkpoint {folder} {problem}", file=sys.stderr)
+    raise ConfigError(f"{source} holds no complete checkpoint; pass a run folder or one of its "
+                      "checkpoints/step-N folders")
+
+
+def _saved_model_state(folder: Path, sharded: bool) -> dict:
+    """The model entries of a checkpoint (not the optimizer's), in the shapes they were saved with."""
+    if not sharded:
+        return torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    entries = dcp.FileSystemReader(folder / SHARDED).read_metadata().state_dict_metadata
+    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in entries.items() if key.startswith("model.")}
+    wrapped = {"model": state}
+    with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wrapped, checkpoint_id=folder / SHARDED, no_dist=True)
+    return wrapped["model"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2038,25 +2051,31 @@ class Trainer:
         if found is None:
             return
         folder, files, marker = found
-        saved_sharded = marker.get("format") == "sharded"
-        if saved_sharded != is_sharded(self.model):
+        self._load_model_and_optimizer(folder, files, sharded=marker.get("format") == "sharded")
+        self._load_data_and_rng(files)
+        self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
+        self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
+
+    def _load_model_and_optimizer(self, folder: Path, files: dict, sharded: bool) -> None:
+        if sharded != is_sharded(self.model):
             fix = ("resume it under torchrun with --parallel fsdp (any number of processes), or export the "
-                   "weights with `python train_c4.py --consolidate CHECKPOINT OUT.pt`" if saved_sharded else
+                   "weights with `python train_c4.py --consolidate CHECKPOINT OUT.pt`" if sharded else
                    "resume it with one process or --parallel ddp")
             this_run = "FSDP" if is_sharded(self.model) else "not FSDP"
-            raise ConfigError(f"checkpoint {folder} holds {'sharded (FSDP)' if saved_sharded else 'whole'} model "
+            raise ConfigError(f"checkpoint {folder} holds {'sharded (FSDP)' if sharded else 'whole'} model "
                               f"and optimizer state, this run is {this_run}; {fix}")
-        if saved_sharded:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_state, "optimizer": optimizer_state}
-            dcp.load(state, checkpoint_id=folder / SHARDED)
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
-        else:
+        if not sharded:
             unwrap(self.model).load_state_dict(files["model.pt"])
             self.optimizer.load_state_dict(files["optimizer.pt"])
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=folder / SHARDED)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def _load_data_and_rng(self, files: dict) -> None:
         ranks = [state for name, state in sorted(files.items()) if name.startswith("rank")]
         self.batches.load_state_dict([state["data"] for state in ranks])
         if len(ranks) != self.dist.world:
@@ -2066,8 +2085,6 @@ class Trainer:
         own = files.get(f"rank{self.dist.rank}.pt")
         if own is not None:
             set_rng_state(own["rng"])
-        self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
-        self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
 
     def record(self, loss: float, norm: float, lr: float, seconds: float, data_wait: float) -> dict:
         tokens_per_s = self.cfg.batch_size * self.cfg.seq_len / seconds
