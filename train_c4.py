@@ -2269,18 +2269,7 @@ def print_estimate(cfg: Config) -> None:
           f"{cfg.batch_size * cfg.seq_len:,} tokens per step; {cfg.steps * cfg.batch_size * cfg.seq_len:,} tokens in "
           f"{cfg.steps:,} steps")
     world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.batch_size % world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
-    try:
-        auto, _ = auto_micro_batch(cfg, world)
-        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
-                     "of the card)")
-    except ConfigError as error:
-        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
-    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
-    if cfg.batch_size % (micro * world):
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
-                          f"{world} process(es)")
+    micro, auto_line = _estimate_micro_batch(cfg, world)
     strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
     print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
           f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
@@ -2293,6 +2282,27 @@ def print_estimate(cfg: Config) -> None:
         print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
               f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
     print(auto_line)
+    _print_time_estimate(cfg, world, flops)
+
+
+def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
+    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
+    if cfg.batch_size % world:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
+    try:
+        auto, _ = auto_micro_batch(cfg, world)
+        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
+                     "of the card)")
+    except ConfigError as error:
+        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
+    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
+    if cfg.batch_size % (micro * world):
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
+                          f"{world} process(es)")
+    return micro, auto_line
+
+
+def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H100 (assumed: no CUDA device here)"
     peak = next((p for key, p in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
     if peak:
