@@ -94,6 +94,17 @@ def wait_for(predicate, timeout=60.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def sigterm_when(proc, predicate, what, timeout=60.0):
+    """SIGTERM to the launcher once `predicate` holds; its output after it exits."""
+    try:
+        wait_for(predicate, timeout=timeout, what=what)
+        proc.send_signal(signal.SIGTERM)
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # ----------------------------------------------------------------------------------------------
 # The matrix runs, a slot per job, each job where its slot is
 
@@ -316,14 +327,8 @@ def test_sigterm_stops_the_jobs_and_the_next_invocation_resumes(tmp_path):
     env = launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
-    try:
-        wait_for(lambda: all(status(out, r)["step"] >= 3 for r in ("hc_d2_s1", "mhc_d2_s1")),
-                 what="both jobs to make progress")
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    output = sigterm_when(proc, lambda: all(status(out, r)["step"] >= 3 for r in ("hc_d2_s1", "mhc_d2_s1")),
+                          "both jobs to make progress")
     assert proc.returncode == 143, output
     for run in ("hc_d2_s1", "mhc_d2_s1"):
         assert status(out, run)["state"] == "interrupted"
@@ -498,14 +503,8 @@ def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes
             "--", "--preset", "tiny", "--data-workers", "2"]
     proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    try:
-        wait_for(lambda: all(len((out / run / "metrics.jsonl").read_text().splitlines()) > 5 for run in runs),
-                 timeout=120, what="both trainers to make progress")
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    output = sigterm_when(proc, lambda: all(len((out / run / "metrics.jsonl").read_text().splitlines()) > 5
+                                            for run in runs), "both trainers to make progress", timeout=120)
     assert proc.returncode == 143, output
     stopped_at = {}
     for run in runs:
