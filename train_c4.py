@@ -931,7 +931,7 @@ class _StepShares(torch.utils.data.IterableDataset):
         worker = torch.utils.data.get_worker_info().id
         batches = RankBatches(*self.recipe)
         batches.load_state_dict([self.state])
-        mine = sorted(batches.streams)[worker::self.workers]
+        mine = sorted(set(batches.owners))[worker::self.workers]    # a batch below --data-streams reads fewer
         slots, states = [p for p, v in enumerate(batches.owners) if v in mine], {}
         threading.Thread(target=self._answer, args=(worker, states), daemon=True).start()
         try:
@@ -983,6 +983,7 @@ class LoaderProcesses:
         self.workers, self.timeout, self.pin_memory, self.micro = workers, timeout, pin_memory, batches.micro
         self.per_step, self.steps, self.cursor, self.waited = len(batches.owners), 0, 0, 0.0
         self.state, self.inputs, self.targets = (0, batches.state_dict()), None, None
+        self.unread = self.state[1]["streams"]          # streams no batch position reads keep this state
         self.shares = _StepShares(batches, workers)
         self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=workers,
                                                        prefetch_factor=2, timeout=timeout,
@@ -1018,7 +1019,8 @@ class LoaderProcesses:
 
     def state_dict(self) -> dict:
         if self.state[0] != self.steps:
-            self.state = (self.steps, {"cursor": 0, "streams": self.shares.states_after(self.steps - 1, self.timeout)})
+            streams = self.unread | self.shares.states_after(self.steps - 1, self.timeout)
+            self.state = (self.steps, {"cursor": 0, "streams": streams})
         return self.state[1]
 
     @property
@@ -1817,9 +1819,11 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
                           f"{world} process(es)")
     if cfg.data_streams % world:
         raise ConfigError(f"{world} processes do not divide --data-streams {cfg.data_streams}")
-    if cfg.data_workers > cfg.data_streams // world:
-        raise ConfigError(f"--data-workers {cfg.data_workers} exceeds the {cfg.data_streams // world} data stream(s) "
-                          f"of each of {world} process(es); raise --data-streams or lower --data-workers")
+    read = min(cfg.batch_size, cfg.data_streams) // world         # the streams each process reads from
+    if cfg.data_workers > read:
+        raise ConfigError(f"--data-workers {cfg.data_workers} exceeds the {read} data stream(s) each of {world} "
+                          "process(es) reads (a loader process owns whole streams); lower --data-workers, or raise "
+                          "--data-streams and --batch-size")
     return micro, cfg.batch_size // (micro * world)
 
 

@@ -94,6 +94,25 @@ def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_p
                for a, b in zip(pair, reference_pair))
 
 
+def test_a_batch_smaller_than_the_stream_count_resumes_exactly_through_loader_processes(tmp_path):
+    """8 streams, 4 sequences per step: streams 4-7 are never read, yet their state must be saved."""
+    files = write_shards(tmp_path, shards=8)
+    cfg = T.parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4"])
+    reference = T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2)
+    expected = [reference.next_batch()[0] for _ in range(12)]
+    loader = T.LoaderProcesses(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    seen = [loader.next_batch()[0] for _ in range(6)]
+    state = loader.state_dict()
+    loader.close()
+    resumed = T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2)
+    resumed.load_state_dict([state])
+    seen += [resumed.next_batch()[0] for _ in range(6)]
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected))
+    with pytest.raises(T.ConfigError, match="exceeds the 4 data stream"):
+        T.batch_plan(T.parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4",
+                                     "--data-workers", "5"]), world=1)
+
+
 def test_a_loader_process_error_arrives_as_one_clean_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("not json\n{\"no_text\": 1}\n")
