@@ -74,6 +74,10 @@ def test_sigkill_then_rerun_continues_exactly(tmp_path):
     process.kill()
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    deadline = time.time() + 3     # its loader processes end with it (PR_SET_PDEATHSIG), not 5 s later (torch)
+    while subprocess.run(["pgrep", "-f", str(resumed_dir)], capture_output=True).returncode == 0:
+        assert time.time() < deadline, "loader processes outlived the killed trainer"
+        time.sleep(0.1)
     code, stdout, stderr = trainer(resumed_dir, *args)
     assert code == 0, stderr
     assert "resumed from" in stdout
