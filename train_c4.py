@@ -135,7 +135,7 @@ PRESETS = {
     "tiny": dict(depth=2, width=16, heads=2, expansion=4, seq_len=32, batch_size=4, micro_batch_size="2",
                  steps=20, lr=3e-3, warmup=2, data="sample", tokenizer="byte", eval_every=10,
                  eval_batches=2, metrics_every=5, layer_metrics_every=10, probe_sequences=2,
-                 log_every=5, ckpt_every=10, shuffle_buffer=64, data_streams=2, wandb="disabled", data_workers=0),
+                 log_every=5, ckpt_every=10, shuffle_buffer=64, data_streams=2, data_workers=0, wandb="disabled"),
     # CPU minutes on the bundled Shakespeare: large enough learning rate for HC to drift visibly
     "demo": dict(depth=4, width=128, heads=4, seq_len=128, batch_size=16, micro_batch_size="16",
                  steps=600, lr=3e-3, warmup=50, data="sample", tokenizer="byte", eval_every=100,
@@ -176,7 +176,8 @@ HELP = dict(
     data_workers="loader processes per rank, each reading and tokenizing its share of the rank's streams "
     "(0: a background thread of the training process)",
     prefetch="micro-batches read ahead by the background loader thread (with --data-workers 0)",
-    data_timeout="seconds without a batch before the run stops with exit 6 instead of hanging", shuffle_buffer="documents in the shuffle buffer",
+    data_timeout="seconds without a batch before the run stops with exit 6 instead of hanging",
+    shuffle_buffer="documents in the shuffle buffer",
     eval_every="steps between validation losses", eval_batches="micro-batches in the fixed validation set",
     metrics_every="steps between instability probes", layer_metrics_every="steps between per-layer gain lists",
     probe_sequences="held-out sequences in the fixed probe batch", log_every="steps between plain log lines",

@@ -69,8 +69,8 @@ def main(argv=None) -> int:
         plan = T.memory_plan(cfg, micro)
         peak = measured_peak(cfg, micro, device)
         rows.append({"depth": depth, "residual": args.residual, "micro_batch": micro,
-                     "planned_allocated_gib": round(plan.allocated / GiB, 2), "planned_total_gib": round(plan.total / GiB, 2),
-                     "card_gib": round(plan.card / GiB, 1),
+                     "planned_allocated_gib": round(plan.allocated / GiB, 2),
+                     "planned_total_gib": round(plan.total / GiB, 2), "card_gib": round(plan.card / GiB, 1),
                      "measured_peak_gib": None if peak is None else round(peak / GiB, 2),
                      "measured_over_planned": None if peak is None else round(peak / plan.allocated, 3)})
         print(json.dumps(rows[-1]), flush=True)
