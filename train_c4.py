@@ -915,8 +915,8 @@ class Prefetcher:
 
 
 class _StepShares(torch.utils.data.IterableDataset):
-    """What one loader process reads: the windows of its own streams (every workers-th stream of the rank),
-    one optimizer step after another. Its streams' states after each recent step stay in the process, and a
+    """What one loader process reads: the windows of its own streams (every workers-th of those the rank's
+    batches read), one optimizer step after another. Its streams' states after each recent step stay in the process, and a
     thread sends one when the training process asks (at a checkpoint): a state holds the shuffle buffers,
     megabytes that would cost the training process more to receive every step than reading the data."""
 
