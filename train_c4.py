@@ -853,6 +853,11 @@ class RankBatches:
         self.cursor = states[0]["cursor"]
 
 
+def stalled(timeout: float) -> DataUnavailable:
+    return DataUnavailable(f"the data loader delivered nothing for {timeout:.0f} s (--data-timeout); "
+                           "the data source stalled")
+
+
 class Prefetcher:
     """Builds the next batches in a background thread, so the accelerator does not wait on reading and
     tokenizing. Each batch travels with the loader state right after it: a checkpoint saves the state
@@ -897,8 +902,7 @@ class Prefetcher:
         try:
             batch, state, error = self.queue.get(timeout=self.timeout)
         except self._queue_errors[0]:
-            raise DataUnavailable(f"the data loader delivered nothing for {self.timeout:.0f} s "
-                                  "(--data-timeout); the data source stalled") from None
+            raise stalled(self.timeout) from None
         finally:
             self.waited += time.perf_counter() - started
         if error is not None:
@@ -997,8 +1001,7 @@ class LoaderProcesses:
         except RuntimeError as error:
             if "timed out" not in str(error):
                 raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
-            raise DataUnavailable(f"the data loader delivered nothing for {self.timeout:.0f} s "
-                                  "(--data-timeout); the data source stalled") from None
+            raise stalled(self.timeout) from None
         finally:
             self.waited += time.perf_counter() - started
         for *_, error in shares:
@@ -1525,59 +1528,65 @@ class _CudaAutocastOnCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _SavedTensorCounter:
+    """Saved-tensor and module hooks that add up, by the module being run, the bytes autograd keeps."""
+
+    def __init__(self, model: GPT):
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.param_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen, self.counts, self.casts, self.where = set(), {}, set(), ["other"]
+
+    def count(self, t: torch.Tensor, label) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.seen or storage.data_ptr() in self.param_storage or storage.nbytes() == 0:
+            return
+        self.seen.add(storage.data_ptr())
+        fn = t.grad_fn
+        while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
+            fn = fn.next_functions[0][0]
+        if id(getattr(fn, "variable", None)) in self.names:
+            self.casts.add(self.names[id(fn.variable)])
+        else:
+            label = "loss" if type(t.grad_fn).__name__ == "LogSoftmaxBackward0" else label
+            self.counts[label] = self.counts.get(label, 0) + storage.nbytes()
+
+    def pack(self, t):
+        self.count(t, self.where[-1])
+        return t
+
+    def enter(self, label, checkpointed=False):
+        def hook(module, args):
+            self.where.append(label)
+            if checkpointed:
+                self.count(args[0], label)       # non-reentrant checkpointing keeps the sublayer's input alive
+        return hook
+
+    def leave(self, module, args, output):
+        self.where.pop()
+
+
 def saved_bytes(model: GPT, idx: torch.Tensor, bf16: bool) -> dict:
     """The bytes one training forward keeps for the backward pass, by where they were saved: (block, 'attn' or
     'mlp', 'body' or 'streams'), 'loss' (the log-probabilities) or 'other' (embedding, collapse, head); with
     activation checkpointing, the sublayer inputs the checkpoints hold. Measured with saved-tensor hooks on the
     CPU, each storage counted once; parameters are not counted, 'weight_casts' names those autocast copied."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    param_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, counts, casts, where = set(), {}, set(), ["other"]
-
-    def count(t: torch.Tensor, label) -> None:
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.data_ptr() in param_storage or storage.nbytes() == 0:
-            return
-        seen.add(storage.data_ptr())
-        fn = t.grad_fn
-        while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
-            fn = fn.next_functions[0][0]
-        if id(getattr(fn, "variable", None)) in names:
-            casts.add(names[id(fn.variable)])
-        else:
-            label = "loss" if type(t.grad_fn).__name__ == "LogSoftmaxBackward0" else label
-            counts[label] = counts.get(label, 0) + storage.nbytes()
-
-    def pack(t):
-        count(t, where[-1])
-        return t
-
-    def enter(label, checkpointed=False):
-        def hook(module, args):
-            where.append(label)
-            if checkpointed:
-                count(args[0], label)       # non-reentrant checkpointing keeps the sublayer's input alive
-        return hook
-
-    def leave(module, args, output):
-        where.pop()
-
-    handles = []
+    counter, handles = _SavedTensorCounter(model), []
     for i, block in enumerate(model.blocks):
         for part in ("attn", "mlp"):
             conn, body = getattr(block, f"{part}_conn"), getattr(block, part)
-            handles += [conn.register_forward_pre_hook(enter((i, part, "streams"), block.activation_checkpointing)),
-                        body.register_forward_pre_hook(enter((i, part, "body"))),
-                        conn.register_forward_hook(leave), body.register_forward_hook(leave)]
+            handles += [conn.register_forward_pre_hook(counter.enter((i, part, "streams"),
+                                                                     block.activation_checkpointing)),
+                        body.register_forward_pre_hook(counter.enter((i, part, "body"))),
+                        conn.register_forward_hook(counter.leave), body.register_forward_hook(counter.leave)]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
                 _CudaAutocastOnCpu() if bf16 else contextlib.nullcontext(), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             model(idx, idx)
     finally:
         for handle in handles:
             handle.remove()
-    return {**counts, "weight_casts": casts}
+    return {**counter.counts, "weight_casts": counter.casts}
 
 
 def _saved_per_token(cfg: Config, width: int, depth: int, bf16: bool, micro: int = 2, seq_len: int = 16) -> dict:
@@ -1669,17 +1678,28 @@ def gpu_memory_bytes(cfg: Config) -> float:
 def memory_plan(cfg: Config, micro: int, world: int = 1, card: float | None = None) -> MemoryPlan:
     """The memory one GPU needs to train `cfg` at this micro-batch (dtype auto plans bf16, as on CUDA).
     Parameter terms are exact; activations are activation_profile scaled to the real width, depth and tokens."""
-    numels, bf16 = parameter_numels(cfg), cfg.dtype != "fp32"
-    P, block, shards = numels["total"], numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
+    bf16 = cfg.dtype != "fp32"
     fit, full = (activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters, bf16,
                                     checkpointing) for checkpointing in (cfg.activation_checkpointing, False))
-    C, L, tokens, sharded = cfg.width, cfg.depth, micro * cfg.seq_len, f" / {shards} ranks" if shards > 1 else ""
-    per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
     terms, notes = {}, {}
 
     def term(name: str, value: float, note: str) -> None:
         terms[name], notes[name] = value, note
 
+    _parameter_terms(cfg, world, full["weight_casts"], term)
+    _activation_terms(cfg, micro, fit, full, term)
+    allocated = sum(terms.values())
+    term("overhead: CUDA context", CUDA_CONTEXT_BYTES + (NCCL_BYTES if world > 1 else 0),
+         "assumed: context, cuBLAS workspaces, kernels" + (", NCCL buffers" if world > 1 else ""))
+    term("overhead: fragmentation", FRAGMENTATION * allocated, f"assumed: {FRAGMENTATION:.0%} of the allocated peak")
+    return MemoryPlan(micro, world, gpu_memory_bytes(cfg) if card is None else card, terms, notes)
+
+
+def _parameter_terms(cfg: Config, world: int, weight_casts: set, term) -> None:
+    """Weights, gradients, AdamW, and the copies DDP, FSDP or autocast add: exact from the parameter counts."""
+    numels = parameter_numels(cfg)
+    P, block, shards = numels["total"], numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
+    sharded = f" / {shards} ranks" if shards > 1 else ""
     term("weights", 4 * P / shards, f"{P:,} fp32 parameters{sharded}")
     term("gradients", 4 * P / shards, f"fp32{sharded}")
     term("optimizer", 8 * P / shards + 4 * numels["tensors"],
@@ -1687,13 +1707,19 @@ def memory_plan(cfg: Config, micro: int, world: int = 1, card: float | None = No
     if world > 1 and cfg.parallel == "ddp":
         term("ddp buckets", 4 * P, "DDP's all-reduce buckets: a second fp32 copy of the gradients")
     if shards > 1:
-        unsharded = 2 if bf16 else 4
-        term("fsdp all-gathered", unsharded * (P - (L - 2) * block) + (unsharded + 4) * block,
+        unsharded = 2 if cfg.dtype != "fp32" else 4
+        term("fsdp all-gathered", unsharded * (P - (cfg.depth - 2) * block) + (unsharded + 4) * block,
              "whole parameters of the root and of 2 blocks (running + prefetched), one block's whole gradients")
-    elif bf16:
+    elif cfg.dtype != "fp32":
         # autocast caches its bf16 copies until the forward ends (checkpointing or not), and the backward keeps them
-        cast = sum(numels[name] for name in full["weight_casts"])
+        cast = sum(numels[name] for name in weight_casts)
         term("autocast weight cache", 2 * cast, f"bf16 copies of the {cast:,} matmul weights")
+
+
+def _activation_terms(cfg: Config, micro: int, fit: dict, full: dict, term) -> None:
+    """What the forward saves (`fit`: as configured; `full`: without checkpointing) and the backward's own peak."""
+    C, L, tokens = cfg.width, cfg.depth, micro * cfg.seq_len
+    per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
     if cfg.activation_checkpointing:
         term("act: checkpointed inputs", tokens * L * per_token["block"],
              f"{L} blocks x {micro} x {cfg.seq_len} tokens x {per_token['block'] / 1024:.1f} KiB (stream states held)")
@@ -1711,11 +1737,6 @@ def memory_plan(cfg: Config, micro: int, world: int = 1, card: float | None = No
     recompute = tokens * (full["sublayer"][0] * C + full["sublayer"][1]) if cfg.activation_checkpointing else 0.0
     term("act: backward peak", max(2 * loss, recompute),
          "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
-    allocated = sum(terms.values())
-    term("overhead: CUDA context", CUDA_CONTEXT_BYTES + (NCCL_BYTES if world > 1 else 0),
-         "assumed: context, cuBLAS workspaces, kernels" + (", NCCL buffers" if world > 1 else ""))
-    term("overhead: fragmentation", FRAGMENTATION * allocated, f"assumed: {FRAGMENTATION:.0%} of the allocated peak")
-    return MemoryPlan(micro, world, gpu_memory_bytes(cfg) if card is None else card, terms, notes)
 
 
 def divisors_descending(n: int) -> list[int]:

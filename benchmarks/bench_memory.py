@@ -4,13 +4,14 @@ torch.cuda.max_memory_allocated over real optimizer steps of the real model, dep
     python benchmarks/bench_memory.py --depths 8,16,32 --residual mhc --micro-batch 4     # needs CUDA
     python benchmarks/bench_memory.py --smoke                                             # CPU: the code path only
 
-Each step is the trainer's, in one process: the model built by train_c4.GPT and wrapped by train_c4.wrap_model
-(activation checkpointing and --compile as the trainer's defaults), bf16 autocast, forward and backward,
-gradient clipping and a fused AdamW step. The plan's overheads (context, fragmentation) are not in its
+Each step is bench_step.py's, the trainer's in one process: the model built by train_c4.GPT (activation
+checkpointing and --compile as the trainer's defaults), bf16 autocast, forward and backward, gradient
+clipping and a fused AdamW step. The plan's overheads (context, fragmentation) are not in its
 allocated peak, so the ratio measured/planned checks the measured terms alone. Results are kept by hand in
 docs/benchmarks.md with the command and the machine.
 """
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,32 +21,22 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import train_c4 as T  # noqa: E402
+from bench_step import Variant  # noqa: E402
 
 GiB = 2 ** 30
 
 
 def measured_peak(cfg: T.Config, micro: int, device: torch.device, steps: int = 2) -> float | None:
     """Bytes torch.cuda.max_memory_allocated shows over `steps` optimizer steps (None on the CPU)."""
-    dtype = T.compute_dtype(cfg, device)
-    with torch.device(device):                       # parameters made where they live: no host copy of 10 GB
-        model = T.GPT(cfg, T.use_flash_attention(cfg, device, dtype))
-    model = T.wrap_model(model, cfg, T.Dist(0, 1, device), dtype)
-    optimizer = torch.optim.AdamW(T.decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                                  fused=device.type == "cuda")
-    idx = torch.randint(T.make_tokenizer(cfg.tokenizer).vocab_size, (micro, cfg.seq_len), device=device)
+    variant = Variant(dataclasses.replace(cfg, batch_size=micro), device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(steps):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            _, loss = model(idx, idx)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        variant.step()
     if device.type != "cuda":
         return None
     peak = torch.cuda.max_memory_allocated(device)
-    del model, optimizer, idx, loss
+    del variant
     torch.cuda.empty_cache()
     return peak
 

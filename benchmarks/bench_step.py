@@ -109,15 +109,16 @@ def load_trainer(label_path: str):
 class Variant:
     """One model with its optimizer and a fixed batch, stepped exactly like the trainer's optimizer step."""
 
-    def __init__(self, args, residual: str, device: torch.device, module=T, label: str = ""):
+    def __init__(self, cfg: T.Config, device: torch.device, module=T, label: str = ""):
         T = module                                                      # noqa: N806 (the trainer under test)
-        self.residual, self.label, self.device, self.T = residual, label, device, module
-        self.name = residual + (f"@{label}" if label else "")
-        self.cfg = cfg = config(args, residual, module=module)
-        self.dtype = T.compute_dtype(cfg, device)
+        self.residual, self.label, self.device, self.T = cfg.residual, label, device, module
+        self.name = cfg.residual + (f"@{label}" if label else "")
+        self.cfg, self.dtype = cfg, T.compute_dtype(cfg, device)
         torch.manual_seed(0)
-        # the trainer's attention kernel: flash-attn on CUDA in bf16 when installed, SDPA otherwise
-        self.model = T.GPT(cfg, T.use_flash_attention(cfg, device, self.dtype)).to(device)
+        # the trainer's attention kernel: flash-attn on CUDA in bf16 when installed, SDPA otherwise. Built where
+        # it runs: a 2.5B-parameter model initialised on the host first would take minutes
+        with torch.device(device):
+            self.model = T.GPT(cfg, T.use_flash_attention(cfg, device, self.dtype))
         if cfg.compile:
             # every block of every variant here shares Block.forward's code object, and dynamo allows 8 graphs
             # per code object: 3 variants x (training, probe) x trainers would fall back to eager silently.
@@ -129,7 +130,7 @@ class Variant:
                                            betas=(0.9, 0.95), fused=device.type == "cuda")
         vocab = T.padded_vocab_size(cfg.tokenizer)
         generator = torch.Generator().manual_seed(1)
-        self.idx = torch.randint(0, vocab, (args.micro_batch, cfg.seq_len), generator=generator).to(device)
+        self.idx = torch.randint(0, vocab, (cfg.batch_size, cfg.seq_len), generator=generator).to(device)
         self.probe_idx = torch.randint(0, vocab, (cfg.probe_sequences, cfg.seq_len), generator=generator).to(device)
         self.times: list[float] = []
         self.cpu_times: list[float] = []
@@ -175,7 +176,8 @@ def spread(values: list[float]) -> float:
 
 def run_timing(args, device: torch.device) -> dict:
     trainers = [("", T)] + [load_trainer(a) for a in args.against]
-    variants = [Variant(args, name, device, module, label) for label, module in trainers for name in args.variants]
+    variants = [Variant(config(args, name, module=module), device, module, label)
+                for label, module in trainers for name in args.variants]
     compile_s = {}
     for v in variants:
         compile_s[v.name] = round(sum(timed(v.step, device)[0] for _ in range(args.warmup)), 2)
@@ -263,7 +265,7 @@ def run_profile(args, device: torch.device) -> int:
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name in args.variants:
-        v = Variant(args, name, device)
+        v = Variant(config(args, name), device)
         for _ in range(args.warmup):
             v.step()
         sync(device)
