@@ -289,12 +289,21 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class StreamNorm(nn.LayerNorm):
+    """LayerNorm in its input's dtype. Under FSDP its weights arrive in bf16 while the streams it reads are
+    fp32 (precision_policy): the weights are cast to the input, which CUDA's autocast does anyway (layer_norm
+    runs in fp32 there) and CPU's autocast refuses to do."""
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(u, self.normalized_shape, self.weight.to(u.dtype), self.bias.to(u.dtype), self.eps)
+
+
 class PreNorm(nn.Module):
     """F(norm(u)): the block's own pre-norm sublayer, identical for all three residual paths."""
 
     def __init__(self, cfg: Config, inner: nn.Module):
         super().__init__()
-        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.norm = StreamNorm(cfg.width, eps=cfg.norm_eps)
         self.inner = inner
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
@@ -318,8 +327,17 @@ def stream_update(x, H_pre, H_post, H_res, sublayer):
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """Project exp(logits) onto the doubly stochastic matrices; rows are normalised last, so row sums are exact."""
-    return _SinkhornNormalisations.apply(torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True)), iters)
+    """Project exp(logits) onto the doubly stochastic matrices with `iters` column-then-row normalisations;
+    rows are normalised last, so row sums are exact. Computed in at least fp32 (bf16 input is promoted).
+
+    The first pair runs in the log domain (subtracting logsumexps): the same maths as dividing exp(logits) by
+    its sums, but it cannot overflow or divide by zero, and afterwards every row holds an entry >= 1/n and
+    every column one >= 1/n^2. So the remaining pairs, plain divisions on the cheaper linear scale, never
+    meet a zero sum either, whatever the logits' range (+-1e4, a column that would underflow entirely)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    balanced = logits - logits.logsumexp(-2, keepdim=True)
+    balanced = balanced - balanced.logsumexp(-1, keepdim=True)
+    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1)
 
 
 class _SinkhornNormalisations(torch.autograd.Function):
@@ -353,13 +371,24 @@ def _autocast_off(x: torch.Tensor):
 
 
 class PlainResidual(nn.Module):
-    """Baseline: x + F(norm(x)) on a single stream; it has no mixing matrix (reported as gain 1)."""
+    """Baseline: x + F(norm(x)) on a single stream; it has no mixing matrix (reported as gain 1).
+
+    Every connection returns the next state and its mixing record for the probe: None here, (H_res, None)
+    for HC, (H_res, the logits Sinkhorn projected) for mHC, so that the probe can measure the projection."""
 
     def forward(self, x, sublayer):
         return x + sublayer(x.squeeze(-2)).unsqueeze(-2), None
 
 
-class HyperConnection(nn.Module):
+class _StreamMixing(nn.Module):
+    """HC and mHC: coefficients from the streams (the subclass's), then the shared stream update."""
+
+    def forward(self, x, sublayer):
+        H_pre, H_post, H_res, res_logits = self.coefficients(x)
+        return stream_update(x, H_pre, H_post, H_res, sublayer), (H_res, res_logits)
+
+
+class HyperConnection(_StreamMixing):
     """Dynamic HC (arXiv 2409.19606): per-stream read, mix and write weights, tanh-scaled around static ones."""
 
     def __init__(self, cfg: Config, sublayer_index: int):
@@ -395,14 +424,10 @@ class HyperConnection(nn.Module):
             A_r = self.s_a.float() * d[..., 1:n + 1] + self.A_r_static.float()
             B = self.s_b.float() * d[..., n + 1] + self.B_static.float()
         # row i of A_r says where source stream i goes, so the matrix acting as H_res @ x is A_r^T
-        return A_m, B, A_r.transpose(-1, -2)
-
-    def forward(self, x, sublayer):
-        H_pre, H_post, H_res = self.coefficients(x)
-        return stream_update(x, H_pre, H_post, H_res, sublayer), H_res
+        return A_m, B, A_r.transpose(-1, -2), None
 
 
-class ManifoldHyperConnection(nn.Module):
+class ManifoldHyperConnection(_StreamMixing):
     """mHC (arXiv 2512.24880): coefficients from the whole flattened state, H_res doubly stochastic."""
 
     def __init__(self, cfg: Config, sublayer_index: int):
@@ -434,12 +459,9 @@ class ManifoldHyperConnection(nn.Module):
             z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
             H_pre = torch.sigmoid(self.a_pre.float() * z_pre + self.b_pre.float())
             H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
-            H_res = sinkhorn(self.a_res.float() * z_res.unflatten(-1, (n, n)) + self.b_res.float(), self.iters)
-        return H_pre, H_post, H_res
-
-    def forward(self, x, sublayer):
-        H_pre, H_post, H_res = self.coefficients(x)
-        return stream_update(x, H_pre, H_post, H_res, sublayer), H_res
+            res_logits = self.a_res.float() * z_res.unflatten(-1, (n, n)) + self.b_res.float()
+            H_res = sinkhorn(res_logits, self.iters)
+        return H_pre, H_post, H_res, res_logits
 
 
 class _RMSScaledProjection(torch.autograd.Function):
@@ -479,16 +501,16 @@ class Block(nn.Module):
         self.activation_checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, return_mixing: bool = False):
-        # the H_res are returned, not appended to a caller's list: a list argument makes torch.compile guard on
+        # the mixing records are returned, not appended to a caller's list: a list argument makes torch.compile guard on
         # its length, i.e. one graph per block index in the probe, past dynamo's limit of 8 at depth > 6
         mixing = []
         for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # the stream mixing is recomputed with the sublayer: storing it would cost n x C per token
-                x, H_res = checkpoint(conn, x, sublayer, use_reentrant=False)
+                x, record = checkpoint(conn, x, sublayer, use_reentrant=False)
             else:
-                x, H_res = conn(x, sublayer)
-            mixing.append(H_res)
+                x, record = conn(x, sublayer)
+            mixing.append(record)
         return (x, mixing) if return_mixing else x
 
 
@@ -499,7 +521,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg, i, use_flash) for i in range(cfg.depth))
-        self.ln_f = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.ln_f = StreamNorm(cfg.width, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.width, self.wte.num_embeddings, bias=False)
         self.lm_head.weight = self.wte.weight
         self._init_weights(cfg.depth)
@@ -517,7 +539,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, mixing_out: list | None = None):
         positions = torch.arange(idx.shape[1], device=idx.device)
-        h = self.wte(idx) + self.wpe(positions)
+        # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
+        h = (self.wte(idx) + self.wpe(positions)).float()
         # expand once; materialised, because a stride-0 stream dimension sends the first block's small
         # batched matmuls down a slow per-token path (about 10x on CPU)
         x = h.unsqueeze(-2).expand(*h.shape[:-1], self.streams, h.shape[-1]).contiguous()
@@ -578,27 +601,75 @@ def composites(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(prefix), torch.stack(suffix[::-1])
 
 
+def study_gains(H: torch.Tensor) -> torch.Tensor:
+    """The public 1.7B study's reading, for comparison with its figures: each sublayer's H averaged over the
+    tokens, multiplied in increasing layer order (H_1 H_2 ... H_k, the reverse of the forward composite), and
+    the larger of the largest absolute row sum and the largest absolute column sum; one value per k."""
+    mean = H.mean(dim=1)
+    products = list(itertools.accumulate(mean, torch.matmul))
+    return torch.stack([torch.maximum(Q.abs().sum(-1).amax(), Q.abs().sum(-2).amax()) for Q in products])
+
+
 def gain_metrics(H: torch.Tensor) -> dict:
     """Every probe metric from the per-token mixing matrices H (L sublayers, tokens, n, n); per-token
     gains are averaged over tokens, then the max (or min) over sublayers is taken."""
-    P, S = composites(H.double())
+    H = H.double()
+    P, S = composites(H)
     scalars = torch.stack([row_gain(P).mean(-1).max(), col_gain(S).mean(-1).max(),
                            P.abs().sum(-1).amax(-1).mean(-1).max(), S.abs().sum(-2).amax(-1).mean(-1).max(),
-                           P.sum(-1).amin(-1).mean(-1).min(), S.sum(-2).amin(-1).mean(-1).min()])
-    layers = torch.stack([row_gain(H).mean(-1), col_gain(H).mean(-1)]).double()
+                           P.sum(-1).amin(-1).mean(-1).min(), S.sum(-2).amin(-1).mean(-1).min(), study_gains(H).max()])
+    layers = torch.stack([row_gain(H).mean(-1), col_gain(H).mean(-1)])
     # one device-to-host copy for everything the probe logs, not one synchronisation per value
     values = torch.cat([scalars, layers.flatten()]).tolist()
-    amax_fwd, amax_bwd, amax_fwd_abs, amax_bwd_abs, min_row_sum, min_col_sum = values[:6]
-    layer_fwd, layer_bwd = values[6:6 + H.shape[0]], values[6 + H.shape[0]:]
-    return {"amax_fwd": amax_fwd, "amax_bwd": amax_bwd, "amax_fwd_abs": amax_fwd_abs, "amax_bwd_abs": amax_bwd_abs,
-            "amax_l0_fwd": layer_fwd[0], "amax_l0_bwd": layer_bwd[0], "min_row_sum": min_row_sum,
-            "min_col_sum": min_col_sum, "layer_gain_fwd": layer_fwd, "layer_gain_bwd": layer_bwd}
+    keys = ("amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "min_row_sum", "min_col_sum", "amax_study")
+    layer_fwd, layer_bwd = values[len(keys):len(keys) + H.shape[0]], values[len(keys) + H.shape[0]:]
+    return {**dict(zip(keys, values)), "amax_l0_fwd": layer_fwd[0], "amax_l0_bwd": layer_bwd[0],
+            "layer_gain_fwd": layer_fwd, "layer_gain_bwd": layer_bwd}
 
 
 def unit_gain_metrics(sublayers: int) -> dict:
     """The plain residual has H_res = 1 by definition."""
     ones = torch.ones(sublayers, 1, 1, 1)
     return gain_metrics(ones)
+
+
+def stochastic_errors(H: torch.Tensor) -> torch.Tensor:
+    """How far each sublayer's H (L, tokens, n, n) is from doubly stochastic: (2, L) of max |row sum - 1| and
+    max |column sum - 1| over the tokens."""
+    return torch.stack([(H.sum(-1) - 1).abs().amax((1, 2)), (H.sum(-2) - 1).abs().amax((1, 2))])
+
+
+@torch.no_grad()
+def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int = 5000) -> tuple[torch.Tensor, int]:
+    """The probe's reference projection: the same logits, in fp64, iterated until every row and column sum is
+    within `tol` of 1 (or `max_iters`); returns it and the iterations it took. Checked every 20 iterations:
+    each check is a host synchronisation."""
+    P, done = sinkhorn(logits.double(), 1), 1
+    while stochastic_errors(P).max() > tol and done < max_iters:
+        P, done = _SinkhornNormalisations.apply(P, 20), done + 20
+    return P, done
+
+
+def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:
+    """mHC: the truncation error of the H_res the model used (per sublayer and the max), and the composite
+    gains of the same logits projected to convergence, which is what the doubly stochastic manifold
+    guarantees. The difference between the "as used" and the converged gains is Sinkhorn truncation."""
+    converged, iters = sinkhorn_converged(logits)
+    exact = gain_metrics(converged)
+    errors = stochastic_errors(H.double())
+    row_err, col_err = errors.amax(-1).tolist()
+    layer_row, layer_col = errors.tolist()
+    left = stochastic_errors(converged).max().item()
+    # non-negative H whose column sums are within e_k of 1: no column sum of a suffix product exceeds
+    # prod(1 + e_k), so an as-used amax_bwd under this bound can be truncation alone
+    bound = math.prod(1 + e for e in layer_col)
+    return {"sinkhorn_row_err": row_err, "sinkhorn_col_err": col_err, "layer_sinkhorn_row_err": layer_row,
+            "layer_sinkhorn_col_err": layer_col, "sinkhorn_bwd_bound": bound, "amax_fwd_converged": exact["amax_fwd"],
+            "amax_bwd_converged": exact["amax_bwd"], "amax_study_converged": exact["amax_study"],
+            "sinkhorn_converged_iters": iters, "sinkhorn_converged_err": left}
+
+
+LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd", "layer_sinkhorn_row_err", "layer_sinkhorn_col_err")
 
 
 @torch.no_grad()
@@ -615,10 +686,13 @@ def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, w
     if mixing[0] is None:
         metrics = unit_gain_metrics(len(mixing))
     else:
-        n = mixing[0].shape[-1]
-        metrics = gain_metrics(torch.stack([h.float().reshape(-1, n, n) for h in mixing]))
+        n = mixing[0][0].shape[-1]
+        H = torch.stack([h.float().reshape(-1, n, n) for h, _ in mixing])
+        metrics = gain_metrics(H)
+        if mixing[0][1] is not None:
+            metrics |= projection_metrics(H, torch.stack([z.float().reshape(-1, n, n) for _, z in mixing]))
     if not with_layers:
-        del metrics["layer_gain_fwd"], metrics["layer_gain_bwd"]
+        metrics = {key: value for key, value in metrics.items() if key not in LAYER_KEYS}
     return metrics
 
 
@@ -1172,11 +1246,17 @@ def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Mo
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     _vectorise_scalars(model)
-    # bf16 weights in the forward on CUDA (compute_dtype), fp32 everywhere on the CPU; gradients are
-    # always reduced in fp32. No input casting: it would hand every block its residual streams in bf16,
-    # and the streams are kept and mixed in fp32 (as without FSDP) so that their gains are measured unrounded
+    # The matmul weights are gathered in the compute dtype (bf16 on CUDA), gradients always reduced in fp32.
+    # The connections are sharded on their own with fp32 parameters: the coefficients are computed from
+    # unrounded weights, as under DDP (precision_policy). No input casting: it would hand every block its residual
+    # streams in bf16, and the streams are kept and mixed in fp32 in every mode.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mixing_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                         cast_forward_inputs=False)
     for block in model.blocks:
+        if cfg.residual != "baseline":
+            for conn in (block.attn_conn, block.mlp_conn):
+                fully_shard(conn, mp_policy=mixing_policy)
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -1874,6 +1954,14 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def precision_policy(dtype: torch.dtype) -> dict:
+    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:
+    fp32, so that a gain is never a bf16 rounding artefact). Recorded in config.json; the report marks a table
+    whose runs differ in it."""
+    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": "fp32",
+            "mixing_parameters": "fp32", "coefficients": "fp32", "probe": "fp32 H_res, fp64 products"}
+
+
 def use_flash_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -1921,7 +2009,8 @@ def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flas
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
             "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
-            "dtype": str(dtype).removeprefix("torch."), "attention": "flash" if use_flash else "sdpa",
+            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
+            "attention": "flash" if use_flash else "sdpa",
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                          "datasets": datasets.__version__, "tiktoken": tiktoken.__version__},
             "git_commit": git_commit()}

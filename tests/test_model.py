@@ -72,6 +72,33 @@ def test_sinkhorn_rows_are_exact_and_columns_converge(scale):
         assert (T.sinkhorn(logits, iters=500).sum(-2) - 1).abs().max() < column_error / 10
 
 
+EXTREME_LOGITS = {
+    "+-1e4": 1e4 * torch.randn(64, 4, 4, generator=torch.Generator().manual_seed(1)).sign(),
+    "one huge entry": torch.full((4, 4), -1e4).index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(1e4)),
+    "a column that underflows": torch.tensor([[0.0, -300.0], [0.0, -300.0]]),
+    "a row that underflows": torch.tensor([[0.0, 0.0], [-300.0, -300.0]]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", EXTREME_LOGITS)
+def test_sinkhorn_stays_finite_on_extreme_logits(case, dtype):
+    logits = EXTREME_LOGITS[case].detach().to(dtype).clone().requires_grad_()
+    P = T.sinkhorn(logits, iters=20)
+    assert P.dtype == torch.float32                       # bf16 logits are projected in fp32
+    assert torch.isfinite(P).all() and (P >= 0).all()
+    assert (P.sum(-1) - 1).abs().max() < 1e-5             # every row still sums to 1: no row lost to underflow
+    P.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_sinkhorn_balances_a_column_the_plain_exponential_loses():
+    """exp(-300) underflows in fp32: dividing the plain exponential by its column sums gives 0/0. The
+    projection of [[0, -300], [0, -300]] is exactly 1/2 everywhere (the two rows are equal)."""
+    P = T.sinkhorn(EXTREME_LOGITS["a column that underflows"], iters=1)
+    torch.testing.assert_close(P, torch.full((2, 2), 0.5))
+
+
 def test_sinkhorn_gradients_flow_through_every_iteration():
     small = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda m: T.sinkhorn(m, iters=20), (small,))
@@ -111,7 +138,7 @@ def test_hc_reports_the_transpose_of_A_r():
     A_r = torch.tensor([[2.0, 1.0], [0.0, 1.0]])
     with torch.no_grad():
         conn.A_r_static.copy_(A_r)
-    _, _, H_res = conn.coefficients(torch.randn(1, 1, 2, 4))
+    _, _, H_res, _ = conn.coefficients(torch.randn(1, 1, 2, 4))
     torch.testing.assert_close(H_res[0, 0], A_r.T)
     metrics = T.gain_metrics(H_res.reshape(1, 1, 2, 2))
     assert metrics["amax_l0_fwd"] == pytest.approx(2.0)   # row sums of A_r^T = column sums of A_r
@@ -132,6 +159,41 @@ def test_composites_match_hand_computed_products():
     assert metrics["amax_bwd_abs"] == pytest.approx(max(s.abs().sum(-2).max().item() for s in S))
     assert metrics["min_row_sum"] == pytest.approx(-3.5)
     assert metrics["layer_gain_fwd"] == pytest.approx([2.0, 2.0, 1.0])
+
+
+def test_study_recipe_averages_over_tokens_and_multiplies_in_increasing_layer_order():
+    H1 = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    H2 = torch.tensor([[2.0, 0.0], [0.0, 0.5]])
+    H3 = torch.tensor([[1.0, 0.0], [-1.0, 1.0]])
+    # two tokens per sublayer whose mean is H_k
+    H = torch.stack([torch.stack([H - 0.5, H + 0.5]) for H in (H1, H2, H3)])
+    Q = [H1, H1 @ H2, H1 @ H2 @ H3]                        # not H3 @ H2 @ H1: the study's order
+    expected = max(max(q.abs().sum(-1).max().item(), q.abs().sum(-2).max().item()) for q in Q)
+    assert T.gain_metrics(H)["amax_study"] == pytest.approx(expected)
+    assert expected != pytest.approx(T.gain_metrics(torch.stack([H1, H2, H3]).unsqueeze(1))["amax_fwd_abs"])
+
+
+def test_mhc_probe_separates_sinkhorn_truncation_from_amplification():
+    """Near-permutation logits: 3 Sinkhorn iterations leave column sums visibly off, so the as-used backward
+    gain exceeds 1; the same logits projected to convergence give 1, and the as-used gain stays under the
+    bound the per-layer column errors allow."""
+    torch.manual_seed(0)
+    model = T.GPT(tiny_config("mhc", depth=3, sinkhorn_iters=3))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("b_res"):
+                p.copy_(4 * torch.randn(p.shape, generator=generator))
+    metrics = T.instability_probe(model, torch.randint(0, 256, (2, 16)), lambda: torch.autocast("cpu", enabled=False),
+                                  with_layers=True)
+    assert metrics["sinkhorn_col_err"] > 1e-2 and metrics["sinkhorn_row_err"] < 1e-5
+    assert metrics["amax_bwd"] > 1.01
+    assert metrics["amax_bwd"] <= metrics["sinkhorn_bwd_bound"] + 1e-9
+    assert metrics["sinkhorn_converged_err"] < 1e-6
+    for key in ("amax_fwd_converged", "amax_bwd_converged", "amax_study_converged"):
+        assert abs(metrics[key] - 1) < 1e-5, key
+    assert len(metrics["layer_sinkhorn_col_err"]) == 6
+    assert max(metrics["layer_sinkhorn_col_err"]) == pytest.approx(metrics["sinkhorn_col_err"])
 
 
 def test_probe_does_not_perturb_training_state():
@@ -195,7 +257,7 @@ def test_bf16_autocast_agrees_with_fp32(residual):
     full = model(idx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         half = model(idx)
-        _, _, H_res = model.blocks[0].attn_conn.coefficients(torch.randn(1, 1, 4, 16)) if residual != "baseline" \
-            else (None, None, torch.zeros(1, dtype=torch.float32))
+        _, _, H_res, _ = model.blocks[0].attn_conn.coefficients(torch.randn(1, 1, 4, 16)) if residual != "baseline" \
+            else (None, None, torch.zeros(1, dtype=torch.float32), None)
     assert H_res.dtype == torch.float32                    # mixing coefficients stay fp32 under autocast
     torch.testing.assert_close(half.float(), full, rtol=0.05, atol=0.05)

@@ -40,7 +40,8 @@ def test_sinkhorn_equals_the_reference_loop(dtype, scale):
     grad_out = torch.randn(64, 4, 4, generator=generator).to(dtype)
     fast_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     fast, ref = T.sinkhorn(fast_in, 20), reference_sinkhorn(ref_in, 20)
-    assert torch.equal(fast, ref)                                  # the same divisions in the same order: bit-exact
+    # the first pair runs in the log domain (exact maths, other rounding), the rest are the same divisions
+    torch.testing.assert_close(fast, ref, rtol=0, atol=1e-15 if dtype == torch.float64 else 1e-6)
     fast.backward(grad_out)
     ref.backward(grad_out)
     # the backward is the same derivative in a different arrangement: equal up to rounding of ~80 small steps
