@@ -38,14 +38,15 @@ METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC"}
 METHOD_STYLE = {"baseline": {"color": "0.15", "ls": (0, (4, 3)), "lw": 1.4, "zorder": 4},   # dashed, on top:
                 "hc": {"color": "tab:red", "ls": "-", "lw": 1.6, "zorder": 3},             # it coincides
                 "mhc": {"color": "tab:blue", "ls": "-", "lw": 2.6, "zorder": 2}}           # with mHC at 1
-THRESHOLDS = (10.0, 100.0)      # composite gain levels whose first crossing step is reported
+THRESHOLDS = (10.0, 100.0, 1000.0)      # composite gain levels whose first crossing step is reported
 FLAT = 0.05                     # the verdict calls gains within 1 ± FLAT "stayed within", else peaks
 GAP_S = 900.0                   # a longer pause between two log lines is downtime, not wall time
 PLOT_POINTS = 400               # longer curves are cut into this many step bins before plotting
 GRAD_POINTS = 200               # fewer for the gradient norm, whose spikes would otherwise crowd
 RUN_NAME = re.compile(r"^(?P<method>[A-Za-z]+)_d(?P<depth>\d+)_s(?P<seed>\d+)$")
 SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
-               "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd")
+               "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_study",
+               "amax_fwd_converged", "amax_bwd_converged", "sinkhorn_col_err", "sinkhorn_bwd_bound")
 LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd")
 
 
@@ -285,6 +286,14 @@ class RunSummary:
     peak_bwd: float
     peak_l0_fwd: float
     peak_l0_bwd: float
+    peak_abs: float              # the |.| upper bound: max of amax_fwd_abs and amax_bwd_abs
+    peak_study: float            # the public study's recipe (amax_study)
+    peak_converged: float        # mHC: max of the converged forward and backward composite gains
+    peak_col_err: float          # mHC: largest Sinkhorn column error of the H_res used
+    peak_bwd_bound: float        # mHC: largest truncation bound prod(1 + column error) of the as-used amax_bwd
+    arm: str                     # the preset it ran under: the matrix's main arm, a stress arm, the demo
+    data_seed: int | None
+    precision: str               # config.json's precision policy, "unrecorded" for older runs
     max_dev: float               # largest |amax - 1| over both composites and all probe steps
     first_above: dict            # threshold -> first probe step with max(amax_fwd, amax_bwd) > it
     peak_grad_norm: float
@@ -347,6 +356,13 @@ def summarize(run):
         final_val=_last(val),
         peak_fwd=_peak(fwd), peak_bwd=_peak(bwd),
         peak_l0_fwd=_peak(s["amax_l0_fwd"][1]), peak_l0_bwd=_peak(s["amax_l0_bwd"][1]),
+        peak_abs=_peak(np.concatenate([s["amax_fwd_abs"][1], s["amax_bwd_abs"][1]])),
+        peak_study=_peak(s["amax_study"][1]),
+        peak_converged=_peak(np.concatenate([s["amax_fwd_converged"][1], s["amax_bwd_converged"][1]])),
+        peak_col_err=_peak(s["sinkhorn_col_err"][1]), peak_bwd_bound=_peak(s["sinkhorn_bwd_bound"][1]),
+        arm=str(settings(run.config).get("preset", "")), data_seed=settings(run.config).get("data_seed"),
+        precision=json.dumps(run.config.get("precision"), sort_keys=True) if run.config.get("precision")
+        else "unrecorded",
         max_dev=_peak(dev),
         first_above={t: first_above_either(s["amax_fwd"], s["amax_bwd"], t) for t in THRESHOLDS},
         peak_grad_norm=_peak(s["grad_norm"][1]),
@@ -376,17 +392,24 @@ class Stat:
 FINAL_FIELDS = ("final_loss", "final_val")    # a diverged run has no final loss: left out of the mean
 STAT_FIELDS = {  # RunSummary field -> finite_only (losses drop a diverged run's NaN/inf)
     "final_loss": True, "best_val": True, "final_val": True, "peak_fwd": False, "peak_bwd": False,
-    "peak_l0_fwd": False, "peak_l0_bwd": False, "peak_grad_norm": False, "clip_share": True,
-    "tokens": True}
+    "peak_l0_fwd": False, "peak_l0_bwd": False, "peak_abs": False, "peak_study": False, "peak_converged": False,
+    "peak_col_err": False, "peak_bwd_bound": False, "peak_grad_norm": False, "clip_share": True, "tokens": True}
 
 
 @dataclass
 class Row:
-    """One method x depth: its runs (sorted by seed) and the statistics over them."""
+    """One arm x method x depth: its runs (sorted by seed) and the statistics over them."""
     method: str
     depth: int
     runs: list
     stats: dict = field(default_factory=dict)     # STAT_FIELDS name -> Stat, plus "wall_h"
+    arm: str = ""
+    label_arm: bool = False                       # more than one arm in the table: the label names it
+
+    @property
+    def label(self):
+        name = METHOD_LABEL.get(self.method, self.method)
+        return f"{name} [{self.arm}]" if self.label_arm else name
 
     @property
     def done(self):
@@ -410,17 +433,19 @@ def method_key(method):
 
 
 def aggregate(summaries):
-    """Rows sorted by depth then method (baseline, HC, mHC, others)."""
+    """Rows sorted by arm, depth, then method (baseline, HC, mHC, others): arms (presets such as the stress
+    arm) are never averaged together."""
     groups = {}
     for s in summaries:
-        groups.setdefault((s.depth, s.method), []).append(s)
+        groups.setdefault((s.arm, s.depth, s.method), []).append(s)
+    several_arms = len({arm for arm, _, _ in groups}) > 1
     rows = []
-    for depth, method in sorted(groups, key=lambda k: (k[0], method_key(k[1]))):
-        runs = sorted(groups[depth, method], key=lambda r: (r.seed is None, r.seed or 0, r.name))
+    for arm, depth, method in sorted(groups, key=lambda k: (k[0], k[1], method_key(k[2]))):
+        runs = sorted(groups[arm, depth, method], key=lambda r: (r.seed is None, r.seed or 0, r.name))
         stats = {f: Stat.of([math.nan if f in FINAL_FIELDS and r.state == "diverged" else getattr(r, f)
                              for r in runs], fin) for f, fin in STAT_FIELDS.items()}
         stats["wall_h"] = Stat.of([r.wall_s / 3600 for r in runs])
-        rows.append(Row(method, depth, runs, stats))
+        rows.append(Row(method, depth, runs, stats, arm, several_arms))
     return rows
 
 
@@ -497,7 +522,7 @@ def table_columns():
     def st(name, fmt, with_std=True):
         return lambda row: fmt_stat(row.stats[name], fmt, len(row.runs), with_std)
     return [
-        ("method", lambda row: METHOD_LABEL.get(row.method, row.method)),
+        ("method", lambda row: row.label),
         ("depth", lambda row: str(row.depth)),
         ("seeds done/total", lambda row: f"{row.done}/{len(row.runs)}"),
         ("final train loss", st("final_loss", fmt_loss)),
@@ -518,6 +543,34 @@ def table_columns():
         ("wall h/run", st("wall_h", fmt_hours)),
         ("GPU-h total", lambda row: "cpu" if row.cpu_only else f"{row.gpu_hours:.2f}"),
     ]
+
+
+def gain_columns():
+    """(header, cell(row) -> str) for the amplification table: the three readings side by side."""
+    def st(name):
+        return lambda row: fmt_stat(row.stats[name], fmt_gain, len(row.runs))
+    return [
+        ("method", lambda row: row.label), ("depth", lambda row: str(row.depth)),
+        ("amax_fwd (paper)", st("peak_fwd")), ("amax_bwd (paper)", st("peak_bwd")),
+        ("abs-value bound", st("peak_abs")), ("study recipe", st("peak_study")),
+        *[(f"first >{t:g}× (per seed)", lambda row, t=t: per_seed(row, crossing(t))) for t in THRESHOLDS],
+        ("mHC converged", st("peak_converged")),
+        ("mHC Sinkhorn column error", lambda row: fmt_stat(row.stats["peak_col_err"], fmt_dev, len(row.runs))),
+        ("mHC truncation bound", st("peak_bwd_bound")),
+    ]
+
+
+GAIN_NOTES = """- Peaks over all probe steps of each run, mean ± sample std over seeds. Three readings of one quantity:
+  **paper** (HC/mHC papers: per-token composites H_k...H_1 for the forward, H_L...H_k for the backward, largest
+  |row sum| / |column sum|, mean over the probe tokens; the headline), **abs-value bound** (the same with absolute
+  values: induced norms, an upper bound of the amplification) and **study recipe** (the public 1.7B study:
+  H averaged over the batch, multiplied H_1 H_2 ... H_k, the larger of the largest absolute row and column
+  sums; compare with that study's figures, and the paper reading with the papers'). All on the probe batch.
+- mHC columns: "converged" = the composite gains of the same mixing logits projected to convergence (fp64,
+  every row and column sum within 1e-6 of 1), what the manifold guarantees; "Sinkhorn column error" = the
+  largest |column sum - 1| of the H_res the model used (its iterations are truncated); "truncation bound" =
+  prod over sublayers of (1 + that layer's column error), the largest backward gain truncation alone can
+  give. An as-used gain above 1 but under that bound, with converged gains at 1, is truncation."""
 
 
 def run_columns():
@@ -629,9 +682,27 @@ def _crossed(row, threshold):
     return f"first above {threshold:g}× at step {per_seed(row, crossing(threshold))} (per seed)"
 
 
+def truncation(row, probed):
+    """mHC: whether the as-used gains' distance from 1 is Sinkhorn truncation (words), or ''."""
+    converged = [r for r in probed if not math.isnan(r.peak_converged)]
+    if not converged:
+        return ""
+    conv_dev = max(abs(r.peak_converged - 1) for r in converged)
+    bound, err = max(r.peak_bwd_bound for r in converged), max(r.peak_col_err for r in converged)
+    within = all(r.peak_bwd <= r.peak_bwd_bound * (1 + 1e-9) for r in converged)
+    if conv_dev < 1e-3 and within:
+        return (f" Projected to convergence the same mixing logits give 1 ± {fmt_dev(conv_dev)}; the as-used "
+                f"backward gain (up to {fmt_gain(max(r.peak_bwd for r in converged))}) stays under the bound "
+                f"{fmt_gain(bound)} that Sinkhorn column errors of up to {fmt_dev(err)} allow: its distance from "
+                "1 is truncation of the projection (--sinkhorn-iters), not amplification.")
+    return (f" Projected to convergence the same mixing logits give up to 1 ± {fmt_dev(conv_dev)}"
+            f"{'' if within else ', and the as-used backward gain exceeds the truncation bound'}: more than "
+            "Sinkhorn truncation explains; check the probe.")
+
+
 def verdict_gain(row):
     """One sentence about a method's composite gains at one depth."""
-    name = METHOD_LABEL.get(row.method, row.method)
+    name = row.label
     probed = [r for r in row.runs if r.has_probe]
     if not probed:
         return f"{name}: {_seeds(len(row.runs))} ({_progress(row)}) but no probe lines yet."
@@ -645,34 +716,35 @@ def verdict_gain(row):
     fwd, bwd = row.stats["peak_fwd"], row.stats["peak_bwd"]
     if dev < FLAT:
         return (f"{name}: composite gains stayed within 1 ± {fmt_dev(dev)} (forward and backward, "
-                f"all probe steps, {_seeds(len(probed))}; {_progress(row)}).")
+                f"all probe steps, {_seeds(len(probed))}; {_progress(row)})." + truncation(row, probed))
     cross = "; ".join(_crossed(row, t) for t in THRESHOLDS)
     top = max(probed, key=lambda r: -math.inf if math.isnan(r.peak_fwd) else r.peak_fwd)
     return (f"{name}: composite forward gain peaked at {fmt_gain(fwd.mean)}× ({_spread(fwd)}; "
             f"highest {fmt_gain(top.peak_fwd)}× in seed {top.seed}), backward {fmt_gain(bwd.mean)}× "
-            f"({_spread(bwd)}); {cross}; {_progress(row)}.")
+            f"({_spread(bwd)}); {cross}; {_progress(row)}." + truncation(row, probed))
 
 
 def verdict_loss(rows):
-    parts = [f"{METHOD_LABEL.get(r.method, r.method)} {fmt_stat(r.stats['final_val'], fmt_loss, len(r.runs))}"
+    parts = [f"{r.label} {fmt_stat(r.stats['final_val'], fmt_loss, len(r.runs))}"
              for r in rows if r.stats["final_val"].n]
     return f"Final val loss (mean ± sample std): {', '.join(parts)}." if parts else "No val loss logged yet."
 
 
 def verdict(rows):
-    """Markdown lines, one paragraph per depth; missing methods are said, not guessed."""
+    """Markdown lines, one paragraph per arm and depth; missing methods are said, not guessed."""
     lines = []
-    for depth in sorted({r.depth for r in rows}):
-        at = [r for r in rows if r.depth == depth]
+    for arm, depth in sorted({(r.arm, r.depth) for r in rows}):
+        at = [r for r in rows if (r.arm, r.depth) == (arm, depth)]
         have = {r.method for r in at}
         parts = [verdict_gain(r) for r in at]
         parts += [f"No {METHOD_LABEL[m]} runs at depth {depth}." for m in METHOD_ORDER if m not in have]
-        div = [f"{len(r.diverged)} of {len(r.runs)} {METHOD_LABEL.get(r.method, r.method)} runs diverged"
+        div = [f"{len(r.diverged)} of {len(r.runs)} {r.label} runs diverged"
                for r in at if r.diverged]
         if div:
             parts.append("; ".join(div) + ".")
         parts.append(verdict_loss(at))
-        lines.append(f"**depth {depth}**: " + " ".join(parts))
+        where = f"{arm} arm, depth {depth}" if at[0].label_arm else f"depth {depth}"
+        lines.append(f"**{where}**: " + " ".join(parts))
     return lines
 
 
@@ -979,12 +1051,30 @@ def write_plots(runs, heat, out):
 
 # --- main: read, aggregate, write, print ---------------------------------------------------------
 
+def matrix_notes(summaries):
+    """What varied with the seed, and a warning when the runs do not share one precision policy."""
+    lines = []
+    data_seeds = {s.data_seed for s in summaries}
+    if len({s.seed for s in summaries}) > 1:
+        lines.append("- Seeds varied the initialisation and the data order (--data-seed varied with --seed)."
+                     if len(data_seeds) > 1 else
+                     f"- Seeds varied the initialisation only; every run read the data in one order "
+                     f"(--data-seed {next(iter(data_seeds))}).")
+    policies = {s.precision for s in summaries}
+    if len(policies) > 1:
+        lines.append("- **Warning: these runs do not share one precision policy** (config.json `precision`): "
+                     + "; ".join(f"{p}: {', '.join(s.name for s in summaries if s.precision == p)}"
+                                 for p in sorted(policies)) + ". Compare their gains with care.")
+    return lines
+
+
 def results_markdown(root, rows, summaries, verdict_lines, plots, notes):
     n = len(summaries)
     parts = [f"# Results: {root}", "",
              f"{n} run{'s' if n != 1 else ''}, {len(rows)} method × depth rows; "
              f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py.", "",
-             "## Table", "", markdown(table_columns(), rows), "", TABLE_NOTES, "",
+             "## Table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
+             "## Amplification: three readings", "", markdown(gain_columns(), rows), "", GAIN_NOTES, "",
              "## Verdict", "", *[f"- {v}" for v in verdict_lines], "",
              "## Runs", "", markdown(run_columns(), summaries), "", "## Plots", ""]
     parts += [f"![{p.stem}]({p.name})" for p in plots] + [f"- {note}" for note in notes]
@@ -1002,7 +1092,7 @@ def report(root, out=None, heatmap_run=None, with_plots=True):
                           "or metrics.jsonl and status.json)")
     heat = pick_heatmap_run(runs, heatmap_run)
     summaries = sorted((summarize(r) for r in runs),
-                       key=lambda s: (s.depth, method_key(s.method), s.seed or 0, s.name))
+                       key=lambda s: (s.arm, s.depth, method_key(s.method), s.seed or 0, s.name))
     rows = aggregate(summaries)
     verdict_lines = verdict(rows)
     out = Path(out) if out is not None else root / "report"
@@ -1012,7 +1102,8 @@ def report(root, out=None, heatmap_run=None, with_plots=True):
     write_csv(out / "results.csv", csv_rows(rows))
     write_csv(out / "runs.csv", run_csv_rows(summaries))
     buf = io.StringIO()
-    print(markdown(table_columns(), rows), "", "\n\n".join(verdict_lines), *notes, sep="\n", file=buf)
+    print(markdown(table_columns(), rows), "", markdown(gain_columns(), rows), *matrix_notes(summaries), "",
+          "\n\n".join(verdict_lines), *notes, sep="\n", file=buf)
     names = ", ".join(["results.csv", "runs.csv", *(p.name for p in plots)])
     print(f"\nwrote {out / 'results.md'}, {names}", file=buf)
     return rows, buf.getvalue()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # run_experiments.sh: fans the method x depth x seed matrix over the GPUs of one node.
 #
-#   bash run_experiments.sh [--full|--quick|--demo] [options] [-- extra train_c4.py flags]
+#   bash run_experiments.sh [--full|--quick|--stress|--demo] [options] [-- extra train_c4.py flags]
 #   bash run_experiments.sh --help          (all options, exit statuses, files written)
 #
 # One job per run `{method}_d{depth}_s{seed}`, each on its own slot of --gpus-per-run GPUs, started
@@ -51,17 +51,22 @@ EXIT_OK=0; EXIT_FAILED=1; EXIT_USAGE=2; EXIT_SIGINT=130; EXIT_SIGTERM=143
 # ---------------------------------------------------------------------------------------------
 usage() {
     cat <<EOF
-Usage: bash $PROG [--full|--quick|--demo] [options] [-- extra train_c4.py flags]
+Usage: bash $PROG [--full|--quick|--stress|--demo] [options] [-- extra train_c4.py flags]
 
 Matrix (default --full):
   --full               baseline,hc,mhc x depths 32,48 x seeds 42,123,456 (18 runs, trainer's default steps)
   --quick              hc,mhc x depths 32,48 x seed 42 at 10000 steps (4 runs)
+  --stress             the stress arm: hc,mhc x depths 32,48,64 x seed 42 with --preset stress (lr 3e-4,
+                       3000 steps); its runs are named {method}_d{depth}_s{seed}_stress, so it shares an
+                       --out folder with the main matrix and the report keeps the two arms apart
   --demo               baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, seed 42,
                        then the results table
   --methods LIST       override the methods (from baseline,hc,mhc), e.g. hc,mhc
   --depths LIST        override the depths, e.g. 32,48
   --seeds LIST         override the seeds, e.g. 42,123
   --steps N            pass --steps N to every run
+  --vary-data-seed     pass --data-seed SEED with each run's seed: seeds then vary the data order as well as
+                       the initialisation (default: one data order, the trainer's --data-seed, for every seed)
 
 Placement:
   --gpus LIST          GPU indices to use (default: all that nvidia-smi lists; none found -> one CPU slot)
@@ -106,7 +111,7 @@ EOF
 
 die_usage() {
     echo "$PROG: error: $1" >&2
-    echo "Usage: bash $PROG [--full|--quick|--demo] [--methods L] [--depths L] [--seeds L] [--steps N] [--gpus L]" >&2
+    echo "Usage: bash $PROG [--full|--quick|--stress|--demo] [--vary-data-seed] [--methods L] [--depths L] [--seeds L] [--steps N] [--gpus L]" >&2
     echo "       [--exclude-gpus L] [--gpus-per-run K] [--stagger S] [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--price-per-gpu-hour USD]] [--summary] [-- flags]" >&2
     echo "Try 'bash $PROG --help' for more." >&2
     exit "$EXIT_USAGE"
@@ -114,9 +119,10 @@ die_usage() {
 
 MODE=""; METHODS=""; DEPTHS=""; SEEDS=""; STEPS=""; GPU_LIST=""; EXCLUDE=""; GPUS_PER_RUN=1
 STAGGER=15; MAX_RETRIES=2; OUT="runs"; DRY_RUN=0; SUMMARY_ONLY=0; EXTRA=(); CALIBRATE=0; PRICE=2.49
+VARY_DATA_SEED=0
 
 set_mode() {
-    [[ -z $MODE || $MODE == "$1" ]] || die_usage "choose one of --full, --quick, --demo"
+    [[ -z $MODE || $MODE == "$1" ]] || die_usage "choose one of --full, --quick, --stress, --demo"
     MODE=$1
 }
 
@@ -128,7 +134,8 @@ while (($#)); do
     fi
     case $arg in
         -h|--help) usage; exit "$EXIT_OK" ;;
-        --full|--quick|--demo) set_mode "${arg#--}"; shift ;;
+        --full|--quick|--stress|--demo) set_mode "${arg#--}"; shift ;;
+        --vary-data-seed) VARY_DATA_SEED=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         --calibrate) CALIBRATE=1; shift ;;
         --summary) SUMMARY_ONLY=1; shift ;;
@@ -152,8 +159,15 @@ MODE=${MODE:-full}
 case $MODE in
     full)  : "${METHODS:=baseline,hc,mhc}" "${DEPTHS:=32,48}" "${SEEDS:=42,123,456}" ;;
     quick) : "${METHODS:=hc,mhc}" "${DEPTHS:=32,48}" "${SEEDS:=42}" "${STEPS:=10000}" ;;
+    stress) : "${METHODS:=hc,mhc}" "${DEPTHS:=32,48,64}" "${SEEDS:=42}" ;;
     # The demo preset fixes its own model; --depth 4 (its depth) is passed so the run name is exact.
     demo)  : "${METHODS:=baseline,hc,mhc}" "${DEPTHS:=4}" "${SEEDS:=42}" ;;
+esac
+# The modes that are a preset of the trainer, and the stress arm's run-name suffix (the trainer's default too)
+MODE_PRESET=""; RUN_SUFFIX=""
+case $MODE in
+    demo) MODE_PRESET=demo ;;
+    stress) MODE_PRESET=stress; RUN_SUFFIX=_stress ;;
 esac
 
 # Validate a comma list: split_list NAME VALUE REGEX WHAT -> array NAME
@@ -210,6 +224,10 @@ for arg in "${EXTRA[@]}"; do
     case $arg in
         --residual|--residual=*|--depth|--depth=*|--seed|--seed=*|--run-name|--run-name=*|--out|--out=*|--steps|--steps=*)
             die_usage "${arg%%=*} is set by the launcher for each run (use --methods, --depths, --seeds, --steps, --out), not after --" ;;
+        --data-seed|--data-seed=*)
+            ((!VARY_DATA_SEED)) || die_usage "--vary-data-seed sets --data-seed for each run; do not pass it after --" ;;
+        --preset|--preset=*)
+            [[ -z $MODE_PRESET ]] || die_usage "--$MODE sets --preset $MODE_PRESET; do not pass --preset after --" ;;
     esac
 done
 
@@ -282,7 +300,7 @@ if [[ -z ${RUN_EXPERIMENTS_TRAINER:-} && ! -f $ROOT/train_c4.py ]] && ((!SUMMARY
     fi
 fi
 
-PRESET=$(extra_value --preset); [[ $MODE == demo ]] && PRESET=demo
+PRESET=$(extra_value --preset); [[ -z $MODE_PRESET ]] || PRESET=$MODE_PRESET
 DATA=$(extra_value --data)
 if ((!SUMMARY_ONLY)) && [[ $DATA == c4 || (-z $DATA && ${PRESET:-c4} == c4) ]]; then
     warn "these runs stream C4 (--data c4) from the Hugging Face Hub: this node must reach huggingface.co" \
@@ -302,7 +320,7 @@ declare -A J_METHOD J_DEPTH J_SEED J_STATE J_REASON J_ATTEMPTS J_RETRIES J_DATA_
 for seed in "${SEED_ARR[@]}"; do
     for depth in "${DEPTH_ARR[@]}"; do
         for method in "${METHOD_ARR[@]}"; do
-            run="${method}_d${depth}_s${seed}"
+            run="${method}_d${depth}_s${seed}${RUN_SUFFIX}"
             [[ -n ${J_METHOD[$run]:-} ]] && continue   # a list given twice
             JOBS+=("$run")
             J_METHOD[$run]=$method; J_DEPTH[$run]=$depth; J_SEED[$run]=$seed
@@ -375,7 +393,8 @@ build_cmd() {   # build_cmd RUN -> CMD array
     CMD=("${TRAINER_BASE[@]}" --residual "${J_METHOD[$run]}" --depth "${J_DEPTH[$run]}"
         --seed "${J_SEED[$run]}" --run-name "$run" --out "$OUT")
     [[ -z $STEPS ]] || CMD+=(--steps "$STEPS")
-    [[ $MODE != demo ]] || CMD+=(--preset demo)
+    [[ -z $MODE_PRESET ]] || CMD+=(--preset "$MODE_PRESET")
+    ((!VARY_DATA_SEED)) || CMD+=(--data-seed "${J_SEED[$run]}")
     CMD+=(--resume auto)
     # FSDP shards parameters and optimizer state, so a 2.5B model leaves room for activations.
     ((GPUS_PER_RUN == 1)) || CMD+=(--parallel fsdp)

@@ -98,6 +98,7 @@ class Config:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    no_mixing_decay: bool = False
     seed: int = 42
     # data
     data: str = "c4"
@@ -146,7 +147,11 @@ PRESETS = {
                   steps=5000, lr=1e-3, warmup=100, data="sample", tokenizer="byte", eval_every=250,
                   eval_batches=8, metrics_every=50, layer_metrics_every=250, log_every=50,
                   ckpt_every=500, shuffle_buffer=64, data_workers=0),
+    # the public 1.7B study's stress arm (run at depths 32, 48 and 64): 3x the learning rate, 3000 steps
+    "stress": dict(lr=3e-4, steps=3000),
 }
+# presets that are an arm of the matrix of their own: their runs are named apart from the main arm's
+RUN_NAME_SUFFIX = {"stress": "_stress"}
 
 CHOICES = dict(residual=("baseline", "hc", "mhc"), preset=tuple(PRESETS), attn=("auto", "flash", "sdpa"),
                dtype=("auto", "bf16", "fp32"), tokenizer=("gpt2", "byte"), resume=("auto", "never"),
@@ -169,6 +174,8 @@ HELP = dict(
     steps="optimizer steps", lr="peak learning rate", warmup="linear warm-up steps",
     min_lr_ratio="cosine decays to lr * this", weight_decay="AdamW weight decay (weight matrices only)",
     grad_clip="clip the global gradient norm to this (0 = off); the pre-clip norm is logged",
+    no_mixing_decay="no weight decay on the dynamic mixing weights (HC's W_m, W_r, W_b; mHC's phi), which are "
+    "otherwise decayed like every weight matrix",
     seed="model initialisation seed", data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
     "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
@@ -225,7 +232,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**values)
     validate(cfg)
     if not cfg.run_name:
-        cfg = dataclasses.replace(cfg, run_name=f"{cfg.residual}_d{cfg.depth}_s{cfg.seed}")
+        suffix = RUN_NAME_SUFFIX.get(cfg.preset, "")
+        cfg = dataclasses.replace(cfg, run_name=f"{cfg.residual}_d{cfg.depth}_s{cfg.seed}{suffix}")
     return cfg
 
 
@@ -560,10 +568,12 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = True) -> list[dict]:
     """Weight decay on weight matrices of linears and embeddings only: never on norms, biases,
-    HC static matrices and scales, or mHC gates and biases (those are raw Parameters, not layers)."""
-    decay = {id(m.weight): m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    HC static matrices and scales, or mHC gates and biases (those are raw Parameters, not layers).
+    The dynamic mixing weights (the linears inside the connections) only with `decay_mixing`."""
+    decay = {id(m.weight): m.weight for name, m in model.named_modules()
+             if isinstance(m, (nn.Linear, nn.Embedding)) and (decay_mixing or "_conn." not in name)}
     rest = [p for p in model.parameters() if id(p) not in decay]
     return [{"params": list(decay.values()), "weight_decay": weight_decay},
             {"params": rest, "weight_decay": 0.0}]
@@ -2281,7 +2291,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg, use_flash).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
-    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay), lr=cfg.lr, betas=(0.9, 0.95),
                                   fused=dist.device.type == "cuda")
     micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
     batches = RankBatches(train_files, tokenizer, cfg, dist.rank, dist.world, micro)

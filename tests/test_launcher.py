@@ -400,6 +400,19 @@ def test_dry_run_launches_nothing_and_writes_nothing(tmp_path):
     assert "next free slot" in r.stdout
 
 
+def test_stress_arm_and_data_order_varied_with_the_seed(tmp_path):
+    r = launch(tmp_path, "--stress", "--dry-run", "--vary-data-seed", "--seeds", "42,7")
+    assert r.returncode == 0, r.stderr
+    names = {f"{m}_d{d}_s{s}_stress" for m in ("hc", "mhc") for d in (32, 48, 64) for s in (42, 7)}
+    assert names <= set(r.stdout.split()) and "baseline_" not in r.stdout
+    assert r.stdout.count("--preset stress") == 12
+    assert r.stdout.count("--seed 7 ") == r.stdout.count("--data-seed 7 ") == 6
+    r = launch(tmp_path, "--quick", "--dry-run", "--vary-data-seed", "--", "--data-seed", "3")
+    assert r.returncode == 2 and "--vary-data-seed sets --data-seed for each run" in r.stderr
+    r = launch(tmp_path, "--stress", "--dry-run", "--", "--preset", "tiny")
+    assert r.returncode == 2 and "--stress sets --preset stress" in r.stderr
+
+
 def test_dry_run_of_quick_demo_and_multi_gpu_default_trainer(tmp_path):
     r = launch(tmp_path, "--quick", "--dry-run", "--gpus", "0,1,2,3")
     assert r.returncode == 0

@@ -233,6 +233,13 @@ def test_weight_decay_only_on_weight_matrices():
     decayed = {names[id(p)] for p in T.decay_groups(mhc, 0.1)[0]["params"]}
     assert "blocks.0.mlp_conn.phi.weight" in decayed
     assert not any(k in n for n in decayed for k in ("a_pre", "b_pre", "b_res", "b_post", "a_res"))
+    for residual, dynamic in (("hc", "dynamic.weight"), ("mhc", "phi.weight")):       # --no-mixing-decay
+        model = T.GPT(tiny_config(residual, depth=1))
+        names = {id(p): n for n, p in model.named_parameters()}
+        decay, rest = T.decay_groups(model, 0.1, decay_mixing=False)
+        decayed, kept = {names[id(p)] for p in decay["params"]}, {names[id(p)] for p in rest["params"]}
+        assert "wte.weight" in decayed and not any("_conn." in n for n in decayed)
+        assert f"blocks.0.attn_conn.{dynamic}" in kept and len(decayed) + len(kept) == len(names)
 
 
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])

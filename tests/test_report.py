@@ -110,8 +110,8 @@ def test_rows_match_hand_computed_values(tmp_path):
         assert st.mean == pytest.approx((a + b) / 2), name
         assert st.std == pytest.approx(sample_std(a, b)), name
     s1, s2 = row.runs
-    assert s1.first_above == {10.0: 3, 100.0: 4}
-    assert s2.first_above == {10.0: 2, 100.0: None}
+    assert s1.first_above == {10.0: 3, 100.0: 4, 1000.0: None}
+    assert s2.first_above == {10.0: 2, 100.0: None, 1000.0: None}
     assert s1.wall_s == pytest.approx(31.0) and s2.wall_s == pytest.approx(41.0)
 
 
@@ -160,7 +160,7 @@ def test_threshold_must_be_exceeded_not_reached(tmp_path):
         {**train(2, 1.0, 3.0, 0.5, 20), **probe(100.0, 10.5)},
         {**train(3, 2.0, 3.0, 0.5, 30), **probe(99.0, 100.5)}])
     (row,) = report.collect(tmp_path)
-    assert row.runs[0].first_above == {10.0: 2, 100.0: 3}
+    assert row.runs[0].first_above == {10.0: 2, 100.0: 3, 1000.0: None}
 
 
 def test_gpu_hours_world_size_cpu_and_pauses(tmp_path):
@@ -300,6 +300,58 @@ def test_verdict_states_numbers_and_missing_methods(tmp_path):
     assert "No baseline runs at depth 4." in d4
     assert "baseline: 1 by definition" in d8
     assert "No HC runs at depth 8." in d8 and "No mHC runs at depth 8." in d8
+
+
+def mhc_probe(used_bwd, converged_bwd, col_err, bound):
+    return {**probe(1.0, used_bwd), "amax_study": used_bwd, "amax_fwd_converged": 1.0,
+            "amax_bwd_converged": converged_bwd, "sinkhorn_col_err": col_err, "sinkhorn_bwd_bound": bound}
+
+
+def test_amplification_table_shows_the_three_readings_and_mhc_truncation(tmp_path):
+    hc_seed1(tmp_path)
+    with_study = tmp_path / "hc_d4_s1" / "metrics.jsonl"
+    with_study.write_text(with_study.read_text() + json.dumps({"step": 5, "time": 1040.0, **probe(160.0, 100.0),
+                                                               "amax_fwd_abs": 300.0, "amax_study": 240.0}) + "\n")
+    write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.0, 1.0, 1e-7, 1.0)},
+                                      {**train(2, 1.0, 3.0, 0.5, 20), **mhc_probe(1.145, 1.0000004, 0.031, 1.16)}])
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    lines = (tmp_path / "report" / "results.md").read_text().split("## Amplification: three readings")[1]
+    header = next(ln for ln in lines.splitlines() if ln.startswith("| method |"))
+    heads = [h.strip() for h in header.strip("|").split("|")]
+    rows = {ln.split("|")[1].strip(): dict(zip(heads, (c.strip() for c in ln.strip("|").split("|"))))
+            for ln in lines.splitlines() if ln.startswith("| HC |") or ln.startswith("| mHC |")}
+    hc, mhc = rows["HC"], rows["mHC"]
+    assert (hc["amax_fwd (paper)"], hc["amax_bwd (paper)"], hc["abs-value bound"], hc["study recipe"]) == \
+        ("160 ± –", "120 ± –", "300 ± –", "240 ± –")
+    assert hc["first >100× (per seed)"] == "4" and hc["first >1000× (per seed)"] == "never"
+    assert hc["mHC converged"] == "–"
+    assert (mhc["amax_bwd (paper)"], mhc["mHC converged"], mhc["mHC Sinkhorn column error"],
+            mhc["mHC truncation bound"]) == ("1.145 ± –", "1.000 ± –", "0.031 ± –", "1.160 ± –")
+    (line,) = report.verdict(report.collect(tmp_path))
+    assert "the as-used backward gain (up to 1.145) stays under the bound 1.160 that Sinkhorn column errors " \
+           "of up to 0.031 allow: its distance from 1 is truncation" in line
+
+
+def test_mhc_gain_beyond_the_truncation_bound_is_not_explained_away(tmp_path):
+    write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.5, 1.0, 0.01, 1.02)}])
+    (line,) = report.verdict(report.collect(tmp_path))
+    assert "exceeds the truncation bound: more than Sinkhorn truncation explains" in line
+
+
+def test_arms_are_kept_apart_and_mixed_precision_is_flagged(tmp_path):
+    write_run(tmp_path, "hc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(20.0, 20.0)}],
+              config={"preset": "c4", "data_seed": 1234})
+    stress = write_run(tmp_path, "hc_d4_s2", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(900.0, 20.0)}],
+                       config={"preset": "stress", "data_seed": 1234})
+    record = json.loads((stress / "config.json").read_text())
+    (stress / "config.json").write_text(json.dumps({**record, "precision": {"matmuls": "bf16"}}))
+    rows = report.collect(tmp_path)
+    assert [(r.label, r.stats["peak_fwd"].mean) for r in rows] == [("HC [c4]", 20.0), ("HC [stress]", 900.0)]
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    text = (tmp_path / "report" / "results.md").read_text()
+    assert "**c4 arm, depth 4**" in text and "**stress arm, depth 4**" in text
+    assert "Seeds varied the initialisation only; every run read the data in one order (--data-seed 1234)" in text
+    assert "do not share one precision policy" in text and "unrecorded: hc_d4_s1" in text
 
 
 def test_verdict_without_probe_lines(tmp_path):
