@@ -5,7 +5,8 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
     python train_c4.py --preset demo --residual hc           # CPU minutes, bundled Shakespeare
     torchrun --nproc_per_node=8 train_c4.py --parallel fsdp  # one run over a whole node
 
-The maths is in ../shared/reference/model-spec.md, the run folder and exit codes in design.md.
+The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
+exit codes and reliability rules in README.md.
 Sections, in order: config/CLI -> model -> instability metrics -> data -> distributed ->
 checkpointing -> logging -> training loop -> main.
 """
