@@ -101,6 +101,7 @@ class Config:
     grad_clip: float = 1.0
     no_mixing_decay: bool = False
     seed: int = 42
+    allow_changed_settings: bool = False
     # data
     data: str = "c4"
     tokenizer: str = "gpt2"
@@ -177,7 +178,10 @@ HELP = dict(
     grad_clip="clip the global gradient norm to this (0 = off); the pre-clip norm is logged",
     no_mixing_decay="no weight decay on the dynamic mixing weights (HC's W_m, W_r, W_b; mHC's phi), which are "
     "otherwise decayed like every weight matrix",
-    seed="model initialisation seed", data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
+    seed="model initialisation seed",
+    allow_changed_settings="resume a run folder although its training settings (lr, steps, batch, schedule, seed, "
+    "data) differ from this command's; the change is recorded in the run folder (settings_changes.jsonl)",
+    data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
     "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
     data_streams="disjoint virtual data streams; the number of processes must divide it",
@@ -1584,6 +1588,11 @@ GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 3
 # keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
+# keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
+# them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
+# batches and the maths stay the same.
+TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
+                 "no_mixing_decay", "seed", "data", "data_seed", "data_streams", "shuffle_buffer")
 
 
 # ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto), the time and cost of a matrix
@@ -1986,11 +1995,13 @@ def use_flash_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -
                                    and dtype == torch.bfloat16)
 
 
-def check_resumable(run_dir: Path, cfg: Config) -> None:
-    """Refuse to continue a run folder made by a different model, or any existing run under --resume never."""
+def check_resumable(run_dir: Path, cfg: Config) -> dict:
+    """Refuse to continue a run folder made by a different model, or any existing run under --resume never;
+    refuse changed training settings unless --allow-changed-settings. Returns the allowed changes
+    ({key: [old, new]})."""
     path = run_dir / "config.json"
     if not path.exists():
-        return
+        return {}
     if cfg.resume == "never":
         raise ConfigError(f"{run_dir} already holds a run and --resume never refuses to overwrite it; "
                           "choose another --run-name or --out")
@@ -2002,6 +2013,23 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
         if old.get(key) != getattr(cfg, key):
             raise ConfigError(f"{run_dir} was trained with {key}={old.get(key)!r} but this command has "
                               f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
+    changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
+    if changes and not cfg.allow_changed_settings:
+        listed = ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
+        raise ConfigError(f"{run_dir} was trained with other settings ({listed}); rerun with its settings, choose "
+                          "another --run-name, or pass --allow-changed-settings to continue under the new ones")
+    return changes
+
+
+def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
+    """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
+    if not changes:
+        return
+    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): "
+             + ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items()))
+    if log.enabled:
+        with open(run_dir / "settings_changes.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
 
 
 def git_commit() -> str:
@@ -2284,7 +2312,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum = batch_plan(cfg, dist.world)
     train_files, val_files = resolve_data_files(cfg.data)
     run_dir = Path(cfg.out) / cfg.run_name
-    check_resumable(run_dir, cfg)
+    changes = check_resumable(run_dir, cfg)
     dtype = compute_dtype(cfg, dist.device)
     use_flash = use_flash_attention(cfg, dist.device, dtype)
     tokenizer = make_tokenizer(cfg.tokenizer)
@@ -2301,6 +2329,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir, gpu_peak_flops(dist.device),
                       flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
+    record_setting_changes(run_dir, changes, trainer.log, trainer.step)
     record = run_record(cfg, micro, dist, dtype, use_flash, params)
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)

@@ -147,6 +147,21 @@ def test_resume_over_a_different_model_is_refused(tmp_path):
     assert code == 2 and "width=16" in stderr and "width=32" in stderr
 
 
+def test_resume_with_changed_training_settings_is_refused_unless_allowed(tmp_path):
+    assert trainer(tmp_path, "--residual", "hc", "--steps", "10")[0] == 0
+    code, _, stderr = trainer(tmp_path, "--residual", "hc", "--steps", "15", "--lr", "0.001", "--micro-batch-size", "1")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1
+    assert "other settings (lr 0.003 -> 0.001, steps 10 -> 15)" in stderr and "--allow-changed-settings" in stderr
+    assert not (tmp_path / "hc_d2_s42" / "settings_changes.jsonl").exists()
+    code, stdout, stderr = trainer(tmp_path, "--residual", "hc", "--steps", "15", "--lr", "0.001",
+                                   "--allow-changed-settings")
+    assert code == 0, stderr
+    assert "continuing at step 10 under changed settings" in stdout
+    (record,) = [json.loads(line) for line in (tmp_path / "hc_d2_s42" / "settings_changes.jsonl").open()]
+    assert record["step"] == 10 and record["changes"] == {"lr": [0.003, 0.001], "steps": [10, 15]}
+    assert [r["step"] for r in metrics(tmp_path / "hc_d2_s42")] == list(range(16))
+
+
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert trainer(tmp_path, "--residual", "mhc", "--steps", "20", "--ckpt-every", "10")[0] == 0
     run = tmp_path / "mhc_d2_s42"
@@ -154,7 +169,8 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     data = bytearray(model_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model_file.write_bytes(bytes(data))
-    code, stdout, stderr = trainer(tmp_path, "--residual", "mhc", "--steps", "30", "--ckpt-every", "10")
+    code, stdout, stderr = trainer(tmp_path, "--residual", "mhc", "--steps", "30", "--ckpt-every", "10",
+                                   "--allow-changed-settings")
     assert code == 0, stderr
     assert "step-20 has a corrupted model.pt" in stdout and "resumed from" in stdout and "step 10" in stdout
 
