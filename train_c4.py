@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -205,6 +206,31 @@ HELP = dict(
 )
 
 
+# --help's argument groups: every Config field in exactly one (a test checks it)
+FLAG_GROUPS = {
+    "model": ("preset", "residual", "depth", "width", "heads", "expansion", "seq_len", "sinkhorn_iters",
+              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "attn", "dtype"),
+    "optimisation": ("batch_size", "micro_batch_size", "steps", "lr", "warmup", "min_lr_ratio", "weight_decay",
+                     "grad_clip", "no_mixing_decay", "seed", "compile", "activation_checkpointing"),
+    "data": ("data", "tokenizer", "data_seed", "data_streams", "data_workers", "prefetch", "data_timeout",
+             "shuffle_buffer"),
+    "measurement and logging": ("eval_every", "eval_batches", "metrics_every", "layer_metrics_every",
+                                "probe_sequences", "log_every", "wandb", "wandb_project"),
+    "run folder and checkpoints": ("out", "run_name", "resume", "allow_changed_settings", "ckpt_every",
+                                   "keep_checkpoints"),
+    "parallelism": ("parallel",),
+    "planning": ("estimate", "estimate_world_size", "gpu_memory_gb"),
+}
+
+
+def presets_text() -> str:
+    """The presets and what each one sets, for --help."""
+    return "presets (explicit flags win):\n" + "\n".join(textwrap.fill(
+        f"{name}: " + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items()) or "the defaults above"),
+        width=100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
+        for name, values in PRESETS.items())
+
+
 class _OneLineErrorParser(argparse.ArgumentParser):
     """argparse's own checks, reported as one line (and exit 2) instead of the usage block."""
 
@@ -214,18 +240,21 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.",
-                                 argument_default=argparse.SUPPRESS,
-                                 epilog="python train_c4.py --consolidate CHECKPOINT OUT.pt writes one file with the "
-                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
-                                 "process group.")
-    for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        if field.type == "bool":
-            parser.add_argument(flag, action="store_true", help=HELP[field.name])
-        else:
-            kind = {"int": int, "float": float}.get(field.type, str)
-            parser.add_argument(flag, type=kind, choices=CHOICES.get(field.name), help=HELP[field.name]
-                                + f" (default {field.default!r}, or the preset's)")
+                                 argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=presets_text() + "\n\npython train_c4.py --consolidate CHECKPOINT OUT.pt writes "
+                                 "one file with the weights of a checkpoint\n(FSDP's sharded ones included), loadable "
+                                 "without a process group.")
+    fields = {field.name: field for field in dataclasses.fields(Config)}
+    for title, names in FLAG_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for field in (fields[name] for name in names):
+            flag = "--" + field.name.replace("_", "-")
+            if field.type == "bool":
+                group.add_argument(flag, action="store_true", help=HELP[field.name])
+            else:
+                kind = {"int": int, "float": float}.get(field.type, str)
+                group.add_argument(flag, type=kind, choices=CHOICES.get(field.name), help=HELP[field.name]
+                                   + f" (default {field.default!r}, or the preset's)")
     return parser
 
 

@@ -1,4 +1,5 @@
 """End-to-end runs of the trainer on the CPU with the `tiny` preset, as a user would run them."""
+import dataclasses
 import gzip
 import json
 import os
@@ -145,6 +146,17 @@ def test_resume_over_a_different_model_is_refused(tmp_path):
     code, _, stderr = trainer(tmp_path, "--residual", "hc", "--steps", "10", "--width", "32", "--run-name",
                               "hc_d2_s42")
     assert code == 2 and "width=16" in stderr and "width=32" in stderr
+
+
+def test_help_groups_every_flag_and_lists_the_presets():
+    grouped = [name for names in T.FLAG_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(T.Config))     # each field exactly once
+    text = T.build_parser().format_help()
+    for title in T.FLAG_GROUPS:
+        assert f"\n{title}:\n" in text
+    for name in T.PRESETS:
+        assert f"\n  {name}: " in text
+    assert "stress: --lr 0.0003, --steps 3000" in text
 
 
 def test_resume_with_changed_training_settings_is_refused_unless_allowed(tmp_path):
