@@ -24,12 +24,14 @@ import json
 import math
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -127,7 +129,7 @@ class Config:
     resume: str = "auto"
     parallel: str = "ddp"
     wandb: str = "auto"
-    wandb_project: str = "hc-mhc-c4"
+    wandb_project: str = ""
     estimate: bool = False
     estimate_world_size: int = 0
     gpu_memory_gb: float = 0.0
@@ -197,8 +199,9 @@ HELP = dict(
     ckpt_every="steps between checkpoints", keep_checkpoints="complete checkpoints kept (newest)",
     out="folder holding the run folders", run_name="run folder name (default {residual}_d{depth}_s{seed})",
     resume="auto: continue from the newest complete checkpoint; never: refuse an existing run",
-    parallel="strategy under torchrun", wandb="Weights & Biases mode (auto: online with credentials)",
-    wandb_project="W&B project", preset="a named set of defaults; explicit flags win",
+    parallel="strategy under torchrun", wandb="Weights & Biases mode; beats $WANDB_MODE (auto: $WANDB_MODE when set, "
+    "else online with credentials, offline without)",
+    wandb_project="W&B project (default: $WANDB_PROJECT, else hc-mhc-c4)", preset="a named set of defaults; explicit flags win",
     estimate="print the model size, the memory plan per GPU and the time per step, and stop (train nothing)",
     estimate_world_size="processes the --estimate plan is for (0: $WORLD_SIZE, else 1); with --parallel fsdp "
     "the parameters, gradients and optimizer states are sharded over them",
@@ -684,14 +687,22 @@ def stochastic_errors(H: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int = 5000) -> tuple[torch.Tensor, int]:
+def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int = 20_000) -> tuple[torch.Tensor, int]:
     """The probe's reference projection: the same logits, in fp64, iterated until every row and column sum is
-    within `tol` of 1 (or `max_iters`); returns it and the iterations it took. Checked every 20 iterations:
-    each check is a host synchronisation."""
-    P, done = sinkhorn(logits.double(), 1), 1
-    while stochastic_errors(P).max() > tol and done < max_iters:
-        P, done = _SinkhornNormalisations.apply(P, 20), done + 20
-    return P, done
+    within `tol` of 1 (or `max_iters`); returns it and the iterations the slowest matrix took. Nearly
+    permutation matrices can need thousands of iterations while most converge in tens, so each round of 20
+    works only on the matrices still off; every check is one host synchronisation."""
+    P = sinkhorn(logits.double(), 1)
+    matrices, done = P.reshape(-1, *P.shape[-2:]), 1
+    todo = torch.arange(len(matrices), device=P.device)
+    while done < max_iters:
+        off = matrices[todo]
+        todo = todo[torch.maximum((off.sum(-1) - 1).abs().amax(-1), (off.sum(-2) - 1).abs().amax(-1)) > tol]
+        if not len(todo):
+            break
+        matrices[todo] = _SinkhornNormalisations.apply(matrices[todo], 20)
+        done += 20
+    return matrices.view_as(P), done
 
 
 def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:
@@ -1534,6 +1545,7 @@ class RunLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
         self.bar = None
+        self.live = {}      # what status.json shows of a running run besides its state (README "status.json")
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             # the launcher already appends our stdout to train.log; writing it twice would double every line
@@ -1568,9 +1580,18 @@ class RunLog:
             self.metrics_file.flush()
 
     def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
+        """status.json, rewritten atomically on every change of state and at every log step."""
         if self.enabled:
             write_json_atomic(self.run_dir / "status.json", {"state": state, "step": step, "exit_code": exit_code,
-                                                              "reason": reason, "updated": time.time()})
+                                                              "reason": reason, "updated": time.time(), **self.live})
+
+    def count_restart(self) -> None:
+        """restarts: how often this run folder was started again after its first start."""
+        try:
+            previous = json.loads((self.run_dir / "status.json").read_text()).get("restarts", 0) + 1
+        except (OSError, ValueError, TypeError, AttributeError):
+            previous = 0
+        self.live["restarts"] = previous
 
 
 def _complete_json_lines(path: Path) -> list[str]:
@@ -1590,22 +1611,65 @@ def _wandb_credentials() -> bool:
     return bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
 
 
+def wandb_mode(cfg: Config) -> str:
+    """--wandb beats $WANDB_MODE; auto is $WANDB_MODE when set, else online with credentials, offline without."""
+    if cfg.wandb != "auto":
+        return cfg.wandb
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env in CHOICES["wandb"][1:]:
+        return env
+    return "offline" if env == "dryrun" or not _wandb_credentials() else "online"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """Made once at random and kept in the run folder: every resume of the folder continues its W&B run, and a new
+    folder is a new run even at the same path on another node (a hash of the path would collide)."""
+    path = run_dir / "wandb_id.txt"
+    if path.exists():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
 def start_wandb(cfg: Config, run_dir: Path, config_record: dict, log: RunLog):
-    """W&B on rank 0 only; a failed or slow init falls back to offline and never stops training."""
-    if cfg.wandb == "disabled" or not log.enabled:
+    """W&B on rank 0 only. Group: the matrix (the runs folder, or $WANDB_RUN_GROUP), job type: the method, name: the
+    run folder. An online init that fails falls back to offline with one warning; training never stops for W&B."""
+    mode = wandb_mode(cfg)
+    if mode == "disabled" or not log.enabled:
         return None
-    mode = cfg.wandb if cfg.wandb != "auto" else ("online" if _wandb_credentials() else "offline")
-    run_id = hashlib.sha1(f"{run_dir.resolve()}".encode()).hexdigest()[:16]
-    import wandb
-    for attempt_mode in dict.fromkeys((mode, "offline")):
+    import wandb            # about a second to import: only when W&B is on
+    init = functools.partial(
+        wandb.init, project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "hc-mhc-c4",
+        id=wandb_run_id(run_dir), name=run_dir.name, resume="allow", job_type=cfg.residual, config=config_record,
+        group=os.environ.get("WANDB_RUN_GROUP") or Path(cfg.out).resolve().name,
+        dir=os.environ.get("WANDB_DIR") or str(run_dir), settings=wandb.Settings(init_timeout=120))
+    for attempt in dict.fromkeys((mode, "offline")):
         try:
-            return wandb.init(project=cfg.wandb_project, id=run_id, name=cfg.run_name, resume="allow",
-                              group=f"{cfg.residual}-d{cfg.depth}", job_type="train", config=config_record,
-                              dir=str(run_dir), mode=attempt_mode, settings=wandb.Settings(init_timeout=120))
+            run = init(mode=attempt)
         except Exception as error:
-            log.info(f"warning: W&B {attempt_mode} init failed ({type(error).__name__}); continuing without it"
-                     if attempt_mode == "offline" else f"warning: W&B {attempt_mode} init failed; trying offline")
+            log.info(f"warning: W&B {attempt} init failed ({type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                     f"); {'logging offline instead' if attempt == 'online' else 'continuing without W&B'}")
+            continue
+        if attempt == "offline":
+            sync = f"wandb sync {Path(run.dir).parent.resolve()}"
+            log.info(f"W&B is offline; upload this run later with: {sync}")
+            (run_dir / "wandb_sync.txt").write_text(sync + "\n")
+        return run
     return None
+
+
+def wandb_record(record: dict) -> dict:
+    """A metrics line as W&B can plot it: each per-sublayer list becomes one scalar per sublayer under its key."""
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, list):
+            flat |= {f"{key}/{index:03d}": v for index, v in enumerate(value)}
+        elif key not in ("step", "time"):
+            flat[key] = value
+    return flat
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2221,6 +2285,7 @@ class Trainer:
             if sharded is None:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
         write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded)
+        self.log.live["last_checkpoint_step"] = self.step
         if self.batches.skipped:
             self.log.info(f"data: {self.batches.skipped} malformed or empty lines skipped so far")
 
@@ -2237,6 +2302,7 @@ class Trainer:
         self._load_model_and_optimizer(folder, files, sharded=marker.get("format") == "sharded")
         self._load_data_and_rng(files)
         self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
+        self.log.live["last_checkpoint_step"] = self.step
         self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
 
     def _load_model_and_optimizer(self, folder: Path, files: dict, sharded: bool) -> None:
@@ -2275,7 +2341,8 @@ class Trainer:
         mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world) if self.peak_flops else None
         return {"step": self.step, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": norm,
                 "clipped": bool(self.cfg.grad_clip and norm > self.cfg.grad_clip), "tokens": self.tokens,
-                "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_peak_gb": mem, "data_wait_share": data_wait / seconds}
+                "step_time_s": seconds, "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_peak_gb": mem,
+                "data_wait_share": data_wait / seconds}
 
     def measurements(self) -> dict:
         """The probe and the validation loss, at their own intervals (and always at the last step)."""
@@ -2297,10 +2364,12 @@ class Trainer:
             self.step += 1
             self.tokens += self.cfg.batch_size * self.cfg.seq_len
             seconds = time.perf_counter() - started
-            record = self.record(loss, norm, lr, seconds, self.batches.waited - waited) | self.measurements()
+            measured = self.measurements()
+            record = self.record(loss, norm, lr, seconds, self.batches.waited - waited) | measured
             self.log.metrics(record)
-            if self.wandb_run is not None:
-                self.wandb_run.log(record, step=self.step)
+            if self.wandb_run is not None and (measured or self.step % self.cfg.log_every == 0):
+                # not every step: W&B allows a run about 2 requests a second, and a matrix shares one project
+                self.wandb_run.log(wandb_record(record), step=self.step)
             progress.update(record)
             if stopping or self.step % self.cfg.ckpt_every == 0 or self.step == self.cfg.steps:
                 self.save()
@@ -2310,26 +2379,48 @@ class Trainer:
 
 
 class Progress:
-    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise."""
+    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise. Both carry the
+    run's pace (tokens/s, MFU, memory, ETA); status.json shows the same, rewritten at every log step."""
+
+    LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "mem_peak_gb",
+                 "val_loss", "amax_fwd", "amax_bwd")
 
     def __init__(self, trainer: Trainer):
         from tqdm import tqdm
-        self.trainer, self.amax = trainer, None
+        self.trainer, self.step_seconds = trainer, None
         interactive = trainer.dist.is_main and sys.stderr.isatty()
         self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
         trainer.log.bar = self.bar
+        trainer.log.live["steps"] = trainer.cfg.steps
 
     def update(self, record: dict) -> None:
-        self.amax = record.get("amax_fwd", self.amax)
-        amax = f"{self.amax:.3g}" if self.amax is not None else "-"
+        cfg, log, step = self.trainer.cfg, self.trainer.log, record["step"]
+        # a moving average: the ETA follows the recent pace, not the first step's compilation or an evaluation
+        seconds = record["step_time_s"]
+        self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
+        log.live.update({key: record[key] for key in self.LIVE_KEYS if key in record},
+                        eta_s=self.step_seconds * (cfg.steps - step))
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", amax=amax)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                 amax=self._amax())
             self.bar.update(1)
-        elif record["step"] % self.trainer.cfg.log_every == 0 or record["step"] == self.trainer.cfg.steps:
-            val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
-            self.trainer.log.info(f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} "
-                                  f"grad_norm {record['grad_norm']:.3g} amax_fwd {amax} "
-                                  f"tok/s {record['tokens_per_s']:,.0f}")
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            if self.bar is None:
+                log.info(self.line(record))
+            log.status("running", step)
+
+    def _amax(self) -> str:
+        amax = self.trainer.log.live.get("amax_fwd")
+        return f"{amax:.3g}" if amax is not None else "-"
+
+    def line(self, record: dict) -> str:
+        live = self.trainer.log.live
+        val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+        mfu = f" mfu {live['mfu']:.0%}" if live.get("mfu") is not None else ""
+        mem = f" mem {live['mem_peak_gb']:.1f}GB" if live.get("mem_peak_gb") is not None else ""
+        return (f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} "
+                f"grad_norm {record['grad_norm']:.3g} amax_fwd {self._amax()} tok/s {record['tokens_per_s']:,.0f}"
+                f"{mfu}{mem} eta {timedelta(seconds=round(live['eta_s']))}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -2391,6 +2482,7 @@ def train(cfg: Config) -> None:
     log, stop = trainer.log, StopRequest()
     # a fresh start logs its own step-0 probe again, so nothing of an earlier attempt is kept
     log.open_metrics(keep_through_step=trainer.step if trainer.step else -1)
+    log.count_restart()
     log.status("running", trainer.step)
     try:
         check_injected_device_fault()

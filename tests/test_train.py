@@ -159,6 +159,69 @@ def test_help_groups_every_flag_and_lists_the_presets():
     assert "stress: --lr 0.0003, --steps 3000" in text
 
 
+LIVE_KEYS = {"state", "step", "steps", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
+             "mem_peak_gb", "eta_s", "amax_fwd", "amax_bwd", "val_loss", "last_checkpoint_step", "restarts", "updated"}
+
+
+def test_status_json_advances_while_the_run_goes_and_the_log_line_carries_the_pace(tmp_path):
+    process = trainer(tmp_path, "--residual", "mhc", "--steps", "60", "--log-every", "5", wait=False)
+    status_path, seen = tmp_path / "mhc_d2_s42" / "status.json", []
+    while process.poll() is None:
+        try:
+            status = json.loads(status_path.read_text())        # atomic rewrites: never a half-written file
+        except FileNotFoundError:
+            continue
+        if status["state"] == "running" and status["step"] and status["step"] not in [s["step"] for s in seen]:
+            seen.append(status)
+    stdout, stderr = process.communicate()
+    assert process.returncode == 0, stderr
+    assert len(seen) >= 2 and all(0 < s["step"] <= 60 for s in seen), [s["step"] for s in seen]
+    assert LIVE_KEYS <= seen[-1].keys() and seen[-1]["steps"] == 60 and seen[-1]["restarts"] == 0
+    assert seen[0]["tokens"] == seen[0]["step"] * 128 and seen[0]["eta_s"] > 0 and seen[-1]["eta_s"] == 0
+    line = next(ln for ln in stdout.splitlines() if "step 25/60" in ln)
+    for part in ("loss ", " lr ", " grad_norm ", " amax_fwd ", " tok/s ", " eta 0:00:"):
+        assert part in line, line
+    code, _, stderr = trainer(tmp_path, "--residual", "mhc", "--steps", "70", "--allow-changed-settings")
+    final = json.loads(status_path.read_text())
+    assert code == 0 and final["state"] == "completed" and final["restarts"] == 1
+    assert final["last_checkpoint_step"] == 70
+
+
+def test_mhc_run_writes_the_truncation_and_converged_keys(tmp_path):
+    code, _, stderr = trainer(tmp_path, "--residual", "mhc", "--steps", "10")
+    assert code == 0, stderr
+    records = metrics(tmp_path / "mhc_d2_s42")
+    last = records[-1]
+    for key in ("sinkhorn_row_err", "sinkhorn_col_err", "sinkhorn_bwd_bound", "amax_fwd_converged",
+                "amax_bwd_converged", "amax_study", "amax_study_converged", "sinkhorn_converged_iters"):
+        assert key in last, key
+    assert len(last["layer_sinkhorn_col_err"]) == 4
+    assert abs(last["amax_bwd_converged"] - 1) < 1e-3 and last["amax_bwd"] <= last["sinkhorn_bwd_bound"] + 1e-9
+    config = json.loads((tmp_path / "mhc_d2_s42" / "config.json").read_text())
+    assert config["precision"]["residual_streams"] == "fp32"
+
+
+def test_wandb_honours_the_environment_and_keeps_one_run_id_per_folder(tmp_path):
+    disabled = tmp_path / "disabled"
+    disabled.mkdir()
+    assert trainer(disabled, "--steps", "2", "--wandb", "auto", env={"WANDB_MODE": "disabled"})[0] == 0
+    assert not any("wandb" in p.name for p in (disabled / "mhc_d2_s42").iterdir())
+    ids = []
+    for folder, steps in (("a", "4"), ("a", "6"), ("b", "4")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        code, stdout, stderr = trainer(tmp_path / folder, "--steps", steps, "--wandb", "auto", "--log-every", "1",
+                                       "--allow-changed-settings", env={"WANDB_MODE": "offline"})
+        assert code == 0, stderr
+        run = tmp_path / folder / "mhc_d2_s42"
+        ids.append((run / "wandb_id.txt").read_text().strip())
+        sync = (run / "wandb_sync.txt").read_text().strip()
+        assert sync.startswith("wandb sync /") and f"W&B is offline; upload this run later with: {sync}" in stdout
+        assert sync.endswith(ids[-1])                         # the offline run folder is named after the id
+    assert ids[0] == ids[1] != ids[2]                       # a resume continues the run; a new folder is new
+    flat = T.wandb_record({"step": 3, "time": 1.0, "loss": 2.0, "layer_gain_fwd": [1.0, 1.5]})
+    assert flat == {"loss": 2.0, "layer_gain_fwd/000": 1.0, "layer_gain_fwd/001": 1.5}
+
+
 def test_resume_with_changed_training_settings_is_refused_unless_allowed(tmp_path):
     assert trainer(tmp_path, "--residual", "hc", "--steps", "10")[0] == 0
     code, _, stderr = trainer(tmp_path, "--residual", "hc", "--steps", "15", "--lr", "0.001", "--micro-batch-size", "1")
