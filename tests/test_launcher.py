@@ -468,7 +468,8 @@ def test_bad_flags_give_usage_and_exit_2(tmp_path, args):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh", ROOT / "benchmarks" / "gpu_check.sh"],
+@pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh", ROOT / "benchmarks" / "gpu_check.sh",
+                                    ROOT / "slurm" / "run.sbatch", *sorted((ROOT / "tests" / "fake_slurm").iterdir())],
                          ids=lambda path: path.name)
 def test_shellcheck_is_clean(script):
     shellcheck = ROOT / ".venv" / "bin" / "shellcheck"
