@@ -22,12 +22,14 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -1196,6 +1198,63 @@ def unwrap(model: nn.Module) -> GPT:
 
 MARKER = "COMPLETE.json"
 SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
+# what DCP's Metadata pickle is made of (torch 2.13); torch's dtypes are allowed by type
+DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                        *(("torch.distributed.checkpoint.metadata", name) for name in (
+                            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                            "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """DCP's FileSystemReader unpickles sharded/.metadata with plain pickle, where a crafted file runs code
+    (checkpoints are copied between nodes): only the classes the metadata is made of are resolved."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                        torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+@functools.cache
+def safe_dcp() -> tuple[type, type]:
+    """(reader, planner) for dcp.load that never unpickle arbitrary objects: the metadata through the
+    restricted unpickler, and the non-tensor entries (the optimizer's param_groups), which DCP's planner loads
+    with weights_only=False, checked with weights_only=True first. Built on first use: importing
+    torch.distributed.checkpoint takes about a second."""
+    import io
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _DcpMetadataUnpickler(f).load()
+            metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            plain = io.BytesIO()                          # what DCP unpickles is then our own plain data
+            torch.save(torch.load(value, weights_only=True), plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    return SafeReader, SafePlanner
+
+
+def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
+    """dcp.load of a checkpoint's SHARDED/ into `state`, in place, through safe_dcp's reader and planner."""
+    import torch.distributed.checkpoint as dcp
+    reader, planner = safe_dcp()
+    try:
+        with warnings.catch_warnings():      # "assuming the intent is to load in a single process": with no_dist it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader(folder / SHARDED), planner=planner(), no_dist=no_dist)
+    except dcp.CheckpointException as error:
+        raise ConfigError(f"checkpoint {folder} cannot be loaded safely ({_first_cause(error)})") from None
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -1250,8 +1309,7 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
                 shutil.rmtree(old, ignore_errors=True)
     except (OSError, CheckpointException) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
-        raise TrainerError(f"could not write checkpoint step-{step} ({cause}); the previous checkpoint is "
+        raise TrainerError(f"could not write checkpoint step-{step} ({_first_cause(error)}); the previous checkpoint is "
                            "intact, free disk space and rerun to resume") from error
     barrier(dist)
 
@@ -1286,6 +1344,26 @@ def _checkpoint_problem(folder: Path, marker: dict | None, dist: Dist) -> str | 
     return None
 
 
+def _load_verified(folder: Path, marker: dict) -> dict:
+    """The top-level .pt files of a verified checkpoint, loaded with weights_only=True; a sharded one's DCP
+    metadata is read through the restricted unpickler too, so a crafted file is refused before DCP sees it."""
+    if marker.get("format") == "sharded":
+        safe_dcp()[0](folder / SHARDED).read_metadata()
+    return {name: torch.load(folder / name, map_location="cpu", weights_only=True)
+            for name in marker["files"] if "/" not in name}
+
+
+def _first_cause(error: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException holds each rank's error with its traceback."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def _read_marker(folder: Path) -> dict | None:
     try:
         marker = json.loads((folder / MARKER).read_text())
@@ -1307,10 +1385,9 @@ def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] |
         files = {}
         if problem is None:
             try:
-                files = {name: torch.load(folder / name, map_location="cpu", weights_only=True)
-                         for name in marker["files"] if "/" not in name}
+                files = _load_verified(folder, marker)
             except Exception as error:                     # a crafted or damaged pickle lands here
-                problem = f"cannot be loaded safely ({type(error).__name__})"
+                problem = f"cannot be loaded safely ({_first_cause(error)})"
             problem = next((p for p in all_ranks_gather(dist, problem) if p), None)
         if problem is None:
             return folder, files, marker
@@ -1366,7 +1443,11 @@ def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
         marker = _read_marker(folder)
         problem = _checkpoint_problem(folder, marker, one)
         if problem is None:
-            return folder, marker
+            try:
+                _load_verified(folder, marker)
+                return folder, marker
+            except Exception as error:                     # a crafted or damaged pickle lands here
+                problem = f"cannot be loaded safely ({_first_cause(error)})"
         print(f"checkpoint {folder} {problem}", file=sys.stderr)
     raise ConfigError(f"{source} holds no complete checkpoint; pass a run folder or one of its "
                       "checkpoints/step-N folders")
@@ -1376,15 +1457,12 @@ def _saved_model_state(folder: Path, sharded: bool) -> dict:
     """The model entries of a checkpoint (not the optimizer's), in the shapes they were saved with."""
     if not sharded:
         return torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
-    import warnings
-    import torch.distributed.checkpoint as dcp
-    entries = dcp.FileSystemReader(folder / SHARDED).read_metadata().state_dict_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    entries = safe_dcp()[0](folder / SHARDED).read_metadata().state_dict_metadata
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in entries.items() if key.startswith("model.")}
+             for key, meta in entries.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     wrapped = {"model": state}
-    with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(wrapped, checkpoint_id=folder / SHARDED, no_dist=True)
+    dcp_load(wrapped, folder, no_dist=True)
     return wrapped["model"]
 
 
@@ -2094,11 +2172,10 @@ class Trainer:
             unwrap(self.model).load_state_dict(files["model.pt"])
             self.optimizer.load_state_dict(files["optimizer.pt"])
             return
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=folder / SHARDED)
+        dcp_load(state, folder)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def _load_data_and_rng(self, files: dict) -> None:

@@ -1,8 +1,11 @@
 """Failures tried for real: bad shards, a disk that fills up, a checkpoint crafted to run code, and
 random command lines. Each must end in a clear message and lose nothing already written."""
+import dataclasses
 import gzip
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +204,85 @@ train_c4.Trainer.optimizer_step = _step
     assert [[r.get(k) for k in keys] for r in resumed] == [[r.get(k) for k in keys] for r in reference]
     leftovers = [p.name for p in (tmp_path / "resumed" / "mhc_d2_s42" / "checkpoints").iterdir()]
     assert sorted(leftovers) == ["step-50", "step-60"]            # no temp folder left behind
+
+
+class Exploit:
+    """Unpickling it runs a shell command that creates `witness`: it must never happen."""
+
+    def __init__(self, witness):
+        self.witness = witness
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.witness}",))
+
+
+def sharded_checkpoint(out, step=10):
+    """A tiny HC run folder with one FSDP-format checkpoint (DCP files), written in this process."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    cfg = T.parse_config(["--preset", "tiny", "--residual", "hc", "--out", str(out)])
+    model = T.GPT(cfg)
+    optimizer = torch.optim.AdamW(T.decay_groups(model, cfg.weight_decay), lr=cfg.lr)
+    idx = torch.zeros(2, cfg.seq_len, dtype=torch.long)
+    model(idx, idx)[1].backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    run_dir = out / cfg.run_name
+    files = {"train_state.pt": {"step": step, "tokens": 0}, "rank0.pt": {"rng": T.rng_state()}}
+    T.write_checkpoint(run_dir, step, files, T.Dist(0, 1, torch.device("cpu")), keep=2,
+                       sharded={"model": model_state, "optimizer": optimizer_state})
+    (run_dir / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
+    return run_dir / "checkpoints" / f"step-{step}", model_state, optimizer_state
+
+
+def replace_and_reseal(folder, name, data):
+    """An attacker can rewrite a file and the checksum the marker holds for it."""
+    (folder / name).write_bytes(data)
+    marker = json.loads((folder / T.MARKER).read_text())
+    marker["files"][name] = T._sha256(folder / name)
+    (folder / T.MARKER).write_text(json.dumps(marker))
+
+
+def test_crafted_dcp_metadata_never_runs_on_consolidate(tmp_path, capsys):
+    folder, _, _ = sharded_checkpoint(tmp_path)
+    witness = tmp_path / "pwned"
+    replace_and_reseal(folder, f"{T.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
+    code = T.main(["--consolidate", str(folder.parent.parent), str(tmp_path / "out.pt")])
+    err = capsys.readouterr().err
+    assert not witness.exists()
+    assert code == 2 and "cannot be loaded safely" in err and "posix.system" in err and "Traceback" not in err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_crafted_dcp_metadata_is_refused_before_a_resume_loads_it(tmp_path):
+    """What every rank of an FSDP resume runs first: the checkpoint is refused, DCP never reads it."""
+    folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
+    witness = tmp_path / "pwned"
+    replace_and_reseal(folder, f"{T.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
+    said = []
+    assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), said.append) is None
+    assert "step-10 cannot be loaded safely" in said[0] and not witness.exists()
+    with pytest.raises(T.ConfigError, match="cannot be loaded safely"):         # the load itself, had it got there
+        T.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
+    assert not witness.exists()
+
+
+def test_a_crafted_non_tensor_entry_in_dcp_shards_never_runs(tmp_path):
+    """DCP's planner unpickles non-tensor entries (the optimizer's param_groups) with weights_only=False."""
+    import torch.distributed.checkpoint as dcp
+    folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
+    witness = tmp_path / "pwned"
+    optimizer_state["param_groups"][0]["lr"] = Exploit(witness)
+    shutil.rmtree(folder / T.SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / T.SHARDED, no_dist=True)
+    optimizer_state["param_groups"][0]["lr"] = 0.0
+    with pytest.raises(T.ConfigError, match="cannot be loaded safely"):
+        T.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
+    assert not witness.exists()
+
+
+def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
+    folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
+    assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), print) is not None
+    T.consolidate(folder, tmp_path / "out.pt")
+    state = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(state["wte.weight"], model_state["wte.weight"])
