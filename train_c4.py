@@ -1280,6 +1280,29 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def save_file(obj, path: Path) -> None:
+    """torch.save, then fsync. torch.save reports a failed write (full disk, quota, file size limit) as a
+    RuntimeError without an errno ("unexpected pos 704 vs 598"): raised again as the OSError it is."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as error:
+        raise OSError(f"writing {path.name} failed: {_first_cause(error)}; a full disk, a quota or a file size "
+                      "limit") from error
+    _fsync_path(path)
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(temp file), then rename it over `path`: readers see the old file or the new one, never half of one,
+    and a failed write (full disk, quota, read-only, permission) leaves no temp file behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: int, sharded: dict | None = None) -> None:
     """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
     (`sharded`, written with torch.distributed.checkpoint into SHARDED/). The folder appears under its
@@ -1295,8 +1318,7 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
             tmp.mkdir(parents=True)
         barrier(dist)
         for name, obj in files.items():
-            torch.save(obj, tmp / name)
-            _fsync_path(tmp / name)
+            save_file(obj, tmp / name)
         written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
         barrier(dist)
         # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
@@ -1309,8 +1331,10 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
                 shutil.rmtree(old, ignore_errors=True)
     except (OSError, CheckpointException) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise TrainerError(f"could not write checkpoint step-{step} ({_first_cause(error)}); the previous checkpoint is "
-                           "intact, free disk space and rerun to resume") from error
+        kept = checkpoint_dirs(run_dir)
+        intact = f"the previous checkpoint {kept[-1].name} is intact" if kept else "no earlier checkpoint exists"
+        raise TrainerError(f"could not write checkpoint step-{step} ({_first_cause(error)}); {intact}, and so is "
+                           "metrics.jsonl; free disk space (or fix the permission) and rerun to resume") from error
     barrier(dist)
 
 
@@ -1429,9 +1453,10 @@ def consolidate(source: Path, out: Path) -> str:
     # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
     state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
     state["lm_head.weight"] = state["wte.weight"]
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    try:
+        write_atomically(out, functools.partial(save_file, state))
+    except OSError as error:
+        raise TrainerError(f"could not write {out} ({_first_cause(error)}); {folder} is untouched") from error
     count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
     return f"{out}: {count:,} parameters of {cfg.residual} depth {cfg.depth} from {folder}"
 
@@ -1470,9 +1495,7 @@ def _saved_model_state(folder: Path, sharded: bool) -> dict:
 # logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
 
 def _same_file(stream, path: Path) -> bool:
@@ -1511,15 +1534,18 @@ class RunLog:
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
             kept = [line for line in _complete_json_lines(path) if json.loads(line)["step"] <= keep_through_step]
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
         self.metrics_file = open(path, "a")
 
     def metrics(self, record: dict) -> None:
         if self.enabled:
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
+            try:
+                self.metrics_file.write(json.dumps(record) + "\n")
+                self.metrics_file.flush()
+            except OSError as error:
+                raise TrainerError(f"could not append step {record['step']} to {self.run_dir / 'metrics.jsonl'} "
+                                   f"({_first_cause(error)}); the lines before it and the checkpoints are intact, "
+                                   "free disk space and rerun to resume") from error
 
     def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
         if self.enabled:
@@ -2328,7 +2354,8 @@ def train(cfg: Config) -> None:
             # this rank failed first; rank 0 may be killed by torchrun before it can record why
             write_json_atomic(trainer.run_dir / "status.json", {"state": "failed", "step": trainer.step,
                               "exit_code": code, "reason": status, "updated": time.time()})
-        log.status("failed", trainer.step, code, status)
+        with contextlib.suppress(OSError):  # a disk refusing even status.json: the printed line still says why
+            log.status("failed", trainer.step, code, status)
         error.failure = (code, reason)      # what main reports: classifying again there would lose the context
         raise
     finally:
@@ -2357,6 +2384,8 @@ def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]
         return EXIT_DEVICE, f"device or communication error: {text.splitlines()[0] if text else type(error).__name__}"
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted before the first step"
+    if isinstance(error, OSError):          # the file system refused: full, quota, read-only, permission
+        return 1, f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
     return 1, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
@@ -2446,7 +2475,7 @@ def main(argv: list[str] | None = None) -> int:
             code, reason = rank_failure(dist, code, reason)
         if isinstance(error, (Diverged, Interrupted)):
             end_distributed()                # every rank stops at the same step: a clean shutdown
-        if code == 1 and not isinstance(error, (TrainerError, SystemExit)):
+        if code == 1 and not isinstance(error, (TrainerError, OSError)):
             raise
         print(f"error: {'' if dist.world == 1 else f'rank {dist.rank}: '}{reason}", file=sys.stderr)
         if dist.world > 1:

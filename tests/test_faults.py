@@ -1,6 +1,7 @@
 """Failures tried for real: bad shards, a disk that fills up, a checkpoint crafted to run code, and
 random command lines. Each must end in a clear message and lose nothing already written."""
 import dataclasses
+import errno
 import gzip
 import json
 import os
@@ -89,14 +90,88 @@ def _save(obj, path, *a, **k):
 torch.save = _save
 """
     code, stdout, stderr = run(tmp_path, "--residual", "hc", prelude=prelude)
-    assert code != 0 and "No space left on device" in stderr and "previous checkpoint is intact" in stderr
+    assert code == 1 and "No space left on device" in stderr and "previous checkpoint step-10 is intact" in stderr
     assert len(stderr.strip().splitlines()) == 1
     run_dir = tmp_path / "hc_d2_s42"
     assert [d.name for d in (run_dir / "checkpoints").iterdir()] == ["step-10"]
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1 and "step-20" in status["reason"]
     code, stdout, stderr = run(tmp_path, "--residual", "hc")
     assert code == 0, stderr
     assert "resumed from" in stdout and "(step 10," in stdout
+
+
+WRITE_ERRORS = {
+    "full disk": OSError(errno.ENOSPC, "No space left on device"),
+    "full disk inside torch.save": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+    "quota": OSError(errno.EDQUOT, "Disk quota exceeded"),
+    "permission": PermissionError(errno.EACCES, "Permission denied"),
+    "read-only": OSError(errno.EROFS, "Read-only file system"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRITE_ERRORS))
+def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path, monkeypatch, kind):
+    one = T.Dist(0, 1, torch.device("cpu"))
+    T.write_checkpoint(tmp_path, 10, {"model.pt": {"w": torch.ones(3)}}, one, keep=2)
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)                    # a partial file, then the error
+        raise WRITE_ERRORS[kind]
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(T.TrainerError) as failure:
+        T.write_checkpoint(tmp_path, 20, {"model.pt": {"w": torch.zeros(3)}}, one, keep=2)
+    message = str(failure.value)
+    assert "\n" not in message and "could not write checkpoint step-20" in message
+    assert "previous checkpoint step-10 is intact" in message
+    assert (str(WRITE_ERRORS[kind].strerror) if kind != "full disk inside torch.save" else "unexpected pos") in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10"]     # no .tmp-step-20
+
+
+def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    log = T.RunLog(tmp_path, enabled=True)
+    log.status("running", 0)
+    log.open_metrics(keep_through_step=-1)
+    real_write_text = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        real_write_text(path, "{", *args[1:], **kwargs)          # a partial temp file, then the error
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError):
+        log.status("running", 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "status.json", "train.log"]
+    assert json.loads((tmp_path / "status.json").read_text())["step"] == 0
+    code, reason = T.classify_failure(OSError(errno.ENOSPC, "No space left on device", "status.json"), None)
+    assert (code, reason) == (1, "No space left on device: status.json")
+
+    class OverQuota:
+        def write(self, text):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    log.metrics_file.close()
+    log.metrics_file = OverQuota()
+    with pytest.raises(T.TrainerError, match=r"could not append step 3 .*Disk quota exceeded.*intact"):
+        log.metrics({"step": 3})
+
+
+def test_a_file_size_limit_ends_the_run_with_one_line_and_status_failed(tmp_path):
+    """A real limit (ulimit -f, in KiB): the data-loader state, the largest file of a checkpoint (8 MB with
+    the tiny preset), cannot be written, torch.save fails with a RuntimeError; nothing else is that large."""
+    command = (f"ulimit -f 2000 && exec {sys.executable} train_c4.py --preset tiny --steps 10 "
+               f"--out {tmp_path}")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("error: could not write checkpoint step-10") and "no earlier checkpoint" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    run_dir = tmp_path / "mhc_d2_s42"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1 and "step-10" in status["reason"]
+    assert list((run_dir / "checkpoints").iterdir()) == [] and not list(run_dir.glob(".*.tmp"))
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 11         # every step logged is kept
 
 
 def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
