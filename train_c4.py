@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -231,25 +232,46 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return cfg
 
 
+# Upper bounds far above any real run. Beyond them the model built on the meta device (--estimate), the planner's
+# CPU measurements (at 4 x --heads), the divisor search or the loader would loop or allocate without end before any
+# memory check could refuse them. Integers are int64 (torch.manual_seed, tensor sizes); --data-timeout also bounds
+# a queue wait and the collective time-out.
+LIMITS = dict(depth=1024, width=65536, heads=512, expansion=64, seq_len=2 ** 20, batch_size=2 ** 20,
+              sinkhorn_iters=10_000, data_streams=4096, prefetch=1024, shuffle_buffer=2 ** 20,
+              estimate_world_size=2 ** 20, data_timeout=1e6, gpu_memory_gb=1e6)
+INT64_MAX = 2 ** 63 - 1
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def validate(cfg: Config) -> None:
+    """Every numeric setting: finite, within its range; nothing is built or read here."""
+    numbers = [(f.name, getattr(cfg, f.name), f.type) for f in dataclasses.fields(Config) if f.type in ("int", "float")]
+    for name, value, kind in numbers:
+        if kind == "float" and not math.isfinite(value):
+            raise ConfigError(f"{_flag(name)} must be a finite number, got {value}")
     positive = ("depth", "width", "heads", "expansion", "seq_len", "batch_size", "steps", "sinkhorn_iters",
                 "eval_every", "eval_batches", "metrics_every", "layer_metrics_every", "probe_sequences",
                 "log_every", "ckpt_every", "keep_checkpoints", "data_streams", "prefetch",
-                "data_timeout")
+                "data_timeout", "norm_eps")
     for name in positive:
         if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+            raise ConfigError(f"{_flag(name)} must be positive, got {getattr(cfg, name)}")
+    for name, value, kind in numbers:
+        if kind == "int" and not 0 <= value <= INT64_MAX:
+            raise ConfigError(f"{_flag(name)} must be an integer in [0, 2**63 - 1], got {value}")
+        if name in LIMITS and value > LIMITS[name]:
+            raise ConfigError(f"{_flag(name)} {value} is beyond the plausible maximum {LIMITS[name]:g}")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     if cfg.micro_batch_size != "auto" and not (cfg.micro_batch_size.isdigit() and int(cfg.micro_batch_size) > 0):
         raise ConfigError(f"--micro-batch-size must be a positive integer or 'auto', got {cfg.micro_batch_size!r}")
-    if cfg.gpu_memory_gb < 0 or cfg.estimate_world_size < 0:
-        raise ConfigError("--gpu-memory-gb and --estimate-world-size must be >= 0 (0: the CUDA device's memory, "
-                          "$WORLD_SIZE)")
+    if cfg.gpu_memory_gb < 0:
+        raise ConfigError(f"--gpu-memory-gb must be >= 0 (0: the CUDA device's memory), got {cfg.gpu_memory_gb}")
     if cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError("--lr must be > 0, --grad-clip and --weight-decay >= 0, --min-lr-ratio in [0, 1]")
-    if cfg.warmup < 0 or cfg.data_workers < 0:
-        raise ConfigError(f"--warmup and --data-workers must be >= 0, got {cfg.warmup} and {cfg.data_workers}")
     if os.sep in cfg.run_name or cfg.run_name.startswith("."):
         raise ConfigError(f"--run-name {cfg.run_name!r} must be a plain folder name")
 
@@ -1044,9 +1066,14 @@ def start_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Prefetc
 
 
 def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `count` windows of the held-out files in file order: the same for every run and every eval."""
-    windows = TokenWindows(DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0), tokenizer, seq_len)
-    sequences = windows.take(count)
+    """The first `count` windows of the held-out files in file order: the same for every run and every eval.
+    Read one document at a time, so that the stream's epoch says whether the held-out files ran out."""
+    documents = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
+    sequences = TokenWindows(documents, tokenizer, seq_len, docs_per_encode=1).take(count)
+    if documents.epoch and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: the held-out set ({', '.join(map(os.path.basename, files))}) is smaller than the {count} "
+              f"sequences of {seq_len + 1} tokens evaluation takes (--eval-batches x --batch-size): its documents "
+              "repeat, so val_loss and the probe rest on less data than asked", file=sys.stderr, flush=True)
     return sequences[:, :-1], sequences[:, 1:]
 
 
@@ -2283,9 +2310,48 @@ class Progress:
             self.trainer.log.bar = None
 
 
+def memory_floor(cfg: Config, micro: int, world: int) -> float:
+    """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
+    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state and a sublayer
+    output per block and the fp32 log-probabilities with their two backward buffers, and the validation token ids.
+    The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
+    vocab, C = padded_vocab_size(cfg.tokenizer), cfg.width
+    parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
+    shards = world if world > 1 and cfg.parallel == "fsdp" else 1
+    activations = micro * cfg.seq_len * 4 * (2 * cfg.depth * C + 3 * vocab)
+    return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
+
+
+def check_memory(cfg: Config, dist: Dist, micro: int) -> None:
+    if dist.device.type == "cuda":
+        available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(dist.device)})"
+    else:
+        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    need = memory_floor(cfg, micro, dist.world)
+    if need > available:
+        raise ConfigError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more "
+                          f"than the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "
+                          "--micro-batch-size or --eval-batches (--estimate shows the plan)")
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
+    one-line config error (exit 2) instead of a failure at the first write."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
+
+
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum = batch_plan(cfg, dist.world)
+    check_memory(cfg, dist, micro)
     train_files, val_files = resolve_data_files(cfg.data)
+    check_writable_folder(Path(cfg.out), "--out")
     run_dir = Path(cfg.out) / cfg.run_name
     check_resumable(run_dir, cfg)
     dtype = compute_dtype(cfg, dist.device)
@@ -2493,10 +2559,13 @@ def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
     parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
                         help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
                         "complete checkpoint), and the .pt file to write")
-    source, out = parser.parse_args(argv).consolidate
-    if not Path(source).is_dir():
+    source, out = map(Path, parser.parse_args(argv).consolidate)
+    if not source.is_dir():
         raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
-    return Path(source), Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
+    check_writable_folder(out.parent, "--consolidate: the folder of")
+    return source, out
 
 
 if __name__ == "__main__":

@@ -361,3 +361,44 @@ def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
     T.consolidate(folder, tmp_path / "out.pt")
     state = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(state["wte.weight"], model_state["wte.weight"])
+
+
+def bad_values(tmp_path):
+    """The bad values an outside probe found (tracebacks, accepted values, fake divergences), and a model
+    that cannot fit this machine: each must be refused in one line before anything is built."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    run = tmp_path / "run"
+    return [
+        ["--lr", "nan"], ["--lr", "inf"], ["--weight-decay", "nan"], ["--grad-clip", "nan"], ["--norm-eps", "-1"],
+        ["--norm-eps", "nan"], ["--norm-eps", "0"], ["--mhc-res-diag", "inf"], ["--mhc-gate-init", "nan"],
+        ["--hc-scale-init", "nan"], ["--data-timeout", "nan"], ["--data-timeout", "1e300"], ["--shuffle-buffer", "-1"],
+        ["--seed", "-1"], ["--seed", "99999999999999999999999"], ["--gpu-memory-gb", "nan", "--estimate"],
+        ["--depth", "100000000"], ["--depth", "100000000", "--estimate"], ["--seq-len", "100000000"],
+        ["--batch-size", "1e11"], ["--batch-size", "100000000000"], ["--steps", "1e23"],
+        ["--steps", "100000000000000000000000"], ["--heads", "100000", "--width", "100000", "--estimate"],
+        ["--depth", "1024", "--width", "65536", "--heads", "512"],                    # the memory floor
+        ["--out", "/proc/nope"], ["--out", str(afile)], ["--out", str(afile / "under")],
+        ["--consolidate", str(run), "/proc/nope.pt"], ["--consolidate", str(run), str(afile / "under.pt")],
+        ["--consolidate", str(run), str(tmp_path)],
+    ]
+
+
+def test_every_bad_value_of_the_probe_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    for args in bad_values(tmp_path):
+        base = [] if "--consolidate" in args else ["--preset", "tiny", "--steps", "2", "--out", str(tmp_path / "out")]
+        code = T.main(base + args)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, (args, code, err)
+    assert not (tmp_path / "out").exists()                           # nothing was started
+
+
+def test_a_held_out_set_too_small_for_evaluation_is_a_warning_naming_it(tmp_path, capsys):
+    shard(tmp_path / "c4-validation.00000-of-00001.json.gz", [doc(0, text="one tiny document")])
+    T.fixed_sequences([str(tmp_path / "c4-validation.00000-of-00001.json.gz")], T.ByteTokenizer(), 32, 8)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the held-out set (c4-validation.00000-of-00001.json.gz) is smaller")
+    _, val_files = T.resolve_data_files("sample")                   # the bundled one is large enough
+    T.fixed_sequences(val_files, T.ByteTokenizer(), 32, 8)
+    assert capsys.readouterr().err == ""
