@@ -235,10 +235,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
 # Upper bounds far above any real run. Beyond them the model built on the meta device (--estimate), the planner's
 # CPU measurements (at 4 x --heads), the divisor search or the loader would loop or allocate without end before any
 # memory check could refuse them. Integers are int64 (torch.manual_seed, tensor sizes); --data-timeout also bounds
-# a queue wait and the collective time-out.
+# a queue wait and the collective time-out. Magnitudes of the initial values and of lr x weight decay stay far inside
+# float32: near its 3.4e38 a parameter starts as inf (a fake divergence at step 1) or AdamW cannot convert its factor.
 LIMITS = dict(depth=1024, width=65536, heads=512, expansion=64, seq_len=2 ** 20, batch_size=2 ** 20,
               sinkhorn_iters=10_000, data_streams=4096, prefetch=1024, shuffle_buffer=2 ** 20,
-              estimate_world_size=2 ** 20, data_timeout=1e6, gpu_memory_gb=1e6)
+              estimate_world_size=2 ** 20, data_timeout=1e6, gpu_memory_gb=1e6, lr=1e3, weight_decay=1e3,
+              hc_scale_init=1e6, mhc_gate_init=1e6, mhc_res_diag=1e6, mhc_pre_bias=1e6)
 INT64_MAX = 2 ** 63 - 1
 
 
@@ -262,8 +264,8 @@ def validate(cfg: Config) -> None:
     for name, value, kind in numbers:
         if kind == "int" and not 0 <= value <= INT64_MAX:
             raise ConfigError(f"{_flag(name)} must be an integer in [0, 2**63 - 1], got {value}")
-        if name in LIMITS and value > LIMITS[name]:
-            raise ConfigError(f"{_flag(name)} {value} is beyond the plausible maximum {LIMITS[name]:g}")
+        if name in LIMITS and abs(value) > LIMITS[name]:
+            raise ConfigError(f"{_flag(name)} {value} is beyond the plausible magnitude {LIMITS[name]:,}")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     if cfg.micro_batch_size != "auto" and not (cfg.micro_batch_size.isdigit() and int(cfg.micro_batch_size) > 0):
@@ -2347,11 +2349,18 @@ def check_writable_folder(folder: Path, what: str) -> None:
         raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
 
 
-def build_trainer(cfg: Config, dist: Dist) -> Trainer:
+def preflight(cfg: Config, dist: Dist) -> tuple[int, int, list[str], list[str]]:
+    """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, train files,
+    validation files). A bad setting ends here with one line, before anything is allocated or written."""
     micro, accum = batch_plan(cfg, dist.world)
     check_memory(cfg, dist, micro)
     train_files, val_files = resolve_data_files(cfg.data)
     check_writable_folder(Path(cfg.out), "--out")
+    return micro, accum, train_files, val_files
+
+
+def build_trainer(cfg: Config, dist: Dist) -> Trainer:
+    micro, accum, train_files, val_files = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
     check_resumable(run_dir, cfg)
     dtype = compute_dtype(cfg, dist.device)

@@ -1,8 +1,11 @@
 """Failures tried for real: bad shards, a disk that fills up, a checkpoint crafted to run code, and
 random command lines. Each must end in a clear message and lose nothing already written."""
+import collections
+import contextlib
 import dataclasses
 import errno
 import gzip
+import io
 import json
 import os
 import pickle
@@ -10,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -194,30 +198,71 @@ def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
     assert len((tmp_path / "mhc_d2_s42" / "metrics.jsonl").read_text().splitlines()) == 11   # history kept
 
 
+NUMBERS = ["nan", "inf", "-inf", "-1", "0", "1e-300", "0.5", "1e6", "1e38", "1e300", "x"]
+COUNTS = ["-1", "0", "1", "3", "1e11", "99999999999999999999999", "ten"]
 FLAGS = {
     "--depth": st.integers(-2, 4), "--width": st.sampled_from([0, 8, 12, 16, 30]),
     "--heads": st.integers(-1, 4), "--batch-size": st.integers(-1, 8), "--micro-batch-size":
     st.sampled_from(["0", "1", "2", "3", "auto", "x"]), "--residual": st.sampled_from(["hc", "mhc", "baseline", "x"]),
-    "--lr": st.sampled_from(["0", "1e-3", "-1", "nan?"]), "--data": st.sampled_from(["sample", "/no/such/*.gz"]),
-    "--preset": st.sampled_from(["tiny", "demo", "nope"]), "--grad-clip": st.sampled_from(["-1", "0", "1"]),
-    "--data-streams": st.integers(0, 3), "--run-name": st.sampled_from(["ok", "a/b", ".hidden"]),
-    "--tokenizer": st.sampled_from(["byte", "gpt2", "bpe"]), "--steps": st.sampled_from(["1", "0", "ten"]),
+    "--lr": st.sampled_from(["1e-3", "nan?", *NUMBERS]), "--data": st.sampled_from(["sample", "/no/such/*.gz"]),
+    "--preset": st.sampled_from(["tiny", "demo", "nope"]), "--data-streams": st.integers(0, 3),
+    "--run-name": st.sampled_from(["ok", "a/b", ".hidden"]), "--tokenizer": st.sampled_from(["byte", "gpt2", "bpe"]),
+    "--steps": st.sampled_from(["1", "0", "ten", "1e23", "100000000000000000000000"]),
+    **{flag: st.sampled_from(NUMBERS) for flag in (
+        "--grad-clip", "--weight-decay", "--norm-eps", "--mhc-res-diag", "--hc-scale-init", "--mhc-gate-init",
+        "--data-timeout", "--min-lr-ratio", "--gpu-memory-gb")},
+    **{flag: st.sampled_from(COUNTS) for flag in (
+        "--seed", "--data-seed", "--shuffle-buffer", "--eval-batches", "--warmup", "--seq-len", "--prefetch")},
+    "--out": st.sampled_from(["/proc/nope", "A_FILE", "A_FILE/under"]),
 }
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(sorted(FLAGS)), st.none(), max_size=6).flatmap(
-    lambda chosen: st.fixed_dictionaries({flag: FLAGS[flag] for flag in chosen})))
-def test_random_command_lines_give_a_run_or_one_line_error(flags):
-    """Everything the trainer checks before it starts: any flag combination is accepted or refused in
-    one line (exit 2); the accepted ones are checked end to end by the tests that run the trainer."""
-    argv = [item for flag, value in flags.items() for item in (flag, str(value))]
-    try:
-        cfg = T.parse_config(argv)
-        T.batch_plan(cfg, world=1)
-        T.resolve_data_files(cfg.data)
-    except T.ConfigError as error:
-        assert "\n" not in str(error) and str(error)
+def test_random_command_lines_give_a_run_or_one_line_error(tmp_path):
+    """Everything the trainer checks before it allocates anything (main -> parse_config -> preflight: the batch
+    plan, the memory floor, the data files, --out): any flag combination is accepted or refused in one line with
+    exit 2, never a traceback. The accepted settings that could diverge are run for real below."""
+    (tmp_path / "a-file").write_text("x")
+    outcomes = collections.Counter()
+
+    def preflight_only(cfg):
+        T.preflight(cfg, T.Dist(0, 1, torch.device("cpu")))
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.dictionaries(st.sampled_from(sorted(FLAGS)), st.none(), max_size=6).flatmap(
+        lambda chosen: st.fixed_dictionaries({flag: FLAGS[flag] for flag in chosen})))
+    def one_command_line(flags):
+        argv = ["--preset", "tiny", "--out", str(tmp_path / "out")] + [item for flag, value in flags.items() for item in (flag, str(value))]
+        argv = [a.replace("A_FILE", str(tmp_path / "a-file")) for a in argv]
+        stderr = io.StringIO()
+        with mock.patch.object(T, "train", preflight_only), contextlib.redirect_stderr(stderr):
+            code = T.main(argv)                                     # an unexpected exception fails the test here
+        lines = stderr.getvalue().strip().splitlines()
+        if code == 0:
+            outcomes["accepted"] += 1
+        else:
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) < 400, (argv, lines)
+            outcomes["refused"] += 1
+
+    one_command_line()
+    print(f"trainer command lines: {sum(outcomes.values())}, {dict(outcomes)}")
+    assert outcomes["accepted"] >= 10 and outcomes["refused"] >= 100
+
+
+# finite but extreme: accepted, so step 1 must go through (a "diverged" there would be a setting to refuse)
+EXTREME_BUT_VALID = [["--mhc-res-diag=-1e6"], ["--mhc-pre-bias", "1e6"], ["--mhc-gate-init=-1e6"],
+                     ["--residual", "hc", "--hc-scale-init", "1e6"], ["--norm-eps", "1e-45"], ["--norm-eps", "1e300"],
+                     ["--lr", "1e3", "--weight-decay", "1e3"], ["--grad-clip", "1e-300"]]
+
+
+def test_extreme_but_valid_settings_never_diverge_before_the_first_update(tmp_path):
+    code = f"""
+import json, sys, train_c4
+codes = [train_c4.main(['--preset', 'tiny', '--steps', '1', '--eval-batches', '1', '--out', {str(tmp_path)!r},
+                        '--run-name', f'r{{i}}', *args]) for i, args in enumerate({EXTREME_BUT_VALID!r})]
+print(json.dumps(codes))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [0] * len(EXTREME_BUT_VALID), result.stderr
 
 
 @pytest.mark.parametrize("damage", ["truncated", "emptied"])

@@ -458,3 +458,23 @@ def test_malformed_metrics_are_named_with_the_file_and_line(tmp_path, capsys):
     hc_seed1(tmp_path / "clean")                          # val on its own line at a training step: no warning
     report.collect(tmp_path / "clean")
     assert capsys.readouterr().err == ""
+
+
+JUNK = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**20),
+                 st.text(max_size=5), st.booleans(), st.lists(st.floats(), max_size=3), st.just({}))
+METRIC_LINE = st.one_of(
+    st.fixed_dictionaries({"step": st.integers(-3, 6)},
+                          optional={k: JUNK for k in ("time", "loss", "grad_norm", "clipped", "val_loss", "amax_fwd",
+                                                       "amax_bwd", "tokens", "layer_gain_fwd")}).map(json.dumps),
+    st.sampled_from(["", "not json", '{"step": "x"}', "[]", '{"loss": 1}', '{"step": 1, "time": "yesterday"}']))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(METRIC_LINE, max_size=8), min_size=1, max_size=3), st.sampled_from(["hc", "mhc", "baseline"]))
+def test_random_metrics_files_give_a_report_never_a_traceback(tmp_path_factory, files, method):
+    """Any mix of malformed lines and values in any number of runs: a table (exit 0), never a traceback."""
+    root = tmp_path_factory.mktemp("fuzz")
+    for seed, lines in enumerate(files):
+        write_run(root, f"{method}_d4_s{seed}", [])
+        (root / f"{method}_d4_s{seed}" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    assert report.main([str(root), "--no-plots"]) == 0
