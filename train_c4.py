@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import functools
 import glob
 import hashlib
@@ -1315,8 +1316,8 @@ def save_file(obj, path: Path) -> None:
     try:
         torch.save(obj, path)
     except RuntimeError as error:
-        raise OSError(f"writing {path.name} failed: {_first_cause(error)}; a full disk, a quota or a file size "
-                      "limit") from error
+        raise OSError(errno.EIO, f"writing {path.name} failed ({_first_cause(error)}): a full disk, a quota or a "
+                      "file size limit") from error
     _fsync_path(path)
 
 
@@ -1503,7 +1504,7 @@ def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
             except Exception as error:                     # a crafted or damaged pickle lands here
                 problem = f"cannot be loaded safely ({_first_cause(error)})"
         print(f"checkpoint {folder} {problem}", file=sys.stderr)
-    raise ConfigError(f"{source} holds no complete checkpoint; pass a run folder or one of its "
+    raise ConfigError(f"{source} holds no complete, safely loadable checkpoint; pass a run folder or one of its "
                       "checkpoints/step-N folders")
 
 
@@ -2351,7 +2352,7 @@ def check_writable_folder(folder: Path, what: str) -> None:
 
 def preflight(cfg: Config, dist: Dist) -> tuple[int, int, list[str], list[str]]:
     """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, train files,
-    validation files). A bad setting ends here with one line, before anything is allocated or written."""
+    validation files). A bad setting ends here with one line, before anything is allocated; only --out is created."""
     micro, accum = batch_plan(cfg, dist.world)
     check_memory(cfg, dist, micro)
     train_files, val_files = resolve_data_files(cfg.data)
@@ -2573,7 +2574,7 @@ def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
         raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
     if out.is_dir():
         raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
-    check_writable_folder(out.parent, "--consolidate: the folder of")
+    check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
     return source, out
 
 
