@@ -249,9 +249,9 @@ def test_random_command_lines_give_a_run_or_one_line_error(tmp_path):
 
 
 # finite but extreme: accepted, so step 1 must go through (a "diverged" there would be a setting to refuse)
-EXTREME_BUT_VALID = [["--mhc-res-diag=-1e6"], ["--mhc-pre-bias", "1e6"], ["--mhc-gate-init=-1e6"],
-                     ["--residual", "hc", "--hc-scale-init", "1e6"], ["--norm-eps", "1e-45"], ["--norm-eps", "1e300"],
-                     ["--lr", "1e3", "--weight-decay", "1e3"], ["--grad-clip", "1e-300"]]
+EXTREME_BUT_VALID = [["--mhc-res-diag=-1e6", "--mhc-pre-bias", "1e6", "--mhc-gate-init=-1e6", "--norm-eps", "1e-45"],
+                     ["--residual", "hc", "--hc-scale-init", "1e6", "--norm-eps", "1e300", "--grad-clip", "1e-300"],
+                     ["--residual", "baseline", "--lr", "1e3", "--weight-decay", "1e3"]]
 
 
 def test_extreme_but_valid_settings_never_diverge_before_the_first_update(tmp_path):

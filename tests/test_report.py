@@ -469,7 +469,7 @@ METRIC_LINE = st.one_of(
     st.sampled_from(["", "not json", '{"step": "x"}', "[]", '{"loss": 1}', '{"step": 1, "time": "yesterday"}']))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(METRIC_LINE, max_size=8), min_size=1, max_size=3), st.sampled_from(["hc", "mhc", "baseline"]))
 def test_random_metrics_files_give_a_report_never_a_traceback(tmp_path_factory, files, method):
     """Any mix of malformed lines and values in any number of runs: a table (exit 0), never a traceback."""
