@@ -133,6 +133,7 @@ class Run:
     wall_s: float = 0.0
     last_step: int | None = None
     bad_lines: int = 0           # unreadable lines other than a half-written last one
+    first_bad_line: int = 0
 
 
 def settings(config):
@@ -170,20 +171,39 @@ def read_json(path):
     return obj if isinstance(obj, dict) else None
 
 
+class LineProblems:
+    """Malformed lines of one metrics file: each kind is warned about once, with its first line and its count."""
+
+    def __init__(self, path):
+        self.path, self.kinds = path, {}
+
+    def add(self, kind, lineno):
+        first, count = self.kinds.get(kind, (lineno, 0))
+        self.kinds[kind] = (first, count + 1)
+
+    def warn_all(self):
+        for kind, (first, count) in self.kinds.items():
+            warn(f"{self.path}:{first}: {kind}" + (f" ({count} lines like it)" if count > 1 else ""))
+
+
 def read_metrics(path, run):
     """Parse metrics.jsonl once, line by line, into run.series / run.layers / run.tokens."""
-    clock = WallClock()
-    last_step, bad, last_bad = -1, 0, False
+    clock, problems = WallClock(), LineProblems(path)
+    last_step, bad, last_bad, lineno = -1, 0, False, 0
     with open(path, "rb") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
                 step = int(rec["step"])
             except (ValueError, KeyError, TypeError, IndexError):
                 if line.strip():
                     bad, last_bad = bad + 1, True
+                    run.first_bad_line = run.first_bad_line or lineno
                 continue
             last_bad = False
+            if step < 0:
+                problems.add("negative step, line skipped", lineno)
+                continue
             if step < last_step:            # resumed from an earlier checkpoint: newer log wins
                 for s in run.series.values():
                     s.rewind(step)
@@ -192,17 +212,29 @@ def read_metrics(path, run):
                 clock.restart()
             last_step = step
             clock.tick(_num(rec.get("time")))
-            _keep(rec, step, run)
+            _keep(rec, step, run, problems, lineno)
     run.bad_lines = bad - last_bad
     run.last_step = last_step if last_step >= 0 else None
+    if lineno == 0:
+        warn(f"{path}: empty, no step logged yet")
+    for key, series in run.series.items():
+        if key != "clipped" and len(series) and not np.isfinite(series.arrays()[1]).any():
+            warn(f"{path}: every {key} value ({len(series)}) is NaN, infinite or missing")
+    problems.warn_all()
     return clock
 
 
-def _keep(rec, step, run):
+def _keep(rec, step, run, problems, lineno):
     """Copy the reported keys of one metrics line (any mix of training/eval/probe keys)."""
     for key in SCALAR_KEYS:
         if key in rec:
-            run.series[key].add(step, _num(rec[key]))
+            value, series = rec[key], run.series[key]
+            if not (value is None or isinstance(value, (int, float))):
+                problems.add(f"{key} is not a number ({str(value)[:20]!r}), read as missing", lineno)
+            if len(series) and series.steps[-1] == step:     # the same key twice for one step: the later wins
+                problems.add(f"step {step} logs {key} a second time; the later value is kept", lineno)
+                series.rewind(step)
+            series.add(step, _num(value))
     for key in LAYER_KEYS:
         v = rec.get(key)
         if isinstance(v, list) and v:
@@ -249,7 +281,8 @@ def load_run(folder):
     clock.tick(_timestamp(run.status.get("updated")))
     run.wall_s = clock.total
     if run.bad_lines:
-        warn(f"{folder}: skipped {run.bad_lines} unreadable metrics line(s)")
+        warn(f"{folder / 'metrics.jsonl'}:{run.first_bad_line}: skipped {run.bad_lines} unreadable metrics line(s), "
+             "the first here")
     return run
 
 

@@ -141,6 +141,7 @@ while (($#)); do
         --summary) SUMMARY_ONLY=1; shift ;;
         --methods|--depths|--seeds|--steps|--gpus|--exclude-gpus|--gpus-per-run|--stagger|--max-retries|--out|--price-per-gpu-hour)
             (($# >= 2)) || die_usage "$arg needs a value"
+            [[ -n $2 ]] || die_usage "$arg must not be empty"   # else --methods '' would mean the full matrix
             case $arg in
                 --methods) METHODS=$2 ;;        --depths) DEPTHS=$2 ;;
                 --seeds) SEEDS=$2 ;;            --steps) STEPS=$2 ;;
@@ -186,7 +187,16 @@ split_list SEED_ARR "$SEEDS" '[0-9]+' "--seeds (non-negative integers)"
 [[ -z $STEPS || $STEPS =~ ^[1-9][0-9]*$ ]] || die_usage "--steps must be a positive integer, not '$STEPS'"
 [[ $GPUS_PER_RUN =~ ^[1-9][0-9]*$ ]] || die_usage "--gpus-per-run must be a positive integer, not '$GPUS_PER_RUN'"
 [[ $MAX_RETRIES =~ ^[0-9]+$ ]] || die_usage "--max-retries must be a non-negative integer, not '$MAX_RETRIES'"
-[[ -n $OUT ]] || die_usage "--out must not be empty"
+# --out must be a folder this user can write in, or one it can create; dry runs are checked too. A probe folder
+# is made and removed where it would go: as root, test -w passes on folders where mkdir then fails (/proc).
+check_out() {
+    local dir=$OUT probe
+    while [[ ! -e $dir && $dir != / && $dir != . ]]; do dir=$(dirname -- "$dir"); done
+    [[ -d $dir ]] || die_usage "--out $OUT: $dir is a file, not a folder"
+    probe=$(mktemp -d "$dir/.run_experiments-probe.XXXXXX" 2>/dev/null) || die_usage "--out $OUT: cannot create a folder in $dir"
+    rmdir -- "$probe"
+}
+((SUMMARY_ONLY)) || check_out
 [[ $PRICE =~ ^[0-9]+(\.[0-9]+)?$ ]] || die_usage "--price-per-gpu-hour must be a number of dollars, not '$PRICE'"
 ((!CALIBRATE || DRY_RUN)) || die_usage "--calibrate goes with --dry-run (it times the matrix before you start it)"
 CALIBRATE_STEPS=${RUN_EXPERIMENTS_CALIBRATE_STEPS:-10}
@@ -485,6 +495,10 @@ print_report() {
 }
 
 if ((SUMMARY_ONLY)); then
+    if [[ ! -f $OUT/matrix.log ]] && ! compgen -G "$OUT/*/status.json" >/dev/null; then
+        echo "$PROG: error: --summary: no matrix has run in '$OUT' (no matrix.log, no run folder); check --out" >&2
+        exit "$EXIT_USAGE"
+    fi
     echo "Matrix ($MODE, ${#JOBS[@]} runs) in $OUT:"
     for run in "${JOBS[@]}"; do
         state=${PREV_STATE[$run]:--}
@@ -823,6 +837,16 @@ probe_gpu() {   # probe_gpu ID LOGFILE: exit 0 when healthy
 
 last_line() { [[ -s $1 ]] && tail -n 1 "$1" | tr -d '\r' | cut -c1-300; }
 
+probe_reason() {   # probe_reason STATUS LOGFILE: the probe's last line, else what its exit status says
+    local line
+    line=$(last_line "$2")
+    if [[ -n $line ]]; then echo "$line"
+    elif (($1 == 124)); then echo "timed out, no output"
+    elif (($1 > 128)); then echo "killed by signal $(($1 - 128)), no output"
+    else echo "exit status $1, no output"
+    fi
+}
+
 quarantine() {   # quarantine GPU REASON
     GPU_STATE[$1]=quarantined
     log "QUARANTINE gpu=$1 $2; it is not used again in this matrix"
@@ -839,7 +863,7 @@ if ((!CPU_MODE && ${#QUEUE[@]})); then   # nothing to run, nothing to probe
         if wait "${PROBE_PID[$g]}"; then
             log "PROBE gpu=$g healthy"
         else
-            quarantine "$g" "failed the start-up probe: $(last_line "$TMPDIR_LAUNCHER/probe$g.log")"
+            quarantine "$g" "failed the start-up probe: $(probe_reason $? "$TMPDIR_LAUNCHER/probe$g.log")"
         fi
     done
 fi
@@ -970,7 +994,7 @@ oom_retry() {
 # Exit 5: probe the job's GPUs; a GPU that fails the probe, or has now failed two different jobs,
 # is quarantined. The job is requeued and avoids these GPUs.
 device_error() {
-    local run=$1 g failed_runs n
+    local run=$1 g failed_runs n probed
     if [[ ${J_GPUS[$run]} == cpu ]]; then
         retry_or_fail "$run" "device error on the CPU slot"
         return
@@ -980,8 +1004,10 @@ device_error() {
         J_AVOID[$run]+="$g "
         read -ra failed_runs <<<"${GPU_FAILED_RUNS[$g]}"
         n=${#failed_runs[@]}
-        if ! probe_gpu "$g" "$TMPDIR_LAUNCHER/probe$g.log"; then
-            quarantine "$g" "failed the probe after a device error in $run: $(last_line "$TMPDIR_LAUNCHER/probe$g.log")"
+        probed=0
+        probe_gpu "$g" "$TMPDIR_LAUNCHER/probe$g.log" || probed=$?
+        if ((probed)); then
+            quarantine "$g" "failed the probe after a device error in $run: $(probe_reason "$probed" "$TMPDIR_LAUNCHER/probe$g.log")"
         elif ((n >= 2)); then
             quarantine "$g" "passed the probe but failed two different jobs (${failed_runs[*]})"
         else

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import functools
 import glob
 import hashlib
@@ -23,14 +24,17 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -274,25 +278,48 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return cfg
 
 
+# Upper bounds far above any real run. Beyond them the model built on the meta device (--estimate), the planner's
+# CPU measurements (at 4 x --heads), the divisor search or the loader would loop or allocate without end before any
+# memory check could refuse them. Integers are int64 (torch.manual_seed, tensor sizes); --data-timeout also bounds
+# a queue wait and the collective time-out. Magnitudes of the initial values and of lr x weight decay stay far inside
+# float32: near its 3.4e38 a parameter starts as inf (a fake divergence at step 1) or AdamW cannot convert its factor.
+LIMITS = dict(depth=1024, width=65536, heads=512, expansion=64, seq_len=2 ** 20, batch_size=2 ** 20,
+              sinkhorn_iters=10_000, data_streams=4096, prefetch=1024, shuffle_buffer=2 ** 20,
+              estimate_world_size=2 ** 20, data_timeout=1e6, gpu_memory_gb=1e6, lr=1e3, weight_decay=1e3,
+              hc_scale_init=1e6, mhc_gate_init=1e6, mhc_res_diag=1e6, mhc_pre_bias=1e6)
+INT64_MAX = 2 ** 63 - 1
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def validate(cfg: Config) -> None:
+    """Every numeric setting: finite, within its range; nothing is built or read here."""
+    numbers = [(f.name, getattr(cfg, f.name), f.type) for f in dataclasses.fields(Config) if f.type in ("int", "float")]
+    for name, value, kind in numbers:
+        if kind == "float" and not math.isfinite(value):
+            raise ConfigError(f"{_flag(name)} must be a finite number, got {value}")
     positive = ("depth", "width", "heads", "expansion", "seq_len", "batch_size", "steps", "sinkhorn_iters",
                 "eval_every", "eval_batches", "metrics_every", "layer_metrics_every", "probe_sequences",
                 "log_every", "ckpt_every", "keep_checkpoints", "data_streams", "prefetch",
-                "data_timeout")
+                "data_timeout", "norm_eps")
     for name in positive:
         if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+            raise ConfigError(f"{_flag(name)} must be positive, got {getattr(cfg, name)}")
+    for name, value, kind in numbers:
+        if kind == "int" and not 0 <= value <= INT64_MAX:
+            raise ConfigError(f"{_flag(name)} must be an integer in [0, 2**63 - 1], got {value}")
+        if name in LIMITS and abs(value) > LIMITS[name]:
+            raise ConfigError(f"{_flag(name)} {value} is beyond the plausible magnitude {LIMITS[name]:,}")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     if cfg.micro_batch_size != "auto" and not (cfg.micro_batch_size.isdigit() and int(cfg.micro_batch_size) > 0):
         raise ConfigError(f"--micro-batch-size must be a positive integer or 'auto', got {cfg.micro_batch_size!r}")
-    if cfg.gpu_memory_gb < 0 or cfg.estimate_world_size < 0:
-        raise ConfigError("--gpu-memory-gb and --estimate-world-size must be >= 0 (0: the CUDA device's memory, "
-                          "$WORLD_SIZE)")
+    if cfg.gpu_memory_gb < 0:
+        raise ConfigError(f"--gpu-memory-gb must be >= 0 (0: the CUDA device's memory), got {cfg.gpu_memory_gb}")
     if cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError("--lr must be > 0, --grad-clip and --weight-decay >= 0, --min-lr-ratio in [0, 1]")
-    if cfg.warmup < 0 or cfg.data_workers < 0:
-        raise ConfigError(f"--warmup and --data-workers must be >= 0, got {cfg.warmup} and {cfg.data_workers}")
     if os.sep in cfg.run_name or cfg.run_name.startswith("."):
         raise ConfigError(f"--run-name {cfg.run_name!r} must be a plain folder name")
 
@@ -1171,9 +1198,14 @@ def start_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Prefetc
 
 
 def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `count` windows of the held-out files in file order: the same for every run and every eval."""
-    windows = TokenWindows(DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0), tokenizer, seq_len)
-    sequences = windows.take(count)
+    """The first `count` windows of the held-out files in file order: the same for every run and every eval.
+    Read one document at a time, so that the stream's epoch says whether the held-out files ran out."""
+    documents = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
+    sequences = TokenWindows(documents, tokenizer, seq_len, docs_per_encode=1).take(count)
+    if documents.epoch and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: the held-out set ({', '.join(map(os.path.basename, files))}) is smaller than the {count} "
+              f"sequences of {seq_len + 1} tokens evaluation takes (--eval-batches x --batch-size): its documents "
+              "repeat, so val_loss and the probe rest on less data than asked", file=sys.stderr, flush=True)
     return sequences[:, :-1], sequences[:, 1:]
 
 
@@ -1331,6 +1363,63 @@ def unwrap(model: nn.Module) -> GPT:
 
 MARKER = "COMPLETE.json"
 SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
+# what DCP's Metadata pickle is made of (torch 2.13); torch's dtypes are allowed by type
+DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                        *(("torch.distributed.checkpoint.metadata", name) for name in (
+                            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                            "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """DCP's FileSystemReader unpickles sharded/.metadata with plain pickle, where a crafted file runs code
+    (checkpoints are copied between nodes): only the classes the metadata is made of are resolved."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                        torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+@functools.cache
+def safe_dcp() -> tuple[type, type]:
+    """(reader, planner) for dcp.load that never unpickle arbitrary objects: the metadata through the
+    restricted unpickler, and the non-tensor entries (the optimizer's param_groups), which DCP's planner loads
+    with weights_only=False, checked with weights_only=True first. Built on first use: importing
+    torch.distributed.checkpoint takes about a second."""
+    import io
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _DcpMetadataUnpickler(f).load()
+            metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            plain = io.BytesIO()                          # what DCP unpickles is then our own plain data
+            torch.save(torch.load(value, weights_only=True), plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    return SafeReader, SafePlanner
+
+
+def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
+    """dcp.load of a checkpoint's SHARDED/ into `state`, in place, through safe_dcp's reader and planner."""
+    import torch.distributed.checkpoint as dcp
+    reader, planner = safe_dcp()
+    try:
+        with warnings.catch_warnings():      # "assuming the intent is to load in a single process": with no_dist it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader(folder / SHARDED), planner=planner(), no_dist=no_dist)
+    except dcp.CheckpointException as error:
+        raise ConfigError(f"checkpoint {folder} cannot be loaded safely ({_first_cause(error)})") from None
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -1356,6 +1445,29 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def save_file(obj, path: Path) -> None:
+    """torch.save, then fsync. torch.save reports a failed write (full disk, quota, file size limit) as a
+    RuntimeError without an errno ("unexpected pos 704 vs 598"): raised again as the OSError it is."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as error:
+        raise OSError(errno.EIO, f"writing {path.name} failed ({_first_cause(error)}): a full disk, a quota or a "
+                      "file size limit") from error
+    _fsync_path(path)
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(temp file), then rename it over `path`: readers see the old file or the new one, never half of one,
+    and a failed write (full disk, quota, read-only, permission) leaves no temp file behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: int, sharded: dict | None = None) -> None:
     """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
     (`sharded`, written with torch.distributed.checkpoint into SHARDED/). The folder appears under its
@@ -1371,8 +1483,7 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
             tmp.mkdir(parents=True)
         barrier(dist)
         for name, obj in files.items():
-            torch.save(obj, tmp / name)
-            _fsync_path(tmp / name)
+            save_file(obj, tmp / name)
         written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
         barrier(dist)
         # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
@@ -1385,9 +1496,10 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
                 shutil.rmtree(old, ignore_errors=True)
     except (OSError, CheckpointException) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
-        raise TrainerError(f"could not write checkpoint step-{step} ({cause}); the previous checkpoint is "
-                           "intact, free disk space and rerun to resume") from error
+        kept = checkpoint_dirs(run_dir)
+        intact = f"the previous checkpoint {kept[-1].name} is intact" if kept else "no earlier checkpoint exists"
+        raise TrainerError(f"could not write checkpoint step-{step} ({_first_cause(error)}); {intact}, and so is "
+                           "metrics.jsonl; free disk space (or fix the permission) and rerun to resume") from error
     barrier(dist)
 
 
@@ -1421,6 +1533,26 @@ def _checkpoint_problem(folder: Path, marker: dict | None, dist: Dist) -> str | 
     return None
 
 
+def _load_verified(folder: Path, marker: dict) -> dict:
+    """The top-level .pt files of a verified checkpoint, loaded with weights_only=True; a sharded one's DCP
+    metadata is read through the restricted unpickler too, so a crafted file is refused before DCP sees it."""
+    if marker.get("format") == "sharded":
+        safe_dcp()[0](folder / SHARDED).read_metadata()
+    return {name: torch.load(folder / name, map_location="cpu", weights_only=True)
+            for name in marker["files"] if "/" not in name}
+
+
+def _first_cause(error: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException holds each rank's error with its traceback."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def _read_marker(folder: Path) -> dict | None:
     try:
         marker = json.loads((folder / MARKER).read_text())
@@ -1442,10 +1574,9 @@ def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] |
         files = {}
         if problem is None:
             try:
-                files = {name: torch.load(folder / name, map_location="cpu", weights_only=True)
-                         for name in marker["files"] if "/" not in name}
+                files = _load_verified(folder, marker)
             except Exception as error:                     # a crafted or damaged pickle lands here
-                problem = f"cannot be loaded safely ({type(error).__name__})"
+                problem = f"cannot be loaded safely ({_first_cause(error)})"
             problem = next((p for p in all_ranks_gather(dist, problem) if p), None)
         if problem is None:
             return folder, files, marker
@@ -1487,9 +1618,10 @@ def consolidate(source: Path, out: Path) -> str:
     # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
     state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
     state["lm_head.weight"] = state["wte.weight"]
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    try:
+        write_atomically(out, functools.partial(save_file, state))
+    except OSError as error:
+        raise TrainerError(f"could not write {out} ({_first_cause(error)}); {folder} is untouched") from error
     count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
     return f"{out}: {count:,} parameters of {cfg.residual} depth {cfg.depth} from {folder}"
 
@@ -1501,9 +1633,13 @@ def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
         marker = _read_marker(folder)
         problem = _checkpoint_problem(folder, marker, one)
         if problem is None:
-            return folder, marker
+            try:
+                _load_verified(folder, marker)
+                return folder, marker
+            except Exception as error:                     # a crafted or damaged pickle lands here
+                problem = f"cannot be loaded safely ({_first_cause(error)})"
         print(f"checkpoint {folder} {problem}", file=sys.stderr)
-    raise ConfigError(f"{source} holds no complete checkpoint; pass a run folder or one of its "
+    raise ConfigError(f"{source} holds no complete, safely loadable checkpoint; pass a run folder or one of its "
                       "checkpoints/step-N folders")
 
 
@@ -1511,15 +1647,12 @@ def _saved_model_state(folder: Path, sharded: bool) -> dict:
     """The model entries of a checkpoint (not the optimizer's), in the shapes they were saved with."""
     if not sharded:
         return torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
-    import warnings
-    import torch.distributed.checkpoint as dcp
-    entries = dcp.FileSystemReader(folder / SHARDED).read_metadata().state_dict_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    entries = safe_dcp()[0](folder / SHARDED).read_metadata().state_dict_metadata
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in entries.items() if key.startswith("model.")}
+             for key, meta in entries.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     wrapped = {"model": state}
-    with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(wrapped, checkpoint_id=folder / SHARDED, no_dist=True)
+    dcp_load(wrapped, folder, no_dist=True)
     return wrapped["model"]
 
 
@@ -1527,9 +1660,7 @@ def _saved_model_state(folder: Path, sharded: bool) -> dict:
 # logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
 
 def _same_file(stream, path: Path) -> bool:
@@ -1569,15 +1700,18 @@ class RunLog:
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
             kept = [line for line in _complete_json_lines(path) if json.loads(line)["step"] <= keep_through_step]
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
         self.metrics_file = open(path, "a")
 
     def metrics(self, record: dict) -> None:
         if self.enabled:
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
+            try:
+                self.metrics_file.write(json.dumps(record) + "\n")
+                self.metrics_file.flush()
+            except OSError as error:
+                raise TrainerError(f"could not append step {record['step']} to {self.run_dir / 'metrics.jsonl'} "
+                                   f"({_first_cause(error)}); the lines before it and the checkpoints are intact, "
+                                   "free disk space and rerun to resume") from error
 
     def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
         """status.json, rewritten atomically on every change of state and at every log step."""
@@ -2317,11 +2451,10 @@ class Trainer:
             unwrap(self.model).load_state_dict(files["model.pt"])
             self.optimizer.load_state_dict(files["optimizer.pt"])
             return
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=folder / SHARDED)
+        dcp_load(state, folder)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def _load_data_and_rng(self, files: dict) -> None:
@@ -2428,9 +2561,55 @@ class Progress:
             self.trainer.log.bar = None
 
 
-def build_trainer(cfg: Config, dist: Dist) -> Trainer:
+def memory_floor(cfg: Config, micro: int, world: int) -> float:
+    """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
+    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state and a sublayer
+    output per block and the fp32 log-probabilities with their two backward buffers, and the validation token ids.
+    The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
+    vocab, C = padded_vocab_size(cfg.tokenizer), cfg.width
+    parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
+    shards = world if world > 1 and cfg.parallel == "fsdp" else 1
+    activations = micro * cfg.seq_len * 4 * (2 * cfg.depth * C + 3 * vocab)
+    return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
+
+
+def check_memory(cfg: Config, dist: Dist, micro: int) -> None:
+    if dist.device.type == "cuda":
+        available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(dist.device)})"
+    else:
+        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    need = memory_floor(cfg, micro, dist.world)
+    if need > available:
+        raise ConfigError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more "
+                          f"than the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "
+                          "--micro-batch-size or --eval-batches (--estimate shows the plan)")
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
+    one-line config error (exit 2) instead of a failure at the first write."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
+
+
+def preflight(cfg: Config, dist: Dist) -> tuple[int, int, list[str], list[str]]:
+    """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, train files,
+    validation files). A bad setting ends here with one line, before anything is allocated; only --out is created."""
     micro, accum = batch_plan(cfg, dist.world)
+    check_memory(cfg, dist, micro)
     train_files, val_files = resolve_data_files(cfg.data)
+    check_writable_folder(Path(cfg.out), "--out")
+    return micro, accum, train_files, val_files
+
+
+def build_trainer(cfg: Config, dist: Dist) -> Trainer:
+    micro, accum, train_files, val_files = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
     changes = check_resumable(run_dir, cfg)
     dtype = compute_dtype(cfg, dist.device)
@@ -2501,7 +2680,8 @@ def train(cfg: Config) -> None:
             # this rank failed first; rank 0 may be killed by torchrun before it can record why
             write_json_atomic(trainer.run_dir / "status.json", {"state": "failed", "step": trainer.step,
                               "exit_code": code, "reason": status, "updated": time.time()})
-        log.status("failed", trainer.step, code, status)
+        with contextlib.suppress(OSError):  # a disk refusing even status.json: the printed line still says why
+            log.status("failed", trainer.step, code, status)
         error.failure = (code, reason)      # what main reports: classifying again there would lose the context
         raise
     finally:
@@ -2530,6 +2710,8 @@ def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]
         return EXIT_DEVICE, f"device or communication error: {text.splitlines()[0] if text else type(error).__name__}"
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted before the first step"
+    if isinstance(error, OSError):          # the file system refused: full, quota, read-only, permission
+        return 1, f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
     return 1, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
@@ -2619,7 +2801,7 @@ def main(argv: list[str] | None = None) -> int:
             code, reason = rank_failure(dist, code, reason)
         if isinstance(error, (Diverged, Interrupted)):
             end_distributed()                # every rank stops at the same step: a clean shutdown
-        if code == 1 and not isinstance(error, (TrainerError, SystemExit)):
+        if code == 1 and not isinstance(error, (TrainerError, OSError)):
             raise
         print(f"error: {'' if dist.world == 1 else f'rank {dist.rank}: '}{reason}", file=sys.stderr)
         if dist.world > 1:
@@ -2637,10 +2819,13 @@ def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
     parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
                         help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
                         "complete checkpoint), and the .pt file to write")
-    source, out = parser.parse_args(argv).consolidate
-    if not Path(source).is_dir():
+    source, out = map(Path, parser.parse_args(argv).consolidate)
+    if not source.is_dir():
         raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
-    return Path(source), Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
+    check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
+    return source, out
 
 
 if __name__ == "__main__":

@@ -1,11 +1,19 @@
 """Failures tried for real: bad shards, a disk that fills up, a checkpoint crafted to run code, and
 random command lines. Each must end in a clear message and lose nothing already written."""
+import collections
+import contextlib
+import dataclasses
+import errno
 import gzip
+import io
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -86,14 +94,88 @@ def _save(obj, path, *a, **k):
 torch.save = _save
 """
     code, stdout, stderr = run(tmp_path, "--residual", "hc", prelude=prelude)
-    assert code != 0 and "No space left on device" in stderr and "previous checkpoint is intact" in stderr
+    assert code == 1 and "No space left on device" in stderr and "previous checkpoint step-10 is intact" in stderr
     assert len(stderr.strip().splitlines()) == 1
     run_dir = tmp_path / "hc_d2_s42"
     assert [d.name for d in (run_dir / "checkpoints").iterdir()] == ["step-10"]
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1 and "step-20" in status["reason"]
     code, stdout, stderr = run(tmp_path, "--residual", "hc")
     assert code == 0, stderr
     assert "resumed from" in stdout and "(step 10," in stdout
+
+
+WRITE_ERRORS = {
+    "full disk": OSError(errno.ENOSPC, "No space left on device"),
+    "full disk inside torch.save": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+    "quota": OSError(errno.EDQUOT, "Disk quota exceeded"),
+    "permission": PermissionError(errno.EACCES, "Permission denied"),
+    "read-only": OSError(errno.EROFS, "Read-only file system"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRITE_ERRORS))
+def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path, monkeypatch, kind):
+    one = T.Dist(0, 1, torch.device("cpu"))
+    T.write_checkpoint(tmp_path, 10, {"model.pt": {"w": torch.ones(3)}}, one, keep=2)
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)                    # a partial file, then the error
+        raise WRITE_ERRORS[kind]
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(T.TrainerError) as failure:
+        T.write_checkpoint(tmp_path, 20, {"model.pt": {"w": torch.zeros(3)}}, one, keep=2)
+    message = str(failure.value)
+    assert "\n" not in message and "could not write checkpoint step-20" in message
+    assert "previous checkpoint step-10 is intact" in message
+    assert (str(WRITE_ERRORS[kind].strerror) if kind != "full disk inside torch.save" else "unexpected pos") in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10"]     # no .tmp-step-20
+
+
+def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    log = T.RunLog(tmp_path, enabled=True)
+    log.status("running", 0)
+    log.open_metrics(keep_through_step=-1)
+    real_write_text = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        real_write_text(path, "{", *args[1:], **kwargs)          # a partial temp file, then the error
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError):
+        log.status("running", 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "status.json", "train.log"]
+    assert json.loads((tmp_path / "status.json").read_text())["step"] == 0
+    code, reason = T.classify_failure(OSError(errno.ENOSPC, "No space left on device", "status.json"), None)
+    assert (code, reason) == (1, "No space left on device: status.json")
+
+    class OverQuota:
+        def write(self, text):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    log.metrics_file.close()
+    log.metrics_file = OverQuota()
+    with pytest.raises(T.TrainerError, match=r"could not append step 3 .*Disk quota exceeded.*intact"):
+        log.metrics({"step": 3})
+
+
+def test_a_file_size_limit_ends_the_run_with_one_line_and_status_failed(tmp_path):
+    """A real limit (ulimit -f, in KiB): the data-loader state, the largest file of a checkpoint (8 MB with
+    the tiny preset), cannot be written, torch.save fails with a RuntimeError; nothing else is that large."""
+    command = (f"ulimit -f 2000 && exec {sys.executable} train_c4.py --preset tiny --steps 10 "
+               f"--out {tmp_path}")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("error: could not write checkpoint step-10") and "no earlier checkpoint" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    run_dir = tmp_path / "mhc_d2_s42"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1 and "step-10" in status["reason"]
+    assert list((run_dir / "checkpoints").iterdir()) == [] and not list(run_dir.glob(".*.tmp"))
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 11         # every step logged is kept
 
 
 def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
@@ -116,30 +198,71 @@ def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
     assert len((tmp_path / "mhc_d2_s42" / "metrics.jsonl").read_text().splitlines()) == 11   # history kept
 
 
+NUMBERS = ["nan", "inf", "-inf", "-1", "0", "1e-300", "0.5", "1e6", "1e38", "1e300", "x"]
+COUNTS = ["-1", "0", "1", "3", "1e11", "99999999999999999999999", "ten"]
 FLAGS = {
     "--depth": st.integers(-2, 4), "--width": st.sampled_from([0, 8, 12, 16, 30]),
     "--heads": st.integers(-1, 4), "--batch-size": st.integers(-1, 8), "--micro-batch-size":
     st.sampled_from(["0", "1", "2", "3", "auto", "x"]), "--residual": st.sampled_from(["hc", "mhc", "baseline", "x"]),
-    "--lr": st.sampled_from(["0", "1e-3", "-1", "nan?"]), "--data": st.sampled_from(["sample", "/no/such/*.gz"]),
-    "--preset": st.sampled_from(["tiny", "demo", "nope"]), "--grad-clip": st.sampled_from(["-1", "0", "1"]),
-    "--data-streams": st.integers(0, 3), "--run-name": st.sampled_from(["ok", "a/b", ".hidden"]),
-    "--tokenizer": st.sampled_from(["byte", "gpt2", "bpe"]), "--steps": st.sampled_from(["1", "0", "ten"]),
+    "--lr": st.sampled_from(["1e-3", "nan?", *NUMBERS]), "--data": st.sampled_from(["sample", "/no/such/*.gz"]),
+    "--preset": st.sampled_from(["tiny", "demo", "nope"]), "--data-streams": st.integers(0, 3),
+    "--run-name": st.sampled_from(["ok", "a/b", ".hidden"]), "--tokenizer": st.sampled_from(["byte", "gpt2", "bpe"]),
+    "--steps": st.sampled_from(["1", "0", "ten", "1e23", "100000000000000000000000"]),
+    **{flag: st.sampled_from(NUMBERS) for flag in (
+        "--grad-clip", "--weight-decay", "--norm-eps", "--mhc-res-diag", "--hc-scale-init", "--mhc-gate-init",
+        "--data-timeout", "--min-lr-ratio", "--gpu-memory-gb")},
+    **{flag: st.sampled_from(COUNTS) for flag in (
+        "--seed", "--data-seed", "--shuffle-buffer", "--eval-batches", "--warmup", "--seq-len", "--prefetch")},
+    "--out": st.sampled_from(["/proc/nope", "A_FILE", "A_FILE/under"]),
 }
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(sorted(FLAGS)), st.none(), max_size=6).flatmap(
-    lambda chosen: st.fixed_dictionaries({flag: FLAGS[flag] for flag in chosen})))
-def test_random_command_lines_give_a_run_or_one_line_error(flags):
-    """Everything the trainer checks before it starts: any flag combination is accepted or refused in
-    one line (exit 2); the accepted ones are checked end to end by the tests that run the trainer."""
-    argv = [item for flag, value in flags.items() for item in (flag, str(value))]
-    try:
-        cfg = T.parse_config(argv)
-        T.batch_plan(cfg, world=1)
-        T.resolve_data_files(cfg.data)
-    except T.ConfigError as error:
-        assert "\n" not in str(error) and str(error)
+def test_random_command_lines_give_a_run_or_one_line_error(tmp_path):
+    """Everything the trainer checks before it allocates anything (main -> parse_config -> preflight: the batch
+    plan, the memory floor, the data files, --out): any flag combination is accepted or refused in one line with
+    exit 2, never a traceback. The accepted settings that could diverge are run for real below."""
+    (tmp_path / "a-file").write_text("x")
+    outcomes = collections.Counter()
+
+    def preflight_only(cfg):
+        T.preflight(cfg, T.Dist(0, 1, torch.device("cpu")))
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.dictionaries(st.sampled_from(sorted(FLAGS)), st.none(), max_size=6).flatmap(
+        lambda chosen: st.fixed_dictionaries({flag: FLAGS[flag] for flag in chosen})))
+    def one_command_line(flags):
+        argv = ["--preset", "tiny", "--out", str(tmp_path / "out")] + [item for flag, value in flags.items() for item in (flag, str(value))]
+        argv = [a.replace("A_FILE", str(tmp_path / "a-file")) for a in argv]
+        stderr = io.StringIO()
+        with mock.patch.object(T, "train", preflight_only), contextlib.redirect_stderr(stderr):
+            code = T.main(argv)                                     # an unexpected exception fails the test here
+        lines = stderr.getvalue().strip().splitlines()
+        if code == 0:
+            outcomes["accepted"] += 1
+        else:
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) < 400, (argv, lines)
+            outcomes["refused"] += 1
+
+    one_command_line()
+    print(f"trainer command lines: {sum(outcomes.values())}, {dict(outcomes)}")
+    assert outcomes["accepted"] >= 10 and outcomes["refused"] >= 100
+
+
+# finite but extreme: accepted, so step 1 must go through (a "diverged" there would be a setting to refuse)
+EXTREME_BUT_VALID = [["--mhc-res-diag=-1e6", "--mhc-pre-bias", "1e6", "--mhc-gate-init=-1e6", "--norm-eps", "1e-45"],
+                     ["--residual", "hc", "--hc-scale-init", "1e6", "--norm-eps", "1e300", "--grad-clip", "1e-300"],
+                     ["--residual", "baseline", "--lr", "1e3", "--weight-decay", "1e3"]]
+
+
+def test_extreme_but_valid_settings_never_diverge_before_the_first_update(tmp_path):
+    code = f"""
+import json, sys, train_c4
+codes = [train_c4.main(['--preset', 'tiny', '--steps', '1', '--eval-batches', '1', '--out', {str(tmp_path)!r},
+                        '--run-name', f'r{{i}}', *args]) for i, args in enumerate({EXTREME_BUT_VALID!r})]
+print(json.dumps(codes))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [0] * len(EXTREME_BUT_VALID), result.stderr
 
 
 @pytest.mark.parametrize("damage", ["truncated", "emptied"])
@@ -201,3 +324,126 @@ train_c4.Trainer.optimizer_step = _step
     assert [[r.get(k) for k in keys] for r in resumed] == [[r.get(k) for k in keys] for r in reference]
     leftovers = [p.name for p in (tmp_path / "resumed" / "mhc_d2_s42" / "checkpoints").iterdir()]
     assert sorted(leftovers) == ["step-50", "step-60"]            # no temp folder left behind
+
+
+class Exploit:
+    """Unpickling it runs a shell command that creates `witness`: it must never happen."""
+
+    def __init__(self, witness):
+        self.witness = witness
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.witness}",))
+
+
+def sharded_checkpoint(out, step=10):
+    """A tiny HC run folder with one FSDP-format checkpoint (DCP files), written in this process."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    cfg = T.parse_config(["--preset", "tiny", "--residual", "hc", "--out", str(out)])
+    model = T.GPT(cfg)
+    optimizer = torch.optim.AdamW(T.decay_groups(model, cfg.weight_decay), lr=cfg.lr)
+    idx = torch.zeros(2, cfg.seq_len, dtype=torch.long)
+    model(idx, idx)[1].backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    run_dir = out / cfg.run_name
+    files = {"train_state.pt": {"step": step, "tokens": 0}, "rank0.pt": {"rng": T.rng_state()}}
+    T.write_checkpoint(run_dir, step, files, T.Dist(0, 1, torch.device("cpu")), keep=2,
+                       sharded={"model": model_state, "optimizer": optimizer_state})
+    (run_dir / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
+    return run_dir / "checkpoints" / f"step-{step}", model_state, optimizer_state
+
+
+def replace_and_reseal(folder, name, data):
+    """An attacker can rewrite a file and the checksum the marker holds for it."""
+    (folder / name).write_bytes(data)
+    marker = json.loads((folder / T.MARKER).read_text())
+    marker["files"][name] = T._sha256(folder / name)
+    (folder / T.MARKER).write_text(json.dumps(marker))
+
+
+def test_crafted_dcp_metadata_never_runs_on_consolidate(tmp_path, capsys):
+    folder, _, _ = sharded_checkpoint(tmp_path)
+    witness = tmp_path / "pwned"
+    replace_and_reseal(folder, f"{T.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
+    code = T.main(["--consolidate", str(folder.parent.parent), str(tmp_path / "out.pt")])
+    err = capsys.readouterr().err
+    assert not witness.exists()
+    assert code == 2 and "cannot be loaded safely" in err and "posix.system" in err and "Traceback" not in err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_crafted_dcp_metadata_is_refused_before_a_resume_loads_it(tmp_path):
+    """What every rank of an FSDP resume runs first: the checkpoint is refused, DCP never reads it."""
+    folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
+    witness = tmp_path / "pwned"
+    replace_and_reseal(folder, f"{T.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
+    said = []
+    assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), said.append) is None
+    assert "step-10 cannot be loaded safely" in said[0] and not witness.exists()
+    with pytest.raises(T.ConfigError, match="cannot be loaded safely"):         # the load itself, had it got there
+        T.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
+    assert not witness.exists()
+
+
+def test_a_crafted_non_tensor_entry_in_dcp_shards_never_runs(tmp_path):
+    """DCP's planner unpickles non-tensor entries (the optimizer's param_groups) with weights_only=False."""
+    import torch.distributed.checkpoint as dcp
+    folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
+    witness = tmp_path / "pwned"
+    optimizer_state["param_groups"][0]["lr"] = Exploit(witness)
+    shutil.rmtree(folder / T.SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / T.SHARDED, no_dist=True)
+    optimizer_state["param_groups"][0]["lr"] = 0.0
+    with pytest.raises(T.ConfigError, match="cannot be loaded safely"):
+        T.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
+    assert not witness.exists()
+
+
+def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
+    folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
+    assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), print) is not None
+    T.consolidate(folder, tmp_path / "out.pt")
+    state = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(state["wte.weight"], model_state["wte.weight"])
+
+
+def bad_values(tmp_path):
+    """The bad values an outside probe found (tracebacks, accepted values, fake divergences), and a model
+    that cannot fit this machine: each must be refused in one line before anything is built."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    run = tmp_path / "run"
+    return [
+        ["--lr", "nan"], ["--lr", "inf"], ["--weight-decay", "nan"], ["--grad-clip", "nan"], ["--norm-eps", "-1"],
+        ["--norm-eps", "nan"], ["--norm-eps", "0"], ["--mhc-res-diag", "inf"], ["--mhc-gate-init", "nan"],
+        ["--hc-scale-init", "nan"], ["--data-timeout", "nan"], ["--data-timeout", "1e300"], ["--shuffle-buffer", "-1"],
+        ["--seed", "-1"], ["--seed", "99999999999999999999999"], ["--gpu-memory-gb", "nan", "--estimate"],
+        ["--depth", "100000000"], ["--depth", "100000000", "--estimate"], ["--seq-len", "100000000"],
+        ["--batch-size", "1e11"], ["--batch-size", "100000000000"], ["--steps", "1e23"],
+        ["--steps", "100000000000000000000000"], ["--heads", "100000", "--width", "100000", "--estimate"],
+        ["--depth", "1024", "--width", "65536", "--heads", "512"],                    # the memory floor
+        ["--out", "/proc/nope"], ["--out", str(afile)], ["--out", str(afile / "under")],
+        ["--consolidate", str(run), "/proc/nope.pt"], ["--consolidate", str(run), str(afile / "under.pt")],
+        ["--consolidate", str(run), str(tmp_path)],
+    ]
+
+
+def test_every_bad_value_of_the_probe_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    for args in bad_values(tmp_path):
+        base = [] if "--consolidate" in args else ["--preset", "tiny", "--steps", "2", "--out", str(tmp_path / "out")]
+        code = T.main(base + args)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, (args, code, err)
+    assert not (tmp_path / "out").exists()                           # nothing was started
+
+
+def test_a_held_out_set_too_small_for_evaluation_is_a_warning_naming_it(tmp_path, capsys):
+    shard(tmp_path / "c4-validation.00000-of-00001.json.gz", [doc(0, text="one tiny document")])
+    T.fixed_sequences([str(tmp_path / "c4-validation.00000-of-00001.json.gz")], T.ByteTokenizer(), 32, 8)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the held-out set (c4-validation.00000-of-00001.json.gz) is smaller")
+    _, val_files = T.resolve_data_files("sample")                   # the bundled one is large enough
+    T.fixed_sequences(val_files, T.ByteTokenizer(), 32, 8)
+    assert capsys.readouterr().err == ""

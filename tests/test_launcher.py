@@ -7,6 +7,7 @@ One test runs the real train_c4.py with --preset tiny when it exists.
 import fcntl
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -437,8 +438,10 @@ def test_dry_run_of_quick_demo_and_multi_gpu_default_trainer(tmp_path):
 def test_summary_runs_nothing_and_shows_the_report(tmp_path):
     out = tmp_path / "runs"
     args = ("--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0")
-    r = launch(tmp_path, "--summary", *args)
-    assert r.returncode == 0 and "does not exist yet" in r.stdout and not out.exists()
+    for missing_or_empty in (out, tmp_path):
+        r = launch(tmp_path, "--summary", *args, "--out", missing_or_empty)
+        assert r.returncode == 2 and "no matrix has run in" in r.stderr and "not started" not in r.stdout
+    assert not out.exists()
     assert launch(tmp_path, *args).returncode == 0
     report = tmp_path / "report.py"
     report.write_text("import pathlib, sys\nprint('RESULTS TABLE')\n"
@@ -466,6 +469,53 @@ def test_bad_flags_give_usage_and_exit_2(tmp_path, args):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Usage:" in r.stderr and "error:" in r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["--methods", ""], ["--seeds", ""], ["--depths", ""], ["--dry-run", "--out", "/proc/nope"],
+    ["--dry-run", "--out", "A_FILE"], ["--dry-run", "--out", "A_FILE/under"], ["--out", "A_FILE/under"],
+])
+def test_empty_lists_and_an_unusable_out_are_refused_before_anything_runs(tmp_path, args):
+    (tmp_path / "a-file").write_text("x")
+    r = launch(tmp_path, *[str(tmp_path / "a-file") + a[6:] if a.startswith("A_FILE") else a for a in args])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "error:" in r.stderr and ("must not be empty" in r.stderr or "--out" in r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]     # no run folder, no probe left behind
+
+
+def generated_dry_runs(count=24, seed=20):
+    """Launcher command lines drawn from good and bad values of each flag (a fixed seed: the same table each run)."""
+    values = {"--methods": ["hc", "baseline,mhc", "", ",", "hc,,mhc", "x"], "--depths": ["2", "0", "-1", "", "2,x"],
+              "--seeds": ["1", "0,1", "", "-1", "1e3"], "--steps": ["5", "0", "1e23", ""],
+              "--stagger": ["0", "0.5", "-1", "nan"], "--max-retries": ["0", "-1", "x"],
+              "--gpus": ["0", "0,1", "", "a"], "--out": ["OUT", "/proc/nope", "A_FILE", "A_FILE/under", ""],
+              "--price-per-gpu-hour": ["2.49", "-1", "inf"]}
+    rng = random.Random(seed)
+    table = []
+    for _ in range(count):
+        flags = rng.sample(sorted(values), rng.randint(1, 4))
+        table.append(["--dry-run"] + [item for flag in flags for item in (flag, rng.choice(values[flag]))])
+    return table
+
+
+@pytest.mark.parametrize("args", generated_dry_runs(), ids=lambda args: " ".join(args[1:]) or "none")
+def test_generated_dry_runs_plan_or_give_one_error(tmp_path, args):
+    """Exit 0 with a plan, or exit 2 with an error and the usage; never a bash error, never anything written."""
+    (tmp_path / "a-file").write_text("x")
+    args = [str(tmp_path / "runs") if a == "OUT" else a.replace("A_FILE", str(tmp_path / "a-file")) for a in args]
+    r = launch(tmp_path, *args)
+    assert r.returncode in (0, 2), r.stdout + r.stderr
+    assert not re.search(r"line \d+:|unbound variable|syntax error|Traceback", r.stderr), r.stderr
+    assert ("Dry run: nothing was launched" in r.stdout) if r.returncode == 0 else ("error:" in r.stderr and "Usage:" in r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_probe_that_fails_silently_is_quarantined_with_a_reason(tmp_path):
+    out = tmp_path / "runs"
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_PROBE="false")       # exit 1, prints nothing
+    launch(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", env=env)
+    reasons = [text for _, _, text in events(out, "QUARANTINE")]
+    assert reasons and reasons[0].startswith("gpu=0 failed the start-up probe: exit status 1, no output;"), reasons
 
 
 @pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh", ROOT / "benchmarks" / "gpu_check.sh",

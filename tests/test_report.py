@@ -488,3 +488,45 @@ def test_two_real_tiny_runs_are_reported(tmp_path):
     for png in ("amax.png", "loss.png", "grad_norm.png", "layer_gains.png"):
         data = (tmp_path / "report" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_malformed_metrics_are_named_with_the_file_and_line(tmp_path, capsys):
+    """An empty file, all-NaN values, strings, negative and repeated steps: each one warning naming where."""
+    write_run(tmp_path, "hc_d4_s1", [])
+    nan = write_run(tmp_path, "hc_d4_s2", [train(1, 0.0, math.nan, 0.5, 10), train(2, 1.0, None, 0.5, 20)])
+    odd = write_run(tmp_path, "mhc_d4_s1", [
+        train(1, 0.0, 4.0, 0.5, 10), {**train(2, 1.0, "abc", 0.5, 20)}, train(-3, 2.0, 1.0, 0.5, 30),
+        train(3, 3.0, 2.0, 0.5, 30), train(3, 4.0, 1.5, 0.5, 30)])
+    rows = report.collect(tmp_path)
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'hc_d4_s1' / 'metrics.jsonl'}: empty, no step logged yet" in err
+    assert f"{nan / 'metrics.jsonl'}: every loss value (2) is NaN, infinite or missing" in err
+    assert f"{odd / 'metrics.jsonl'}:2: loss is not a number ('abc'), read as missing" in err
+    assert f"{odd / 'metrics.jsonl'}:3: negative step, line skipped" in err
+    assert f"{odd / 'metrics.jsonl'}:5: step 3 logs loss a second time; the later value is kept" in err
+    mhc = next(row for row in rows if row.method == "mhc")
+    assert mhc.runs[0].final_loss == 1.5                  # the later of the two step-3 lines
+    capsys.readouterr()
+    hc_seed1(tmp_path / "clean")                          # val on its own line at a training step: no warning
+    report.collect(tmp_path / "clean")
+    assert capsys.readouterr().err == ""
+
+
+JUNK = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**20),
+                 st.text(max_size=5), st.booleans(), st.lists(st.floats(), max_size=3), st.just({}))
+METRIC_LINE = st.one_of(
+    st.fixed_dictionaries({"step": st.integers(-3, 6)},
+                          optional={k: JUNK for k in ("time", "loss", "grad_norm", "clipped", "val_loss", "amax_fwd",
+                                                       "amax_bwd", "tokens", "layer_gain_fwd")}).map(json.dumps),
+    st.sampled_from(["", "not json", '{"step": "x"}', "[]", '{"loss": 1}', '{"step": 1, "time": "yesterday"}']))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(METRIC_LINE, max_size=8), min_size=1, max_size=3), st.sampled_from(["hc", "mhc", "baseline"]))
+def test_random_metrics_files_give_a_report_never_a_traceback(tmp_path_factory, files, method):
+    """Any mix of malformed lines and values in any number of runs: a table (exit 0), never a traceback."""
+    root = tmp_path_factory.mktemp("fuzz")
+    for seed, lines in enumerate(files):
+        write_run(root, f"{method}_d4_s{seed}", [])
+        (root / f"{method}_d4_s{seed}" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    assert report.main([str(root), "--no-plots"]) == 0
