@@ -103,6 +103,7 @@ class Config:
     seed: int = 42
     # data
     data: str = "c4"
+    val_data: str = ""
     tokenizer: str = "gpt2"
     data_seed: int = 1234
     data_streams: int = 8
@@ -178,7 +179,11 @@ HELP = dict(
     no_mixing_decay="no weight decay on the dynamic mixing weights (HC's W_m, W_r, W_b; mHC's phi), which are "
     "otherwise decayed like every weight matrix",
     seed="model initialisation seed", data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
-    "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
+    "of C4-format .json/.json.gz files; files with 'validation' in their names are held out, never trained on",
+    val_data="a path/glob of C4-format files for validation and the probe (never trained on); without it and "
+    "without 'validation' files, a fixed slice of the training documents, chosen by a hash of their text, is "
+    "held out instead (README, Data)",
+    tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
     data_streams="disjoint virtual data streams; the number of processes must divide it",
     data_workers="loader processes per rank, each reading and tokenizing its share of the rank's streams "
@@ -717,6 +722,9 @@ GPT2_HASHES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0
 C4_HUB = "hf://datasets/allenai/c4/en"
 C4_TRAIN_SHARDS, C4_VALIDATION_SHARDS = 1024, 8
 HUB_RETRIES, HUB_MAX_BACKOFF_S = 6, 60         # about two minutes of retries before exit 6
+# training files without held-out files give up 1 document in this many for validation: about 3,500 of a
+# C4 shard, more than the default eval set (640 sequences of 1,024 tokens) needs, so it reads one shard
+HELD_OUT_EVERY = 100
 
 
 class ByteTokenizer:
@@ -752,25 +760,51 @@ def make_tokenizer(name: str):
     return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
 
 
-def resolve_data_files(data: str) -> tuple[list[str], list[str]]:
-    """(train files, validation files). Local shards named like C4's ("validation" in the name) are held out."""
+@dataclasses.dataclass(frozen=True)
+class DataFiles:
+    """What a run reads. held_out_slice: no held-out files were found, so `val` is the training files and
+    validation reads only their held-out slice (in_held_out_slice), which training skips."""
+    train: list[str]
+    val: list[str]
+    held_out_slice: bool
+
+
+def resolve_data_files(data: str, val_data: str = "") -> DataFiles:
+    """Held out: the files of --val-data, else those of --data with "validation" in their names (C4's
+    convention; never trained on, with or without --val-data), else a slice of the training documents."""
     if data == "c4":
         train = [f"{C4_HUB}/c4-train.{i:05d}-of-{C4_TRAIN_SHARDS:05d}.json.gz" for i in range(C4_TRAIN_SHARDS)]
         val = [f"{C4_HUB}/c4-validation.{i:05d}-of-{C4_VALIDATION_SHARDS:05d}.json.gz"
                for i in range(C4_VALIDATION_SHARDS)]
-        return train, val
-    pattern = str(DATA_DIR / "sample" / "*.json.gz") if data == "sample" else data
+    else:
+        files = local_files("--data", data)
+        val = [f for f in files if "validation" in os.path.basename(f)]
+        train = [f for f in files if f not in val]
+    if val_data:
+        val = local_files("--val-data", val_data)
+        train = [f for f in train if f not in val]
+    if not train:
+        raise ConfigError(f"--data {data!r} leaves no training file: every file it matches is held out "
+                          "('validation' in its name, or in --val-data)")
+    return DataFiles(train, val or train, held_out_slice=not val)
+
+
+def local_files(flag: str, value: str) -> list[str]:
+    pattern = str(DATA_DIR / "sample" / "*.json.gz") if value == "sample" else value
     if os.path.isdir(pattern):
         pattern = os.path.join(pattern, "*.json*")
     files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
     if not files:
-        raise ConfigError(f"--data {data!r} matches no file; give a C4-format .json/.json.gz path or glob")
-    val = [f for f in files if "validation" in os.path.basename(f)]
-    train = [f for f in files if f not in val]
-    if not train or not val:
-        raise ConfigError(f"--data {data!r} needs both training files and held-out files with 'validation' in "
-                          f"their names (found {len(train)} and {len(val)})")
-    return train, val
+        raise ConfigError(f"{flag} {value!r} matches no file; give a C4-format .json/.json.gz path or glob")
+    return files
+
+
+def in_held_out_slice(text: str) -> bool:
+    """Whether a document is in the held-out slice: 1 in HELD_OUT_EVERY, decided by a hash of its text alone,
+    so the slice is the same for every run, rank, world size and resume, needs no state in a checkpoint, and
+    repeated copies of a document all fall on the same side."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % HELD_OUT_EVERY == 0
 
 
 def parse_c4_line(line: str) -> str | None:
@@ -790,9 +824,12 @@ class DocumentStream:
     Shard order is shuffled per epoch; documents pass through our own shuffle buffer, whose contents
     and RNG state are part of the saved state (datasets' own shuffle buffer is not resumable)."""
 
-    def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int):
-        """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order."""
+    def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int,
+                 held_out: bool | None = None):
+        """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order; held_out
+        True reads only the held-out slice's documents (in_held_out_slice), False all but those, None all."""
         self.files, self.rank, self.world, self.seed, self.buffer_size = files, rank, world, seed, buffer_size
+        self.held_out = held_out
         self.remote = any(f.startswith("hf://") for f in files)
         self.epoch, self.position, self.buffer, self.skipped = 0, None, [], 0
         self.rng = torch.Generator().manual_seed((seed or 0) * 1_000_003 + rank)
@@ -820,6 +857,8 @@ class DocumentStream:
                     text = parse_c4_line(row["text"][0])
                     if text is None:
                         self.skipped += 1
+                        continue
+                    if self.held_out is not None and in_held_out_slice(text) != self.held_out:
                         continue
                     usable += 1
                     self.buffer.append(text)
@@ -905,10 +944,12 @@ class RankBatches:
     r, r + world, ...). So 1, 2 or 8 processes train on exactly the same sequences at every step, and
     a checkpoint saved with one world size resumes exactly with another."""
 
-    def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int):
-        self.recipe = (files, tokenizer, cfg, rank, world, micro)      # what a loader process rebuilds it from
-        count = cfg.data_streams
-        self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer),
+    def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int,
+                 skip_held_out: bool = False):
+        # what a loader process rebuilds it from
+        self.recipe = (files, tokenizer, cfg, rank, world, micro, skip_held_out)
+        count, held_out = cfg.data_streams, False if skip_held_out else None
+        self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer, held_out),
                                         tokenizer, cfg.seq_len) for v in range(rank, count, world)}
         self.owners = [p % count for p in range(rank, cfg.batch_size, world)]
         self.micro, self.cursor = micro, 0
@@ -1126,9 +1167,11 @@ def start_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Prefetc
     return Prefetcher(batches, cfg.prefetch, cfg.data_timeout, pin_memory)
 
 
-def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `count` windows of the held-out files in file order: the same for every run and every eval."""
-    windows = TokenWindows(DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0), tokenizer, seq_len)
+def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` windows of the held-out documents in file order: the same for every run and eval."""
+    documents = DocumentStream(data.val, rank=0, world=1, seed=None, buffer_size=0,
+                               held_out=True if data.held_out_slice else None)
+    windows = TokenWindows(documents, tokenizer, seq_len)
     sequences = windows.take(count)
     return sequences[:, :-1], sequences[:, 1:]
 
@@ -2282,20 +2325,20 @@ class Progress:
 
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum = batch_plan(cfg, dist.world)
-    train_files, val_files = resolve_data_files(cfg.data)
+    data = resolve_data_files(cfg.data, cfg.val_data)
     run_dir = Path(cfg.out) / cfg.run_name
     check_resumable(run_dir, cfg)
     dtype = compute_dtype(cfg, dist.device)
     use_flash = use_flash_attention(cfg, dist.device, dtype)
     tokenizer = make_tokenizer(cfg.tokenizer)
-    val = fixed_sequences(val_files, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg, use_flash).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay), lr=cfg.lr, betas=(0.9, 0.95),
                                   fused=dist.device.type == "cuda")
     micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
-    batches = RankBatches(train_files, tokenizer, cfg, dist.rank, dist.world, micro)
+    batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
     params = count_parameters(cfg)
     trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir, gpu_peak_flops(dist.device),
@@ -2305,11 +2348,11 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
-    announce(trainer, params, record)
+    announce(trainer, params, record, data)
     return trainer
 
 
-def announce(trainer: Trainer, params: dict, record: dict) -> None:
+def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
     cfg, log = trainer.cfg, trainer.log
     tokens_per_step = cfg.batch_size * cfg.seq_len
     log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
@@ -2324,6 +2367,14 @@ def announce(trainer: Trainer, params: dict, record: dict) -> None:
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
     log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({cfg.data_streams // trainer.dist.world} per process, "
              f"{loader} each), data seed {cfg.data_seed}")
+    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
+
+
+def held_out_source(data: DataFiles, val_data: str) -> str:
+    if data.held_out_slice:
+        return (f"1 document in {HELD_OUT_EVERY} of the training files (by a hash of its text), never trained on; "
+                "the first of them in file order")
+    return f"{len(data.val)} file(s) " + (f"of --val-data {val_data!r}" if val_data else "named 'validation'")
 
 
 def train(cfg: Config) -> None:
