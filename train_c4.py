@@ -1621,9 +1621,26 @@ def start_wandb(cfg: Config, run_dir: Path, config_record: dict, log: RunLog):
 # ----------------------------------------------------------------------------------------------
 # training loop: AdamW, warm-up + cosine, accumulation, pre-clip gradient norm, eval, probe, checkpoints
 
-# dense bf16 peak of one GPU, for MFU; a GPU not listed gets mfu = null rather than a guess
-GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
-                       "B200": 2250e12, "L40S": 362e12}
+# dense bf16 peak of one GPU (NVIDIA's spec sheets: half the figure "with sparsity"), for MFU, keyed by the
+# exact name torch.cuda.get_device_name and nvidia-smi report: the three H100s differ by a third, so a
+# GPU not listed gets mfu = null rather than a neighbour's peak
+GPU_PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,            # H100 SXM
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,                      # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L40S": 362e12,
+}
+ASSUMED_GPU = "NVIDIA H100 80GB HBM3"          # what time estimates assume where no GPU can be asked
+# run_experiments.sh's planner looks this key up when nvidia-smi names no GPU; no device is named so
+GPU_PEAK_BF16_FLOPS["H100"] = GPU_PEAK_BF16_FLOPS[ASSUMED_GPU]
 # keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
@@ -1988,11 +2005,13 @@ def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
     return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
 
 
-def gpu_peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
+    return GPU_PEAK_BF16_FLOPS.get(name)
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -2062,7 +2081,7 @@ def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flas
     import tiktoken
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
-            "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
+            "device_name": device_name(dist.device),
             "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
             "attention": "flash" if use_flash else "sdpa",
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -2341,7 +2360,8 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
     params = count_parameters(cfg)
     trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
-                      micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir, gpu_peak_flops(dist.device),
+                      micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir,
+                      gpu_peak_flops(device_name(dist.device)),
                       flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
     record = run_record(cfg, micro, dist, dtype, use_flash, params)
@@ -2480,13 +2500,15 @@ def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
 
 
 def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H100 (assumed: no CUDA device here)"
-    peak = next((p for key, p in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
-    if peak:
-        tokens_per_s = ASSUMED_MFU * peak * world / flops
-        print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name}: {tokens_per_s:,.0f} tokens/s, "
-              f"{cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
-              f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    peak = gpu_peak_flops(name or ASSUMED_GPU)
+    if not peak:
+        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
+        return
+    tokens_per_s = ASSUMED_MFU * peak * world / flops
+    print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
+          f"{tokens_per_s:,.0f} tokens/s, {cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
+          f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
 
 
 def check_injected_device_fault() -> None:
