@@ -57,18 +57,6 @@ if [[ ! -e $stamp ]]; then
   touch "$stamp"
 fi
 
-if [[ $FLASH_ATTN != none ]] && ! .venv/bin/python -c 'import flash_attn' 2>/dev/null; then
-  wheel_only=(--only-binary flash-attn)
-  [[ $FLASH_ATTN == build ]] && wheel_only=()
-  # no build isolation: a source build compiles against the torch installed above
-  .venv/bin/python -m pip install --quiet --no-build-isolation "${wheel_only[@]}" -r requirements-gpu.txt \
-    "${lock[@]}" || {
-    echo "setup.sh: flash-attn did not install (no wheel fits: put one in PIP_FIND_LINKS, or pass --build-flash-attn);" \
-      "the rest of .venv is ready and trains with PyTorch SDPA attention" >&2
-    exit 1
-  }
-fi
-
 .venv/bin/python - <<'PY'
 import torch
 import train_c4 as T
@@ -98,4 +86,17 @@ for number, name in enumerate(names, 1):
     print(f"setup.sh: C4 shard {number}/{len(names)} ready: {folder}/{name}", flush=True)
 print(f"setup.sh: train on the local copy with --data '{folder}/en/*.json.gz' (and HF_HUB_OFFLINE=1)")
 PY
+fi
+
+# last, so that a failed opt-in leaves everything else done
+if [[ $FLASH_ATTN != none ]] && ! .venv/bin/python -c 'import flash_attn' 2>/dev/null; then
+  wheel_only=(--only-binary flash-attn)
+  [[ $FLASH_ATTN == build ]] && wheel_only=()
+  # no build isolation: a source build compiles against the torch installed above
+  .venv/bin/python -m pip install --quiet --no-build-isolation "${wheel_only[@]}" -r requirements-gpu.txt \
+    "${lock[@]}" || {
+    echo "setup.sh: flash-attn did not install (pip's reason above; without --build-flash-attn only a prebuilt wheel" \
+      "is taken, from PIP_FIND_LINKS); the rest is ready and trains with PyTorch SDPA attention" >&2
+    exit 1
+  }
 fi
