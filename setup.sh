@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# One-command set-up: a .venv with the pinned requirements (re-runs skip what is already installed),
-# flash-attn only where nvidia-smi finds a GPU, then a tiny forward pass to prove the install works.
+# One-command set-up: a .venv with every package at its version in requirements-lock.txt (re-runs skip
+# what is already installed), then a tiny forward pass to prove the install works.
 #
-#   bash setup.sh                    runtime dependencies
-#   bash setup.sh --dev              plus the test tools (pytest, hypothesis, shellcheck)
-#   bash setup.sh --prefetch-c4 N    also download the first N C4 train shards and the 8 validation
-#                                    shards once (~320 MB each train shard) into --c4-dir (default data/c4)
+#   bash setup.sh                     runtime dependencies
+#   bash setup.sh --dev               plus the test tools (pytest, hypothesis, shellcheck)
+#   bash setup.sh --flash-attn        plus flash-attn 2, from a prebuilt wheel only: PyPI has none, so put the
+#                                     wheel for your torch, CUDA and Python where pip finds it (PIP_FIND_LINKS)
+#   bash setup.sh --build-flash-attn  plus flash-attn 2, built from source when no wheel fits (hours without ninja)
+#   bash setup.sh --prefetch-c4 N     also download the first N C4 train shards and the 8 validation
+#                                     shards once (~320 MB each train shard) into --c4-dir (default data/c4)
+# Without a flash-attn flag it is never installed, on a GPU node neither: PyTorch's SDPA attention is used.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 
 DEV=0
+FLASH_ATTN=none
 PREFETCH=0
 C4_DIR=data/c4
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dev) DEV=1 ;;
+    --flash-attn) [[ $FLASH_ATTN == build ]] || FLASH_ATTN=wheel ;;
+    --build-flash-attn) FLASH_ATTN=build ;;
     --prefetch-c4)
       [[ ${2:-} =~ ^[0-9]+$ && $2 -ge 1 && $2 -le 1024 ]] ||
         { echo "setup.sh: --prefetch-c4 needs a shard count from 1 to 1024" >&2; exit 2; }
@@ -39,20 +46,15 @@ fi
 
 requirements=requirements.txt
 [[ $DEV == 1 ]] && requirements="requirements-dev.txt"
+# every package, dependencies of dependencies included, at the version of the lock (a constraint installs
+# nothing by itself), so nodes set up weeks apart run the same code
+lock=(-c requirements-lock.txt)
 # the stamp names exactly what was installed, so an unchanged re-run costs no pip call at all
-stamp=".venv/.installed-$(cat requirements.txt "$requirements" | sha256sum | cut -c1-16)"
+stamp=".venv/.installed-$(cat requirements.txt "$requirements" requirements-lock.txt | sha256sum | cut -c1-16)"
 if [[ ! -e $stamp ]]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -r "$requirements"
+  .venv/bin/python -m pip install --quiet -r "$requirements" "${lock[@]}"
   touch "$stamp"
-fi
-
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  if ! .venv/bin/python -c 'import flash_attn' 2>/dev/null; then
-    echo "setup.sh: GPU found, installing flash-attn (a source build can take a while)"
-    .venv/bin/python -m pip install --quiet --no-build-isolation -r requirements-gpu.txt ||
-      echo "setup.sh: warning: flash-attn did not install; training uses PyTorch SDPA attention instead" >&2
-  fi
 fi
 
 .venv/bin/python - <<'PY'
@@ -84,4 +86,17 @@ for number, name in enumerate(names, 1):
     print(f"setup.sh: C4 shard {number}/{len(names)} ready: {folder}/{name}", flush=True)
 print(f"setup.sh: train on the local copy with --data '{folder}/en/*.json.gz' (and HF_HUB_OFFLINE=1)")
 PY
+fi
+
+# last, so that a failed opt-in leaves everything else done
+if [[ $FLASH_ATTN != none ]] && ! .venv/bin/python -c 'import flash_attn' 2>/dev/null; then
+  wheel_only=(--only-binary flash-attn)
+  [[ $FLASH_ATTN == build ]] && wheel_only=()
+  # no build isolation: a source build compiles against the torch installed above
+  .venv/bin/python -m pip install --quiet --no-build-isolation "${wheel_only[@]}" -r requirements-gpu.txt \
+    "${lock[@]}" || {
+    echo "setup.sh: flash-attn did not install (pip's reason above; without --build-flash-attn only a prebuilt wheel" \
+      "is taken, from PIP_FIND_LINKS); the rest is ready and trains with PyTorch SDPA attention" >&2
+    exit 1
+  }
 fi

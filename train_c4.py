@@ -111,6 +111,7 @@ class Config:
     allow_changed_settings: bool = False
     # data
     data: str = "c4"
+    val_data: str = ""
     tokenizer: str = "gpt2"
     data_seed: int = 1234
     data_streams: int = 8
@@ -189,7 +190,11 @@ HELP = dict(
     allow_changed_settings="resume a run folder although its training settings (lr, steps, batch, schedule, seed, "
     "data) differ from this command's; the change is recorded in the run folder (settings_changes.jsonl)",
     data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
-    "of C4-format .json/.json.gz files", tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
+    "of C4-format .json/.json.gz files; files with 'validation' in their names are held out, never trained on",
+    val_data="a path/glob of C4-format files for validation and the probe (never trained on); without it and "
+    "without 'validation' files, a fixed slice of the training documents, chosen by a hash of their text, is "
+    "held out instead (README, Data)",
+    tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
     data_streams="disjoint virtual data streams; the number of processes must divide it",
     data_workers="loader processes per rank, each reading and tokenizing its share of the rank's streams "
@@ -219,7 +224,7 @@ FLAG_GROUPS = {
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "attn", "dtype"),
     "optimisation": ("batch_size", "micro_batch_size", "steps", "lr", "warmup", "min_lr_ratio", "weight_decay",
                      "grad_clip", "no_mixing_decay", "seed", "compile", "activation_checkpointing"),
-    "data": ("data", "tokenizer", "data_seed", "data_streams", "data_workers", "prefetch", "data_timeout",
+    "data": ("data", "val_data", "tokenizer", "data_seed", "data_streams", "data_workers", "prefetch", "data_timeout",
              "shuffle_buffer"),
     "measurement and logging": ("eval_every", "eval_batches", "metrics_every", "layer_metrics_every",
                                 "probe_sequences", "log_every", "wandb", "wandb_project"),
@@ -788,6 +793,9 @@ GPT2_HASHES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0
 C4_HUB = "hf://datasets/allenai/c4/en"
 C4_TRAIN_SHARDS, C4_VALIDATION_SHARDS = 1024, 8
 HUB_RETRIES, HUB_MAX_BACKOFF_S = 6, 60         # about two minutes of retries before exit 6
+# training files without held-out files give up 1 document in this many for validation: about 3,500 of a
+# C4 shard, more than the default eval set (640 sequences of 1,024 tokens) needs, so it reads one shard
+HELD_OUT_EVERY = 100
 
 
 class ByteTokenizer:
@@ -823,25 +831,51 @@ def make_tokenizer(name: str):
     return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
 
 
-def resolve_data_files(data: str) -> tuple[list[str], list[str]]:
-    """(train files, validation files). Local shards named like C4's ("validation" in the name) are held out."""
+@dataclasses.dataclass(frozen=True)
+class DataFiles:
+    """What a run reads. held_out_slice: no held-out files were found, so `val` is the training files and
+    validation reads only their held-out slice (in_held_out_slice), which training skips."""
+    train: list[str]
+    val: list[str]
+    held_out_slice: bool
+
+
+def resolve_data_files(data: str, val_data: str = "") -> DataFiles:
+    """Held out: the files of --val-data, else those of --data with "validation" in their names (C4's
+    convention; never trained on, with or without --val-data), else a slice of the training documents."""
     if data == "c4":
         train = [f"{C4_HUB}/c4-train.{i:05d}-of-{C4_TRAIN_SHARDS:05d}.json.gz" for i in range(C4_TRAIN_SHARDS)]
         val = [f"{C4_HUB}/c4-validation.{i:05d}-of-{C4_VALIDATION_SHARDS:05d}.json.gz"
                for i in range(C4_VALIDATION_SHARDS)]
-        return train, val
-    pattern = str(DATA_DIR / "sample" / "*.json.gz") if data == "sample" else data
+    else:
+        files = local_files("--data", data)
+        val = [f for f in files if "validation" in os.path.basename(f)]
+        train = [f for f in files if f not in val]
+    if val_data:
+        val = local_files("--val-data", val_data)
+        train = [f for f in train if f not in val]
+    if not train:
+        raise ConfigError(f"--data {data!r} leaves no training file: every file it matches is held out "
+                          "('validation' in its name, or in --val-data)")
+    return DataFiles(train, val or train, held_out_slice=not val)
+
+
+def local_files(flag: str, value: str) -> list[str]:
+    pattern = str(DATA_DIR / "sample" / "*.json.gz") if value == "sample" else value
     if os.path.isdir(pattern):
         pattern = os.path.join(pattern, "*.json*")
     files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
     if not files:
-        raise ConfigError(f"--data {data!r} matches no file; give a C4-format .json/.json.gz path or glob")
-    val = [f for f in files if "validation" in os.path.basename(f)]
-    train = [f for f in files if f not in val]
-    if not train or not val:
-        raise ConfigError(f"--data {data!r} needs both training files and held-out files with 'validation' in "
-                          f"their names (found {len(train)} and {len(val)})")
-    return train, val
+        raise ConfigError(f"{flag} {value!r} matches no file; give a C4-format .json/.json.gz path or glob")
+    return files
+
+
+def in_held_out_slice(text: str) -> bool:
+    """Whether a document is in the held-out slice: 1 in HELD_OUT_EVERY, decided by a hash of its text alone,
+    so the slice is the same for every run, rank, world size and resume, needs no state in a checkpoint, and
+    repeated copies of a document all fall on the same side."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % HELD_OUT_EVERY == 0
 
 
 def parse_c4_line(line: str) -> str | None:
@@ -861,9 +895,12 @@ class DocumentStream:
     Shard order is shuffled per epoch; documents pass through our own shuffle buffer, whose contents
     and RNG state are part of the saved state (datasets' own shuffle buffer is not resumable)."""
 
-    def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int):
-        """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order."""
+    def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int,
+                 held_out: bool | None = None):
+        """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order; held_out
+        True reads only the held-out slice's documents (in_held_out_slice), False all but those, None all."""
         self.files, self.rank, self.world, self.seed, self.buffer_size = files, rank, world, seed, buffer_size
+        self.held_out = held_out
         self.remote = any(f.startswith("hf://") for f in files)
         self.epoch, self.position, self.buffer, self.skipped = 0, None, [], 0
         self.rng = torch.Generator().manual_seed((seed or 0) * 1_000_003 + rank)
@@ -891,6 +928,8 @@ class DocumentStream:
                     text = parse_c4_line(row["text"][0])
                     if text is None:
                         self.skipped += 1
+                        continue
+                    if self.held_out is not None and in_held_out_slice(text) != self.held_out:
                         continue
                     usable += 1
                     self.buffer.append(text)
@@ -976,10 +1015,12 @@ class RankBatches:
     r, r + world, ...). So 1, 2 or 8 processes train on exactly the same sequences at every step, and
     a checkpoint saved with one world size resumes exactly with another."""
 
-    def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int):
-        self.recipe = (files, tokenizer, cfg, rank, world, micro)      # what a loader process rebuilds it from
-        count = cfg.data_streams
-        self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer),
+    def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int,
+                 skip_held_out: bool = False):
+        # what a loader process rebuilds it from
+        self.recipe = (files, tokenizer, cfg, rank, world, micro, skip_held_out)
+        count, held_out = cfg.data_streams, False if skip_held_out else None
+        self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer, held_out),
                                         tokenizer, cfg.seq_len) for v in range(rank, count, world)}
         self.owners = [p % count for p in range(rank, cfg.batch_size, world)]
         self.micro, self.cursor = micro, 0
@@ -1197,13 +1238,15 @@ def start_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Prefetc
     return Prefetcher(batches, cfg.prefetch, cfg.data_timeout, pin_memory)
 
 
-def fixed_sequences(files: list[str], tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `count` windows of the held-out files in file order: the same for every run and every eval.
-    Read one document at a time, so that the stream's epoch says whether the held-out files ran out."""
-    documents = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
+def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` windows of the held-out documents in file order: the same for every run and every eval.
+    Read one document at a time, so that the stream's epoch says whether the held-out documents ran out."""
+    documents = DocumentStream(data.val, rank=0, world=1, seed=None, buffer_size=0,
+                               held_out=True if data.held_out_slice else None)
     sequences = TokenWindows(documents, tokenizer, seq_len, docs_per_encode=1).take(count)
     if documents.epoch and int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: the held-out set ({', '.join(map(os.path.basename, files))}) is smaller than the {count} "
+        print(f"warning: the held-out set ({', '.join(map(os.path.basename, data.val))}"
+              f"{', its held-out slice' if data.held_out_slice else ''}) is smaller than the {count} "
               f"sequences of {seq_len + 1} tokens evaluation takes (--eval-batches x --batch-size): its documents "
               "repeat, so val_loss and the probe rest on less data than asked", file=sys.stderr, flush=True)
     return sequences[:, :-1], sequences[:, 1:]
@@ -1809,9 +1852,26 @@ def wandb_record(record: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 # training loop: AdamW, warm-up + cosine, accumulation, pre-clip gradient norm, eval, probe, checkpoints
 
-# dense bf16 peak of one GPU, for MFU; a GPU not listed gets mfu = null rather than a guess
-GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
-                       "B200": 2250e12, "L40S": 362e12}
+# dense bf16 peak of one GPU (NVIDIA's spec sheets: half the figure "with sparsity"), for MFU, keyed by the
+# exact name torch.cuda.get_device_name and nvidia-smi report: the three H100s differ by a third, so a
+# GPU not listed gets mfu = null rather than a neighbour's peak
+GPU_PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,            # H100 SXM
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,                      # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L40S": 362e12,
+}
+ASSUMED_GPU = "NVIDIA H100 80GB HBM3"          # what time estimates assume where no GPU can be asked
+# run_experiments.sh's planner looks this key up when nvidia-smi names no GPU; no device is named so
+GPU_PEAK_BF16_FLOPS["H100"] = GPU_PEAK_BF16_FLOPS[ASSUMED_GPU]
 # keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
@@ -1819,7 +1879,7 @@ MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "to
 # them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
 # batches and the maths stay the same.
 TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
-                 "no_mixing_decay", "seed", "data", "data_seed", "data_streams", "shuffle_buffer")
+                 "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
 
 
 # ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto), the time and cost of a matrix
@@ -2181,11 +2241,13 @@ def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
     return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
 
 
-def gpu_peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
+    return GPU_PEAK_BF16_FLOPS.get(name)
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -2274,7 +2336,7 @@ def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flas
     import tiktoken
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
-            "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
+            "device_name": device_name(dist.device),
             "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
             "attention": "flash" if use_flash else "sdpa",
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -2598,34 +2660,34 @@ def check_writable_folder(folder: Path, what: str) -> None:
         raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
 
 
-def preflight(cfg: Config, dist: Dist) -> tuple[int, int, list[str], list[str]]:
-    """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, train files,
-    validation files). A bad setting ends here with one line, before anything is allocated; only --out is created."""
+def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
+    """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, the files). A bad setting ends here with one line, before anything is allocated; only --out is created."""
     micro, accum = batch_plan(cfg, dist.world)
     check_memory(cfg, dist, micro)
-    train_files, val_files = resolve_data_files(cfg.data)
+    data = resolve_data_files(cfg.data, cfg.val_data)
     check_writable_folder(Path(cfg.out), "--out")
-    return micro, accum, train_files, val_files
+    return micro, accum, data
 
 
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
-    micro, accum, train_files, val_files = preflight(cfg, dist)
+    micro, accum, data = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
     changes = check_resumable(run_dir, cfg)
     dtype = compute_dtype(cfg, dist.device)
     use_flash = use_flash_attention(cfg, dist.device, dtype)
     tokenizer = make_tokenizer(cfg.tokenizer)
-    val = fixed_sequences(val_files, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg, use_flash).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay), lr=cfg.lr, betas=(0.9, 0.95),
                                   fused=dist.device.type == "cuda")
     micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
-    batches = RankBatches(train_files, tokenizer, cfg, dist.rank, dist.world, micro)
+    batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
     params = count_parameters(cfg)
     trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
-                      micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir, gpu_peak_flops(dist.device),
+                      micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir,
+                      gpu_peak_flops(device_name(dist.device)),
                       flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
     record_setting_changes(run_dir, changes, trainer.log, trainer.step)
@@ -2633,11 +2695,11 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
-    announce(trainer, params, record)
+    announce(trainer, params, record, data)
     return trainer
 
 
-def announce(trainer: Trainer, params: dict, record: dict) -> None:
+def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
     cfg, log = trainer.cfg, trainer.log
     tokens_per_step = cfg.batch_size * cfg.seq_len
     log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
@@ -2652,6 +2714,14 @@ def announce(trainer: Trainer, params: dict, record: dict) -> None:
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
     log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({cfg.data_streams // trainer.dist.world} per process, "
              f"{loader} each), data seed {cfg.data_seed}")
+    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
+
+
+def held_out_source(data: DataFiles, val_data: str) -> str:
+    if data.held_out_slice:
+        return (f"1 document in {HELD_OUT_EVERY} of the training files (by a hash of its text), never trained on; "
+                "the first of them in file order")
+    return f"{len(data.val)} file(s) " + (f"of --val-data {val_data!r}" if val_data else "named 'validation'")
 
 
 def train(cfg: Config) -> None:
@@ -2761,13 +2831,15 @@ def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
 
 
 def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H100 (assumed: no CUDA device here)"
-    peak = next((p for key, p in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
-    if peak:
-        tokens_per_s = ASSUMED_MFU * peak * world / flops
-        print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name}: {tokens_per_s:,.0f} tokens/s, "
-              f"{cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
-              f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    peak = gpu_peak_flops(name or ASSUMED_GPU)
+    if not peak:
+        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
+        return
+    tokens_per_s = ASSUMED_MFU * peak * world / flops
+    print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
+          f"{tokens_per_s:,.0f} tokens/s, {cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
+          f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
 
 
 def check_injected_device_fault() -> None:

@@ -34,10 +34,11 @@ def gpu_tokens_per_second(depth: int) -> float:
 def measure(data: str, streams: int, seconds: float, micro: int, workers: int) -> tuple[float, float]:
     """(tokens/s delivered, CPU seconds the training process spends per million tokens: with a thread the
     reading and tokenizing, with loader processes only the receiving)."""
-    train_files, _ = T.resolve_data_files(data)
+    files = T.resolve_data_files(data)
     cfg = T.parse_config(["--data", data, "--data-streams", str(streams), "--batch-size", str(streams * micro),
                           "--micro-batch-size", str(micro)])
-    loader = T.RankBatches(train_files, T.GPT2Tokenizer(), cfg, rank=0, world=1, micro=micro)
+    loader = T.RankBatches(files.train, T.GPT2Tokenizer(), cfg, rank=0, world=1, micro=micro,
+                           skip_held_out=files.held_out_slice)
     loader = T.start_loader(loader, dataclasses.replace(cfg, data_workers=workers), pin_memory=False)
     for _ in range(streams):                       # warm-up: every stream opened and its buffer filled
         loader.next_batch()

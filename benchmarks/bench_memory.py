@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                      "measured_over_planned": None if peak is None else round(peak / plan.allocated, 3)})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        args.json.write_text(json.dumps({"device": T.device_name(device),
                                          "torch": torch.__version__, "rows": rows}, indent=1))
     return 0
 

@@ -191,7 +191,7 @@ def run_timing(args, device: torch.device) -> dict:
             round_median[v.name] = statistics.median(wall for wall, _ in times)
         per_round.append(round_median)
     tokens = args.micro_batch * args.seq
-    peak = T.gpu_peak_flops(device)                     # None on CPU and unknown GPUs: mfu null
+    peak = T.gpu_peak_flops(T.device_name(device))      # None on CPU and unknown GPUs: mfu null
     out = {"variants": {}, "warmup_s": compile_s}
     for v in variants:
         ms = statistics.median(v.times) * 1e3

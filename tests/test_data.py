@@ -2,6 +2,7 @@
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -194,9 +195,47 @@ def test_offline_hub_fails_fast_with_exit_6_and_a_way_out(tmp_path):
 
 
 def test_validation_set_is_fixed_whatever_the_model_seed():
-    _, val_files = T.resolve_data_files("sample")
-    first = T.fixed_sequences(val_files, T.ByteTokenizer(), seq_len=32, count=6)
+    data = T.resolve_data_files("sample")
+    first = T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=6)
     torch.manual_seed(123)
-    second = T.fixed_sequences(val_files, T.ByteTokenizer(), seq_len=32, count=6)
+    second = T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=6)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     assert bytes(first[0][0].tolist()).decode().startswith("As You Like It")
+
+
+def document_ids(windows):
+    """The document ids ("doc-S-D ", repeated in every document) whole in some window: a window cut inside
+    an id leaves either no "doc" or no trailing space, so no id is misread."""
+    return {match for window in windows for match in re.findall(r"doc-\d+-\d+ ", bytes(window.tolist()).decode())}
+
+
+def test_without_validation_files_a_fixed_slice_is_held_out_and_never_trained_on(tmp_path):
+    write_shards(tmp_path, shards=2, docs=400)
+    data = T.resolve_data_files(str(tmp_path / "c4-train.*.json.gz"))
+    assert data.held_out_slice and data.val == data.train
+    everything = {f"doc-{shard}-{doc} " for shard in range(2) for doc in range(400)}
+    held_out = {d for d in everything if T.in_held_out_slice(d * 5)}
+    assert 0 < len(held_out) < 20                                # about 1 in 100
+    val = T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=8)
+    assert document_ids(val[0]) and document_ids(val[0]) <= held_out
+    assert torch.equal(val[0], T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=8)[0])
+    cfg = T.parse_config(["--preset", "tiny", "--data-streams", "2", "--batch-size", "4"])
+    batches = T.RankBatches(data.train, T.ByteTokenizer(), cfg, 0, 1, 4, skip_held_out=data.held_out_slice)
+    trained = set()
+    for _ in range(1000):                     # an epoch is about 300 batches; a second one repeats the first
+        trained |= document_ids(batches.next_batch()[0])
+        if trained >= everything - held_out:
+            break
+    assert trained == everything - held_out
+
+
+def test_val_data_names_the_held_out_files_and_is_never_trained_on(tmp_path):
+    train = write_shards(tmp_path, shards=2)
+    held = write_shards(tmp_path / "held", shards=1, prefix="other")
+    data = T.resolve_data_files(str(tmp_path / "*.json.gz"), val_data=str(tmp_path / "held"))
+    assert (data.train, data.val, data.held_out_slice) == (train, held, False)
+    assert T.resolve_data_files(str(tmp_path / "*.json.gz"), val_data=train[0]).train == train[1:]
+    with pytest.raises(T.ConfigError, match="--val-data .* matches no file"):
+        T.resolve_data_files("sample", val_data=str(tmp_path / "nothing*.json"))
+    with pytest.raises(T.ConfigError, match="leaves no training file"):
+        T.resolve_data_files(train[0], val_data=train[0])

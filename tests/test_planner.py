@@ -194,6 +194,25 @@ def test_estimate_prints_the_plan_without_building_the_model(capsys):
     assert "8 processes, FSDP" in out and "/ 8 ranks" in out and "fsdp all-gathered" in out
 
 
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
+                                        ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+                                        ("NVIDIA H100 80GB HBM3e", None), ("NVIDIA GeForce RTX 4090", None),
+                                        ("cpu", None)])
+def test_gpu_peak_is_the_exact_device_names_and_unknown_devices_get_none(name, peak):
+    """A PCIe H100 is not credited with the SXM's peak; a name not listed gets no MFU rather than a wrong one."""
+    assert T.gpu_peak_flops(name) == peak
+
+
+def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, monkeypatch):
+    T.main(["--estimate", "--depth", "32"])
+    assert "40% MFU on 1 x NVIDIA H100 80GB HBM3 (assumed: no CUDA device here)" in capsys.readouterr().out
+    monkeypatch.setattr(T.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(T.torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A6000")
+    T._print_time_estimate(T.parse_config([]), world=1, flops=1e10)
+    assert "no estimate, the dense bf16 peak of NVIDIA RTX A6000 is not known" in capsys.readouterr().out
+
+
 def test_queue_schedule_of_18_jobs_on_8_gpus_by_hand():
     # the --full queue order: seed-major, depth 48 before 32, baseline/hc/mhc; depth 48 takes 3 h, 32 takes 2 h
     hours = [3, 3, 3, 2, 2, 2] * 3

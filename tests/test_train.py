@@ -129,6 +129,7 @@ BAD_INPUTS = [
     (["--width", "30", "--heads", "4"], "not divisible by --heads"),
     (["--batch-size", "6", "--micro-batch-size", "4"], "not divisible by --micro-batch-size"),
     (["--data", "/nonexistent/*.json.gz"], "matches no file"),
+    (["--val-data", "/nonexistent/*.json.gz"], "--val-data '/nonexistent/*.json.gz' matches no file"),
     (["--steps", "ten"], "invalid int value"),
 ]
 
@@ -266,6 +267,27 @@ def test_malformed_lines_are_skipped_and_counted(tmp_path):
     assert "3 malformed or empty lines skipped" in stdout
 
 
+@pytest.mark.slow
+def test_training_files_alone_hold_out_the_same_slice_in_every_run_and_after_a_resume(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    with gzip.open(data / "c4-train.00000-of-00001.json.gz", "wt") as f:
+        f.writelines(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(400))
+    args = ["--residual", "hc", "--data", str(data / "c4-train.*.json.gz"), "--steps", "8", "--ckpt-every", "4",
+            "--eval-every", "4"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    code, stdout, stderr = trainer(first, *args)
+    assert code == 0, stderr
+    assert "held out for validation and the probe: 1 document in 100 of the training files" in stdout
+    # the second run fails at step 6, after its checkpoint at 4, and resumes in two loader processes
+    assert trainer(second, *args, env={"TRAIN_C4_INJECT_NAN": "oom:6"})[0] == 4
+    code, stdout, stderr = trainer(second, *args, "--data-workers", "2")
+    assert code == 0 and "resumed from" in stdout, stderr
+    reference, resumed = (metrics(folder / "hc_d2_s42") for folder in (first, second))
+    assert [r["val_loss"] for r in resumed if "val_loss" in r] and deterministic(resumed) == deterministic(reference)
+
+
 def test_gpt2_tokenizer_is_the_real_one_offline():
     tokenizer = T.GPT2Tokenizer()
     assert tokenizer.encode_batch(["hello world"]) == [[31373, 995]]
@@ -273,7 +295,7 @@ def test_gpt2_tokenizer_is_the_real_one_offline():
 
 
 def sample_batches(rank=0, world=1, data_seed=7, batch=8, micro=4, streams=4):
-    train_files, _ = T.resolve_data_files("sample")
+    train_files = T.resolve_data_files("sample").train
     cfg = T.parse_config(["--preset", "tiny", "--seq-len", "64", "--data-seed", str(data_seed), "--batch-size",
                           str(batch), "--data-streams", str(streams), "--shuffle-buffer", "16"])
     return T.RankBatches(train_files, T.ByteTokenizer(), cfg, rank, world, micro)
