@@ -191,7 +191,7 @@ def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
     marker = json.loads((folder / T.MARKER).read_text())        # an attacker can fix the checksums too
     marker["files"]["model.pt"] = T._sha256(folder / "model.pt")
     (folder / T.MARKER).write_text(json.dumps(marker))
-    code, stdout, stderr = run(tmp_path, "--residual", "mhc", "--steps", "20")
+    code, stdout, stderr = run(tmp_path, "--residual", "mhc", "--steps", "20", "--allow-changed-settings")
     assert not witness.exists()
     assert "step-10 cannot be loaded safely" in stdout
     assert code == 2 and "no checkpoint" in stderr and "is usable" in stderr
@@ -275,7 +275,7 @@ def test_a_damaged_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_p
     else:
         for file in newest.iterdir():
             file.unlink()
-    code, stdout, stderr = run(tmp_path, "--residual", "hc", "--steps", "30")
+    code, stdout, stderr = run(tmp_path, "--residual", "hc", "--steps", "30", "--allow-changed-settings")
     assert code == 0, stderr
     assert "step-20" in stdout and "falling back to the previous one" in stdout and "(step 10," in stdout
 
@@ -441,9 +441,9 @@ def test_every_bad_value_of_the_probe_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_a_held_out_set_too_small_for_evaluation_is_a_warning_naming_it(tmp_path, capsys):
     shard(tmp_path / "c4-validation.00000-of-00001.json.gz", [doc(0, text="one tiny document")])
-    T.fixed_sequences([str(tmp_path / "c4-validation.00000-of-00001.json.gz")], T.ByteTokenizer(), 32, 8)
+    tiny = T.DataFiles(train=[], val=[str(tmp_path / "c4-validation.00000-of-00001.json.gz")], held_out_slice=False)
+    T.fixed_sequences(tiny, T.ByteTokenizer(), 32, 8)
     err = capsys.readouterr().err
     assert err.startswith("warning: the held-out set (c4-validation.00000-of-00001.json.gz) is smaller")
-    _, val_files = T.resolve_data_files("sample")                   # the bundled one is large enough
-    T.fixed_sequences(val_files, T.ByteTokenizer(), 32, 8)
+    T.fixed_sequences(T.resolve_data_files("sample"), T.ByteTokenizer(), 32, 8)   # the bundled one is large enough
     assert capsys.readouterr().err == ""
