@@ -6,7 +6,7 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
     torchrun --nproc_per_node=8 train_c4.py --parallel fsdp  # one run over a whole node
 
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
-exit codes and reliability rules in README.md.
+exit codes and reliability rules in README.md and docs/reliability.md.
 Sections, in order: config/CLI -> model -> instability metrics -> data -> distributed ->
 checkpointing -> logging -> training loop -> main.
 """
@@ -193,7 +193,7 @@ HELP = dict(
     "of C4-format .json/.json.gz files; files with 'validation' in their names are held out, never trained on",
     val_data="a path/glob of C4-format files for validation and the probe (never trained on); without it and "
     "without 'validation' files, a fixed slice of the training documents, chosen by a hash of their text, is "
-    "held out instead (README, Data)",
+    "held out instead (docs/data.md)",
     tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
     data_streams="disjoint virtual data streams; the number of processes must divide it",
@@ -1719,7 +1719,7 @@ class RunLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
         self.bar = None
-        self.live = {}      # what status.json shows of a running run besides its state (README "status.json")
+        self.live = {}      # what status.json shows of a running run besides its state (README, "A run's folder")
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             # the launcher already appends our stdout to train.log; writing it twice would double every line

@@ -23,6 +23,6 @@ def test_the_lock_pins_every_requirement_inside_its_range():
         pins.setdefault(canonicalize_name(pin.name), []).append(pin)
     for wanted in [*requirements("requirements.txt"), *requirements("requirements-dev.txt")]:
         pinned = pins.get(canonicalize_name(wanted.name))
-        assert pinned, f"{wanted.name} is not in requirements-lock.txt: regenerate it (README, Installs)"
+        assert pinned, f"{wanted.name} is not in requirements-lock.txt: regenerate it (docs/installs.md)"
         for pin in pinned:
             assert wanted.specifier.contains(next(iter(pin.specifier)).version, prereleases=True), (wanted, pin)

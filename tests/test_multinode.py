@@ -1,4 +1,4 @@
-"""The README's multi-node command on one machine: two torchrun "nodes" of 2 CPU processes each (gloo), joined
+"""The multi-node command of docs/distributed.md on one machine: two torchrun "nodes" of 2 CPU processes each (gloo), joined
 by a c10d rendezvous on 127.0.0.1, to completion under DDP and FSDP; a SIGTERM to one node's torchrun makes
 every rank of both nodes save and exit 75, and the same command run again resumes to the losses of one process."""
 import json
@@ -31,7 +31,7 @@ def environment(out: Path) -> dict:
 
 
 def start_nodes(out: Path, parallel: str, port: int, *extra: str) -> list[subprocess.Popen]:
-    """Both nodes' torchrun with the README's flags; node 0 hosts the rendezvous."""
+    """Both nodes' torchrun with the documented flags; node 0 hosts the rendezvous."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={RUN}",
                "--shutdown-timeout=60", str(ROOT / "train_c4.py"), *ARGS, "--parallel", parallel, "--out", str(out),
