@@ -2356,13 +2356,44 @@ class StopRequest:
         self.requested = True
 
 
-def fault_injection() -> tuple[str, int, int] | None:
-    """Test hook TRAIN_C4_INJECT_NAN="WHAT:STEP[:RANK]": WHAT is loss, grad or data (made non-finite), hang or oom."""
-    spec = os.environ.get("TRAIN_C4_INJECT_NAN")
-    if not spec:
-        return None
-    where, step, *rank = spec.split(":")
-    return where, int(step), int(rank[0]) if rank else -1
+class Faults:
+    """The test hooks, in one place and consulted at a few named points of a step (without the variables each
+    point does nothing). TRAIN_C4_INJECT_NAN="WHAT:STEP[:RANK]": at optimizer step STEP (on RANK, default all)
+    WHAT is data, loss or grad (made non-finite), hang or oom. TRAIN_C4_FAIL_DEVICES: device ids that behave
+    as dead GPUs (for the launcher's tests)."""
+
+    def __init__(self, rank: int):
+        what, step, *only = (os.environ.get("TRAIN_C4_INJECT_NAN") or "none:0").split(":")
+        self.what, self.step, self.rank = what, int(step), rank
+        self.active = not only or int(only[0]) == rank
+
+    def due(self, what: str, step: int) -> bool:
+        return self.active and self.what == what and self.step == step
+
+    def at_start(self) -> None:
+        failing = set(filter(None, os.environ.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
+        visible = set(filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")))
+        if failing & visible:
+            raise DeviceFailure(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
+                                "TRAIN_C4_FAIL_DEVICES)")
+
+    def on_input(self, model: GPT, step: int):
+        """Token ids cannot hold a NaN: the data fault makes the embedded batch, the data's first floating-point
+        form, non-finite (the hook's handle removes it on leaving the with-block)."""
+        if not self.due("data", step):
+            return contextlib.nullcontext()
+        return model.wte.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+    def on_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        if self.due("hang", step):          # a stuck rank: the others must time out, not wait forever
+            time.sleep(24 * 3600)
+        if self.due("oom", step):           # one rank fails alone: the others must name it and stop
+            raise torch.OutOfMemoryError("injected by TRAIN_C4_INJECT_NAN")
+        return loss * float("nan") if self.due("loss", step) else loss
+
+    def on_gradients(self, model: nn.Module, step: int) -> None:
+        if self.due("grad", step):
+            next(model.parameters()).grad.fill_(float("inf"))
 
 
 @dataclasses.dataclass
@@ -2385,24 +2416,14 @@ class Trainer:
     tokens: int = 0
     wandb_run: object = None
     steady: bool = False        # past the first step: the short collective time-out applies
+    faults: Faults | None = None
 
     def autocast(self):
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
-    def injected(self, inject, fault: str) -> bool:
-        """The TRAIN_C4_INJECT_NAN fault `fault` is due in this step on this rank."""
-        return bool(inject) and inject[0] == fault and inject[1] == self.step + 1 and inject[2] in (-1, self.dist.rank)
-
-    def corrupted_input(self, inject):
-        """Token ids cannot hold a NaN: the injected data fault makes the embedded batch, the data's first
-        floating-point form, non-finite (the hook's handle removes it on leaving the with-block)."""
-        if not self.injected(inject, "data"):
-            return contextlib.nullcontext()
-        return unwrap(self.model).wte.register_forward_hook(lambda module, args, out: out * float("nan"))
-
-    def micro_steps(self, stop: StopRequest, inject) -> torch.Tensor:
+    def micro_steps(self, stop: StopRequest) -> torch.Tensor:
         """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only."""
-        device, loss_sum = self.dist.device, torch.zeros((), device=self.dist.device)
+        device, loss_sum, step = self.dist.device, torch.zeros((), device=self.dist.device), self.step + 1
         for micro_step in range(self.accum):
             x, y = (t.to(device, non_blocking=True) for t in self.batches.next_batch())
             last = micro_step == self.accum - 1
@@ -2410,26 +2431,20 @@ class Trainer:
                 self.model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                with self.autocast(), self.corrupted_input(inject):
+                with self.autocast(), self.faults.on_input(unwrap(self.model), step):
                     _, loss = self.model(x, y)
-                if self.injected(inject, "loss"):
-                    loss = loss * float("nan")
-                if self.injected(inject, "hang"):       # a stuck rank: the others must time out, not wait forever
-                    time.sleep(24 * 3600)
-                if self.injected(inject, "oom"):        # one rank fails alone: the others must name it and stop
-                    raise torch.OutOfMemoryError("injected by TRAIN_C4_INJECT_NAN")
+                loss = self.faults.on_loss(loss, step)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-        if self.injected(inject, "grad"):
-            next(self.model.parameters()).grad.fill_(float("inf"))
+        self.faults.on_gradients(self.model, step)
         stop_flag = torch.tensor(float(stop.requested), device=device)
         return all_ranks_sum(self.dist, torch.stack([loss_sum / (self.accum * self.dist.world), stop_flag]))
 
-    def optimizer_step(self, stop: StopRequest, inject) -> tuple[float, float, bool]:
+    def optimizer_step(self, stop: StopRequest) -> tuple[float, float, bool]:
         lr = lr_at(self.cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_and_stop = self.micro_steps(stop, inject)
+        loss_and_stop = self.micro_steps(stop)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -2550,12 +2565,12 @@ class Trainer:
         return out
 
     def run(self, stop: StopRequest) -> None:
-        inject, progress = fault_injection(), Progress(self)
+        progress = Progress(self)
         if self.step == 0:
             self.log.metrics({"step": 0, "time": time.time(), **self.probe(with_layers=True)})
         while self.step < self.cfg.steps:
             started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.batches.waited
-            loss, norm, stopping = self.optimizer_step(stop, inject)
+            loss, norm, stopping = self.optimizer_step(stop)
             self.step += 1
             self.tokens += self.cfg.batch_size * self.cfg.seq_len
             seconds = time.perf_counter() - started
@@ -2688,7 +2703,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir,
                       gpu_peak_flops(device_name(dist.device)),
-                      flops_per_token(cfg, params["non_embedding"]))
+                      flops_per_token(cfg, params["non_embedding"]), faults=Faults(dist.rank))
     trainer.restore()
     record_setting_changes(run_dir, changes, trainer.log, trainer.step)
     record = run_record(cfg, micro, dist, dtype, use_flash, params)
@@ -2734,7 +2749,7 @@ def train(cfg: Config) -> None:
     log.count_restart()
     log.status("running", trainer.step)
     try:
-        check_injected_device_fault()
+        trainer.faults.at_start()
         trainer.run(stop)
     except Diverged as error:
         log.status("diverged", trainer.step, EXIT_DIVERGED, str(error))
@@ -2840,15 +2855,6 @@ def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
     print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
           f"{tokens_per_s:,.0f} tokens/s, {cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
           f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
-
-
-def check_injected_device_fault() -> None:
-    """Test hook for the launcher: TRAIN_C4_FAIL_DEVICES lists device ids that behave as dead GPUs."""
-    failing = set(filter(None, os.environ.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
-    visible = set(filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")))
-    if failing & visible:
-        raise DeviceFailure(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
-                           "TRAIN_C4_FAIL_DEVICES)")
 
 
 def main(argv: list[str] | None = None) -> int:
