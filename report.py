@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,12 @@ def parse_args(argv):
                         "(default: the HC run with the largest peak amax_fwd)")
     p.add_argument("--no-plots", action="store_true",
                    help="write the table and verdict only (a quick look while jobs run)")
+    p.add_argument("--watch", action="store_true",
+                   help="print the matrix view from the live files (matrix.log, each run's status.json) and write "
+                        "nothing: per GPU the run, step, loss, amax, tokens/s and ETA; done/running/queued/failed, "
+                        "the wall ETA and the dollars spent and to spend")
+    p.add_argument("--stale-after", type=float, default=15.0, metavar="MIN",
+                   help="with --watch: flag a running job whose status.json has not moved for MIN minutes")
     return p.parse_args(argv)
 
 
@@ -1087,6 +1093,115 @@ def write_plots(runs, heat, out):
     return written, notes
 
 
+# --- watch: the launcher's live view of a matrix, from matrix.log and each run's status.json ------
+
+LAUNCHER_STATES = {"LAUNCH": "running", "DONE": "done", "DIVERGED": "done", "SKIP": "done", "FAILED": "failed",
+                   "RETRY": "queued", "REQUEUE": "queued"}
+
+
+@dataclass
+class Matrix:
+    """The launcher's last invocation in a runs folder, as matrix.log tells it."""
+    started: float
+    slots: int
+    gpus_per_run: int
+    price: float
+    cpu: bool
+    runs: dict                   # run -> [state, gpus]: in queue order
+
+
+def read_matrix(root):
+    """The last invocation's QUEUE line and every job event after it; None without one."""
+    try:
+        lines = (root / "matrix.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if " QUEUE " in line]
+    if not starts:
+        return None
+    stamp, _, rest = lines[starts[-1]].split(" ", 2)
+    fields = dict(item.split("=", 1) for item in rest.split() if "=" in item)
+    runs = {name: ["queued", ""] for name in fields.get("runs", "").split(",") if name}
+    for line in lines[starts[-1] + 1:]:
+        parts = line.split(" ")
+        if len(parts) >= 3 and parts[1] in LAUNCHER_STATES and parts[2] in runs:
+            gpus = next((p[5:] for p in parts if p.startswith("gpus=")), runs[parts[2]][1])
+            runs[parts[2]] = [LAUNCHER_STATES[parts[1]], gpus]
+    return Matrix(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp(), int(fields.get("slots", 1)),
+                  int(fields.get("gpus_per_run", 1)), float(fields.get("price_per_gpu_hour", 0)),
+                  fields.get("gpus") == "cpu", runs)
+
+
+def job_seconds(status):
+    """A whole run's time at its latest pace (steps x step time), NaN when not known yet."""
+    steps, step_time = status.get("steps"), status.get("step_time_s")
+    return steps * step_time if isinstance(steps, int) and isinstance(step_time, (int, float)) else math.nan
+
+
+def wall_eta(matrix, statuses):
+    """Seconds until the queue is empty: running jobs hold their slots for their ETA, queued ones start in order
+    on the first free slot and take the time of runs of the same method and depth (or of any run) at their pace."""
+    def kind(name):
+        return name.split("_s")[0]
+    durations = {}
+    for name, status in statuses.items():
+        if math.isfinite(job_seconds(status)):
+            durations.setdefault(kind(name), []).append(job_seconds(status))
+    anything = [d for ds in durations.values() for d in ds]
+    free = sorted(statuses[name].get("eta_s") or 0.0 for name, (state, _) in matrix.runs.items() if state == "running")
+    free += [0.0] * max(0, matrix.slots - len(free))
+    for name, (state, _) in matrix.runs.items():
+        if state == "queued":
+            guess = durations.get(kind(name)) or anything
+            if not guess:
+                return math.nan
+            free[0] += sum(guess) / len(guess)
+            free.sort()
+    return max(free, default=0.0)
+
+
+def fmt_clock(seconds):
+    return "–" if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) else \
+        str(timedelta(seconds=round(seconds)))
+
+
+def watch_view(root, stale_after_min=15.0, now=None):
+    """The matrix view as text (raises ReportError when no launcher has run in root)."""
+    root, now = Path(root), time.time() if now is None else now
+    matrix = read_matrix(root)
+    if matrix is None:
+        raise ReportError(f"no matrix in {root} (no matrix.log with a QUEUE line): start one with run_experiments.sh")
+    statuses = {name: read_json(root / name / "status.json") or {} for name in matrix.runs}
+    counts = {state: sum(s == state for s, _ in matrix.runs.values()) for state in ("done", "running", "queued", "failed")}
+    eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run
+    elapsed_h = (now - matrix.started) / 3600
+    money = (f"${elapsed_h * gpus * matrix.price:,.0f} spent, ${eta / 3600 * gpus * matrix.price:,.0f} to go "
+             f"({gpus} GPU(s) at ${matrix.price:g} per GPU-hour)" if gpus and math.isfinite(eta) else
+             "no GPU-hours (CPU)" if not gpus else f"${elapsed_h * gpus * matrix.price:,.0f} spent")
+    lines = [f"Matrix {root} at {time.strftime('%H:%M:%S', time.localtime(now))}: "
+             + ", ".join(f"{n} {state}" for state, n in counts.items())
+             + f"; {fmt_clock(now - matrix.started)} elapsed, {fmt_clock(eta)} to go; {money}",
+             f"{'GPU':<8} {'run':<22} {'step':>14} {'loss':>8} {'amax_fwd':>9} {'tok/s':>9} {'ETA':>9}"]
+    for name, (state, where) in matrix.runs.items():
+        if state != "running":
+            continue
+        st = statuses[name]
+        step = f"{st.get('step', 0):,}/{st.get('steps', 0):,}" if st.get("steps") else "starting"
+        stale = now - (st.get("updated") or now) > stale_after_min * 60
+        speed = _num(st.get("tokens_per_s"))
+        lines.append(f"{where or '-':<8} {name:<22} {step:>14} {fmt_loss(_num(st.get('loss'))):>8} "
+                     f"{fmt_gain(_num(st.get('amax_fwd'))):>9} {f'{speed:,.0f}' if math.isfinite(speed) else '–':>9} "
+                     f"{fmt_clock(st.get('eta_s')):>9}"
+                     + (f"  STALE: status.json unchanged for {(now - st['updated']) / 60:.0f} min" if stale else ""))
+    for group in ("done", "queued", "failed"):
+        names = [name for name, (state, _) in matrix.runs.items() if state == group]
+        if names:
+            lines.append(f"{group}: " + ", ".join(
+                f"{name} {statuses[name].get('state', '')}".rstrip() for name in names)
+                + (" (matrix.log says why)" if group == "failed" else ""))
+    return "\n".join(lines)
+
+
 # --- main: read, aggregate, write, print ---------------------------------------------------------
 
 def matrix_notes(summaries):
@@ -1154,6 +1269,9 @@ def main(argv=None) -> int:
     except SystemExit as e:          # argparse already printed the usage error (or --help)
         return e.code if isinstance(e.code, int) else 2
     try:
+        if args.watch:
+            print(watch_view(args.runs_dir, args.stale_after))
+            return 0
         _, text = report(args.runs_dir, args.out, args.heatmap_run, with_plots=not args.no_plots)
     except ReportError as e:
         print(f"report: {e}", file=sys.stderr)

@@ -85,8 +85,11 @@ Output and modes:
                        at 40% of the GPU's bf16 peak unless --calibrate
   --calibrate          with --dry-run: first time a few steps of each distinct method x depth on the slots
                        (RUN_EXPERIMENTS_CALIBRATE_STEPS, in a temporary folder) and estimate from those
-  --price-per-gpu-hour USD  for the cost of the dry run's estimate (default 2.49)
-  --summary            print the state of the matrix and the results table (report.py); run nothing else
+  --price-per-gpu-hour USD  for the cost of the dry run's estimate and of the matrix view (default 2.49)
+  --summary            print the matrix view and the results table (report.py) from the live files of --out;
+                       run nothing else (from any shell, while the matrix runs or after)
+  --watch-every SEC    print the matrix view every SEC seconds while jobs run (default 60; 0: never): per GPU
+                       the run, step, loss, amax, tokens/s and ETA; done/running/queued/failed, wall ETA, dollars
   -h, --help           this help
 
 Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline
@@ -119,7 +122,7 @@ die_usage() {
 
 MODE=""; METHODS=""; DEPTHS=""; SEEDS=""; STEPS=""; GPU_LIST=""; EXCLUDE=""; GPUS_PER_RUN=1
 STAGGER=15; MAX_RETRIES=2; OUT="runs"; DRY_RUN=0; SUMMARY_ONLY=0; EXTRA=(); CALIBRATE=0; PRICE=2.49
-VARY_DATA_SEED=0
+VARY_DATA_SEED=0; WATCH_EVERY=60
 
 set_mode() {
     [[ -z $MODE || $MODE == "$1" ]] || die_usage "choose one of --full, --quick, --stress, --demo"
@@ -139,7 +142,7 @@ while (($#)); do
         --dry-run) DRY_RUN=1; shift ;;
         --calibrate) CALIBRATE=1; shift ;;
         --summary) SUMMARY_ONLY=1; shift ;;
-        --methods|--depths|--seeds|--steps|--gpus|--exclude-gpus|--gpus-per-run|--stagger|--max-retries|--out|--price-per-gpu-hour)
+        --methods|--depths|--seeds|--steps|--gpus|--exclude-gpus|--gpus-per-run|--stagger|--max-retries|--out|--price-per-gpu-hour|--watch-every)
             (($# >= 2)) || die_usage "$arg needs a value"
             [[ -n $2 ]] || die_usage "$arg must not be empty"   # else --methods '' would mean the full matrix
             case $arg in
@@ -148,7 +151,7 @@ while (($#)); do
                 --gpus) GPU_LIST=$2 ;;          --exclude-gpus) EXCLUDE=$2 ;;
                 --gpus-per-run) GPUS_PER_RUN=$2 ;;  --stagger) STAGGER=$2 ;;
                 --max-retries) MAX_RETRIES=$2 ;;    --out) OUT=$2 ;;
-                --price-per-gpu-hour) PRICE=$2 ;;
+                --price-per-gpu-hour) PRICE=$2 ;;   --watch-every) WATCH_EVERY=$2 ;;
             esac
             shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
@@ -198,6 +201,7 @@ check_out() {
 }
 ((SUMMARY_ONLY)) || check_out
 [[ $PRICE =~ ^[0-9]+(\.[0-9]+)?$ ]] || die_usage "--price-per-gpu-hour must be a number of dollars, not '$PRICE'"
+[[ $WATCH_EVERY =~ ^[0-9]+$ ]] || die_usage "--watch-every must be whole seconds >= 0, not '$WATCH_EVERY'"
 ((!CALIBRATE || DRY_RUN)) || die_usage "--calibrate goes with --dry-run (it times the matrix before you start it)"
 CALIBRATE_STEPS=${RUN_EXPERIMENTS_CALIBRATE_STEPS:-10}
 if [[ ! $CALIBRATE_STEPS =~ ^[0-9]+$ ]] || ((CALIBRATE_STEPS < 4)); then
@@ -342,7 +346,7 @@ for seed in "${SEED_ARR[@]}"; do
 done
 
 # One line per run: name, status.json state, the micro-batch chosen by an earlier OOM retry
-# ({run}/launcher.json), status.json step ("-" when unknown), then status.json reason.
+# ({run}/launcher.json), status.json step ("-" when unknown).
 scan_runs() {
     "$PY" - "$OUT" "${JOBS[@]}" <<'PYEOF'
 import json, os, sys
@@ -358,7 +362,7 @@ for run in sys.argv[2:]:
     launcher = load(os.path.join(out, run, "launcher.json"))
     fields = [status.get("state"), launcher.get("micro_batch_size"), status.get("step")]
     words = ["-" if v is None or str(v).strip() == "" else str(v).split()[0] for v in fields]
-    print(run, *words, " ".join(str(status.get("reason") or "").split()))
+    print(run, *words)
 PYEOF
 }
 
@@ -381,9 +385,9 @@ print("" if value is None else value)
 PYEOF
 }
 
-declare -A PREV_STATE=() PREV_MICRO=() PREV_STEP=() PREV_REASON=()
-while read -r run state micro step reason; do
-    PREV_STATE[$run]=$state; PREV_MICRO[$run]=${micro#-}; PREV_STEP[$run]=$step; PREV_REASON[$run]=$reason
+declare -A PREV_STATE=() PREV_MICRO=() PREV_STEP=()
+while read -r run state micro step; do
+    PREV_STATE[$run]=$state; PREV_MICRO[$run]=${micro#-}; PREV_STEP[$run]=$step
 done < <(scan_runs)
 for run in "${JOBS[@]}"; do
     case ${PREV_STATE[$run]:--} in
@@ -494,20 +498,17 @@ print_report() {
     fi
 }
 
+show_matrix() {   # the matrix view (report.py --watch) from matrix.log and the runs' status.json
+    "$PY" "$ROOT/report.py" "$OUT" --watch 2>&1 || true
+}
+
 if ((SUMMARY_ONLY)); then
     if [[ ! -f $OUT/matrix.log ]] && ! compgen -G "$OUT/*/status.json" >/dev/null; then
         echo "$PROG: error: --summary: no matrix has run in '$OUT' (no matrix.log, no run folder); check --out" >&2
         exit "$EXIT_USAGE"
     fi
-    echo "Matrix ($MODE, ${#JOBS[@]} runs) in $OUT:"
-    for run in "${JOBS[@]}"; do
-        state=${PREV_STATE[$run]:--}
-        if [[ $state == - ]]; then
-            printf '  %-16s not started\n' "$run"
-        else
-            printf '  %-16s %-12s step %-8s %s\n' "$run" "$state" "${PREV_STEP[$run]:--}" "${PREV_REASON[$run]:-}"
-        fi
-    done
+    # the matrix as the folder's launcher ran it (matrix.log), not as this command's flags would make it
+    show_matrix
     print_report
     exit "$EXIT_OK"
 fi
@@ -767,6 +768,11 @@ fi
 MATRIX_LOG=$OUT/matrix.log
 log "START $PROG pid=$$ mode=$MODE runs=${#JOBS[@]} gpus=${GPUS[*]} gpus_per_run=$GPUS_PER_RUN" \
     "stagger=${STAGGER}s max_retries=$MAX_RETRIES data=${DATA:-preset ${PRESET:-c4} default} extra=$(quote_cmd "${EXTRA[@]}")"
+# the line report.py --watch reads the matrix from (queue order, slots, price)
+gpu_list=cpu
+((CPU_MODE)) || gpu_list=$(IFS=,; echo "${GPUS[*]}")
+log "QUEUE slots=$((CPU_MODE ? 1 : ${#GPUS[@]} / GPUS_PER_RUN)) gpus_per_run=$GPUS_PER_RUN gpus=$gpu_list" \
+    "price_per_gpu_hour=$PRICE runs=$(IFS=,; echo "${JOBS[*]}")"
 
 TMPDIR_LAUNCHER=$(mktemp -d "${TMPDIR:-/tmp}/run_experiments.XXXXXX")
 trap 'rm -rf "$TMPDIR_LAUNCHER"' EXIT
@@ -1090,6 +1096,7 @@ reap() {   # handle every job that has exited since the last poll
     done
 }
 
+now_ms; LAST_VIEW_MS=$NOW_MS   # the first view a period after the start
 while :; do
     reap
     if ((STOPPING)); then
@@ -1119,6 +1126,11 @@ while :; do
     fi
     printf -v wait_s '%d.%03d' $((wait_ms / 1000)) $((wait_ms % 1000))
     sleep "$wait_s"
+    now_ms
+    if ((WATCH_EVERY && ${#RUNNING[@]} && NOW_MS - LAST_VIEW_MS >= WATCH_EVERY * 1000)); then
+        LAST_VIEW_MS=$NOW_MS
+        show_matrix
+    fi
 done
 
 # ---------------------------------------------------------------------------------------------

@@ -542,8 +542,9 @@ def test_real_trainer_tiny_matrix(tmp_path):
     out = tmp_path / "runs"
     env = launcher_env(tmp_path, RUN_EXPERIMENTS_PROBE="true")
     del env["RUN_EXPERIMENTS_TRAINER"]
-    args = ("--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--steps", "3", "--gpus", "0,1",
-            "--", "--preset", "tiny", "--wandb", "disabled")
+    args = ("--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--steps", "60", "--gpus", "0,1",
+            "--watch-every", "1", "--price-per-gpu-hour", "3", "--", "--preset", "tiny", "--wandb", "disabled")
+    env["RUN_EXPERIMENTS_REPORT"] = str(ROOT / "report.py")
     r = launch(tmp_path, *args, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr + "".join(
         (p.read_text()[-2000:] for p in out.glob("*/train.log")))
@@ -552,8 +553,15 @@ def test_real_trainer_tiny_matrix(tmp_path):
         config = json.loads((out / run / "config.json").read_text())["config"]
         assert config["run_name"] == run and int(config["micro_batch_size"]) > 0
         assert (out / run / "metrics.jsonl").stat().st_size > 0
+    # the matrix view every second while the jobs ran: both on their GPUs, with live steps
+    views = [line for line in r.stdout.splitlines() if line.startswith(f"Matrix {out} at ")]
+    assert views and re.search(r"^0 +hc_d2_s1 +(starting|\d+/60) ", r.stdout, re.MULTILINE), r.stdout
+    assert re.search(r"^1 +mhc_d2_s1 ", r.stdout, re.MULTILINE)
+    assert all("GPU(s) at $3 per GPU-hour" in view or "to go; $" in view for view in views), views
     r = launch(tmp_path, *args, env=env)
     assert r.returncode == 0 and not launches(out)
+    r = launch(tmp_path, "--summary", env=env)                     # no matrix flags: the folder's own matrix
+    assert r.returncode == 0 and "2 done, 0 running, 0 queued, 0 failed" in r.stdout, r.stdout + r.stderr
 
 
 

@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -530,3 +531,41 @@ def test_random_metrics_files_give_a_report_never_a_traceback(tmp_path_factory, 
         write_run(root, f"{method}_d4_s{seed}", [])
         (root / f"{method}_d4_s{seed}" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
     assert report.main([str(root), "--no-plots"]) == 0
+
+
+# --- the matrix view ---------------------------------------------------------------------------
+
+def test_watch_view_from_matrix_log_and_live_status(tmp_path):
+    """Two slots of 4 GPUs at $2 per GPU-hour, started 2 hours before `now`: one run done, two running (one of
+    them silent for 20 minutes), one queued, one failed."""
+    (tmp_path / "matrix.log").write_text(
+        "2026-12-03T10:00:00.000+0000 START run_experiments.sh pid=1 mode=full runs=9\n"
+        "2026-12-03T10:00:00.000+0000 QUEUE slots=2 gpus_per_run=4 gpus=0,1,2,3,4,5,6,7 price_per_gpu_hour=2 "
+        "runs=hc_d4_s1,mhc_d4_s1,hc_d4_s2,mhc_d4_s2,baseline_d4_s1\n"
+        "2026-12-03T10:00:01.000+0000 LAUNCH hc_d4_s1 gpus=0,1,2,3 attempt=1\n"
+        "2026-12-03T10:00:02.000+0000 LAUNCH mhc_d4_s1 gpus=4,5,6,7 attempt=1\n"
+        "2026-12-03T11:00:00.000+0000 EXIT hc_d4_s1 code=0 gpus=0,1,2,3\n"
+        "2026-12-03T11:00:00.000+0000 DONE hc_d4_s1 completed\n"
+        "2026-12-03T11:00:01.000+0000 LAUNCH hc_d4_s2 gpus=0,1,2,3 attempt=1\n"
+        "2026-12-03T11:30:00.000+0000 FAILED baseline_d4_s1 bad arguments\n")
+    now = datetime(2026, 12, 3, 12, 0, tzinfo=timezone.utc).timestamp()
+
+    def live(name, **status):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "status.json").write_text(json.dumps({"state": "running", **status}))
+    live("hc_d4_s1", state="completed", step=100, steps=100, step_time_s=36.0, updated=now - 3600)
+    live("mhc_d4_s1", step=50, steps=100, loss=3.25, amax_fwd=1.0, tokens_per_s=1234.5, step_time_s=72.0,
+         eta_s=3600.0, updated=now - 1200)
+    live("hc_d4_s2", step=10, steps=100, loss=4.5, amax_fwd=812.0, tokens_per_s=2000.0, step_time_s=36.0,
+         eta_s=3240.0, updated=now - 30)
+    text = report.watch_view(tmp_path, stale_after_min=15, now=now)
+    head, columns, *rows = text.splitlines()
+    # queued mhc_d4_s2 takes the time of mhc_d4_s1 (100 x 72 s = 2 h) on the slot free first (hc_d4_s2's, 0.9 h):
+    # 2.9 h to go, 16 GPUs' worth of money: 2 h x 8 GPUs x $2 = $32 spent, 2.9 h x 8 x $2 = $46 to go
+    assert head.endswith("1 done, 2 running, 1 queued, 1 failed; 2:00:00 elapsed, 2:54:00 to go; $32 spent, "
+                         "$46 to go (8 GPU(s) at $2 per GPU-hour)"), head
+    assert rows[0].split() == ["4,5,6,7", "mhc_d4_s1", "50/100", "3.250", "1.000", "1,234", "1:00:00", "STALE:",
+                               "status.json", "unchanged", "for", "20", "min"]
+    assert rows[1].split() == ["0,1,2,3", "hc_d4_s2", "10/100", "4.500", "812", "2,000", "0:54:00"]
+    assert rows[2:] == ["done: hc_d4_s1 completed", "queued: mhc_d4_s2", "failed: baseline_d4_s1 (matrix.log says why)"]
+    assert report.main([str(tmp_path / "nothing"), "--watch"]) == 2
