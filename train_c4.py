@@ -335,21 +335,25 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     every column one >= 1/n^2. So the remaining pairs, plain divisions on the cheaper linear scale, never
     meet a zero sum either, whatever the logits' range (+-1e4, a column that would underflow entirely)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    balanced = logits - logits.logsumexp(-2, keepdim=True)
-    balanced = balanced - balanced.logsumexp(-1, keepdim=True)
-    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1)
+    # the work runs with the matrix axes first and the tokens last: each sum over a matrix axis then adds n
+    # contiguous rows of tokens, ~7x faster on the CPU than n-element reductions per token (benchmarks.md)
+    balanced = logits.movedim((-2, -1), (0, 1)).contiguous()
+    balanced = balanced - balanced.logsumexp(0, keepdim=True)
+    balanced = balanced - balanced.logsumexp(1, keepdim=True)
+    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1).movedim((0, 1), (-2, -1)).contiguous()
 
 
 class _SinkhornNormalisations(torch.autograd.Function):
-    """iters times: P /= column sums, then P /= row sums; forward identical to the plain loop. The backward is
-    written out: through Q = P / s (s: sums over one axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4
-    small kernels per half-step where autograd runs about 8 (the Sinkhorn is hundreds of tiny (..., n, n) ops)."""
+    """iters times: P /= column sums, then P /= row sums, for matrices P (n, n, ...) stored with the matrix axes
+    first; forward identical to the plain loop. The backward is written out: through Q = P / s (s: sums over one
+    axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4 small kernels per half-step where autograd
+    runs about 8 (the Sinkhorn is hundreds of tiny ops)."""
 
     @staticmethod
     def forward(ctx, P, iters):
         saved = []
         for _ in range(iters):
-            for dim in (-2, -1):
+            for dim in (0, 1):
                 s = P.sum(dim, keepdim=True)
                 P = P / s
                 saved += [P, s]
@@ -359,9 +363,10 @@ class _SinkhornNormalisations(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
+        grad = grad.contiguous()            # it arrives in the caller's tokens-first layout: every op would keep it
         for k in reversed(range(len(saved) // 2)):
             Q, s = saved[2 * k], saved[2 * k + 1]
-            grad = (grad - (grad * Q).sum(-2 + k % 2, keepdim=True)) / s
+            grad = (grad - (grad * Q).sum(k % 2, keepdim=True)) / s
         return grad, None
 
 
@@ -646,7 +651,8 @@ def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int =
     each check is a host synchronisation."""
     P, done = sinkhorn(logits.double(), 1), 1
     while stochastic_errors(P).max() > tol and done < max_iters:
-        P, done = _SinkhornNormalisations.apply(P, 20), done + 20
+        P = _SinkhornNormalisations.apply(P.movedim((-2, -1), (0, 1)), 20).movedim((0, 1), (-2, -1))
+        done += 20
     return P, done
 
 
