@@ -1,6 +1,6 @@
 """Step time of the baseline, HC and mHC at one config: what the n residual streams cost.
 
-    python benchmarks/bench_step.py                          # CPU, fp32, widths 256 and 512, depth 4, seq 256, batch 8, n 4
+    python benchmarks/bench_step.py                          # CPU fp32, widths 256 and 512, depth 4, seq 256, B 8, n 4
     python benchmarks/bench_step.py --compile                # the same with torch.compile per block
     python benchmarks/bench_step.py --device cuda --dtype bf16 --width 2048 --depth 8 --seq 1024 --record
     python benchmarks/bench_step.py --memory                 # saved-activation bytes, with and without checkpointing
@@ -340,8 +340,8 @@ def record_row(args, result: dict, device: torch.device, command: str) -> str:
                            f"cpu {result[k + '_cpu']})" for k in ratio_keys(result))
         probe = ", ".join(f"{name} {100 * v[name]['probe_share']:.2f}%" for name in v if "probe_share" in v[name])
         mfu = ", ".join(f"{name} {v[name]['mfu']:.1%}" for name in v if v[name]["mfu"] is not None)
-        numbers += (f"; ratios: {ratios or '-'}; probe share @{args.metrics_every}: {probe or '-'}; MFU: {mfu or 'null'}"
-                    f"; saved activations: {memory_text(result['saved_mb'])}")
+        numbers += (f"; ratios: {ratios or '-'}; probe share @{args.metrics_every}: {probe or '-'}; "
+                    f"MFU: {mfu or 'null'}; saved activations: {memory_text(result['saved_mb'])}")
     load = result.get("load", "")
     return (f"| {datetime.date.today().isoformat()} | {machine(device)} | `{command}` | {config_text} | {numbers} "
             f"| {load} |\n")
