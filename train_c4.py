@@ -389,18 +389,55 @@ class PreNorm(nn.Module):
 
 def stream_update(x, H_pre, H_post, H_res, sublayer):
     """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C)."""
-    # All three products are batched matmuls over the tokens, so their backward is matmuls too; the broadcast
-    # product H_post^T * y would instead reduce over the stream axis through x-sized temporaries (benchmarks.md).
     # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way.
     n, C = x.shape[-2:]
-    streams = x.reshape(-1, n, C)
     with _autocast_off(x):
-        u = torch.bmm(H_pre.to(x.dtype).reshape(-1, 1, n), streams)
+        u, streams = _StreamRead.apply(H_pre.to(x.dtype).reshape(-1, n), x.reshape(-1, n, C))
     y = sublayer(u.view(*x.shape[:-2], C))
     with _autocast_off(x):
-        mixed = torch.bmm(H_res.to(x.dtype).reshape(-1, n, n), streams)
-        # H_post^T y accumulated in place: no x-sized outer product, no copy of it
-        return mixed.baddbmm_(H_post.to(x.dtype).reshape(-1, n, 1), y.to(x.dtype).reshape(-1, 1, C)).view(x.shape)
+        return _StreamWrite.apply(H_res.to(x.dtype).reshape(-1, n, n), streams, H_post.to(x.dtype).reshape(-1, n),
+                                  y.to(x.dtype).reshape(-1, C)).view(x.shape)
+
+
+class _StreamRead(torch.autograd.Function):
+    """u = H_pre @ x per token, for H_pre (N, n) and the streams x (N, n, C); x is passed through as a second
+    output for _StreamWrite to read. The backward is written out for two reasons: autograd forms the gradient
+    of x as an (n x 1) @ (1 x C) product per token, 2.5x slower on the CPU than a broadcast multiply; and
+    receiving the write's gradient of x through the passed-through output lets this term be added into it in
+    place, where autograd would add the two into a new n x C tensor per token (benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx, H_pre, streams):
+        ctx.save_for_backward(H_pre, streams)
+        # passed through as a detached alias (same storage, no copy): returning the input itself makes autograd
+        # wrap it as a view, which torch.compile's tracing of the Function rejects
+        return torch.bmm(H_pre.unsqueeze(1), streams).squeeze(1), streams.detach()
+
+    @staticmethod
+    def backward(ctx, grad_u, grad_streams):
+        H_pre, streams = ctx.saved_tensors
+        # grad_streams is _StreamWrite's own new tensor (or autograd's materialised zeros): nothing else holds it
+        grad_x = grad_streams.addcmul_(H_pre.unsqueeze(-1), grad_u.unsqueeze(1))
+        return torch.bmm(grad_u.unsqueeze(1), streams.transpose(1, 2)).squeeze(1), grad_x
+
+
+class _StreamWrite(torch.autograd.Function):
+    """x_next = H_res @ x + H_post^T y per token, for H_res (N, n, n), x (N, n, C), H_post (N, n), y (N, C), as
+    batched matmuls whose backward is matmuls too (the broadcast form reduces over the stream axis through
+    x-sized temporaries). H_post^T y is accumulated in place (no x-sized outer product). The backward is
+    autograd's, written out to guarantee what _StreamRead relies on: x's gradient is a new tensor of its own."""
+
+    @staticmethod
+    def forward(ctx, H_res, streams, H_post, y):
+        ctx.save_for_backward(H_res, streams, H_post, y)
+        return torch.bmm(H_res, streams).baddbmm_(H_post.unsqueeze(-1), y.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        H_res, streams, H_post, y = ctx.saved_tensors
+        return (torch.bmm(grad, streams.transpose(1, 2)), torch.bmm(H_res.transpose(1, 2), grad),
+                torch.bmm(y.unsqueeze(1), grad.transpose(1, 2)).squeeze(1),
+                torch.bmm(H_post.unsqueeze(1), grad).squeeze(1))
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
@@ -412,21 +449,25 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     every column one >= 1/n^2. So the remaining pairs, plain divisions on the cheaper linear scale, never
     meet a zero sum either, whatever the logits' range (+-1e4, a column that would underflow entirely)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    balanced = logits - logits.logsumexp(-2, keepdim=True)
-    balanced = balanced - balanced.logsumexp(-1, keepdim=True)
-    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1)
+    # the work runs with the matrix axes first and the tokens last: each sum over a matrix axis then adds n
+    # contiguous rows of tokens, ~7x faster on the CPU than n-element reductions per token (benchmarks.md)
+    balanced = logits.movedim((-2, -1), (0, 1)).contiguous()
+    balanced = balanced - balanced.logsumexp(0, keepdim=True)
+    balanced = balanced - balanced.logsumexp(1, keepdim=True)
+    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1).movedim((0, 1), (-2, -1)).contiguous()
 
 
 class _SinkhornNormalisations(torch.autograd.Function):
-    """iters times: P /= column sums, then P /= row sums; forward identical to the plain loop. The backward is
-    written out: through Q = P / s (s: sums over one axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4
-    small kernels per half-step where autograd runs about 8 (the Sinkhorn is hundreds of tiny (..., n, n) ops)."""
+    """iters times: P /= column sums, then P /= row sums, for matrices P (n, n, ...) stored with the matrix axes
+    first; forward identical to the plain loop. The backward is written out: through Q = P / s (s: sums over one
+    axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4 small kernels per half-step where autograd
+    runs about 8 (the Sinkhorn is hundreds of tiny ops)."""
 
     @staticmethod
     def forward(ctx, P, iters):
         saved = []
         for _ in range(iters):
-            for dim in (-2, -1):
+            for dim in (0, 1):
                 s = P.sum(dim, keepdim=True)
                 P = P / s
                 saved += [P, s]
@@ -436,9 +477,10 @@ class _SinkhornNormalisations(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
+        grad = grad.contiguous()            # it arrives in the caller's tokens-first layout: every op would keep it
         for k in reversed(range(len(saved) // 2)):
             Q, s = saved[2 * k], saved[2 * k + 1]
-            grad = (grad - (grad * Q).sum(-2 + k % 2, keepdim=True)) / s
+            grad = (grad - (grad * Q).sum(k % 2, keepdim=True)) / s
         return grad, None
 
 
@@ -458,11 +500,20 @@ class PlainResidual(nn.Module):
 
 
 class _StreamMixing(nn.Module):
-    """HC and mHC: coefficients from the streams (the subclass's), then the shared stream update."""
+    """HC and mHC: coefficients from the streams (the subclass's), then the shared stream update.
+
+    The subclass's streams_and_coefficients(x) returns x passed through its coefficient projection, then
+    H_pre, H_post, H_res and the logits Sinkhorn projected (None for HC). The stream update reads the
+    passed-through x, so x's whole gradient reaches the projection's backward, which adds its own term in place
+    (see _StreamRead): one n x C gradient per token and sublayer instead of five (benchmarks.md)."""
 
     def forward(self, x, sublayer):
-        H_pre, H_post, H_res, res_logits = self.coefficients(x)
+        x, H_pre, H_post, H_res, res_logits = self.streams_and_coefficients(x)
         return stream_update(x, H_pre, H_post, H_res, sublayer), (H_res, res_logits)
+
+    def coefficients(self, x):
+        """H_pre, H_post, H_res, res_logits of the streams x."""
+        return self.streams_and_coefficients(x)[1:]
 
 
 class HyperConnection(_StreamMixing):
@@ -492,16 +543,50 @@ class HyperConnection(_StreamMixing):
         self.s_a.fill_(self.scale_init)
         self.s_b.fill_(self.scale_init)
 
-    def coefficients(self, x):
+    def streams_and_coefficients(self, x):
         n = self.n
         with _autocast_off(x):
-            xb = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
-            d = torch.tanh(F.linear(xb, self.dynamic.weight.float()))       # (..., n, n + 2)
+            z, x = _NormalizedProjection.apply(x, self.dynamic.weight.float(), self.eps)
+            d = torch.tanh(z)                                                # (..., n, n + 2)
             A_m = self.s_a.float() * d[..., 0] + self.A_m_static.float()
             A_r = self.s_a.float() * d[..., 1:n + 1] + self.A_r_static.float()
             B = self.s_b.float() * d[..., n + 1] + self.B_static.float()
         # row i of A_r says where source stream i goes, so the matrix acting as H_res @ x is A_r^T
-        return A_m, B, A_r.transpose(-1, -2), None
+        return x, A_m, B, A_r.transpose(-1, -2), None
+
+
+class _NormalizedProjection(torch.autograd.Function):
+    """(z, x) with z = layer_norm(x) @ W^T (no affine; per stream, over the last axis, in W's dtype), forward as
+    F.layer_norm then F.linear; x is passed through (see _StreamMixing). The backward is written out: with
+    xhat centred, the norm's backward collapses into the projection's, dx = rstd * (dz @ W_c) - xhat * rstd *
+    (dz . z) / C with W_c = W minus its row means: one thin matmul and one multiply-add per token, both
+    accumulated into x's incoming gradient, where autograd runs the linear's matmul and the norm's backward
+    kernel, each writing an n x C tensor per token, and adds them up in two more."""
+
+    @staticmethod
+    def forward(ctx, x, W, eps):
+        xhat, _, rstd = torch.native_layer_norm(x.to(W.dtype), x.shape[-1:], None, None, eps)
+        z = F.linear(xhat, W)
+        ctx.save_for_backward(xhat, rstd, W, z)
+        return z, x.detach()                    # passed through as in _StreamRead
+
+    @staticmethod
+    def backward(ctx, grad, grad_x):
+        xhat, rstd, W, z = ctx.saved_tensors
+        scaled = grad * rstd
+        grad_x = _add_projection_grad(grad_x, scaled, W - W.mean(-1, keepdim=True), xhat,
+                                      (scaled * z).sum(-1, keepdim=True) / -xhat.shape[-1])
+        return grad_x, grad.flatten(0, -2).t() @ xhat.flatten(0, -2), None
+
+
+def _add_projection_grad(grad_x, g, W, v, coef):
+    """grad_x + g @ W + coef * v over the last axis, in place: grad_x is the gradient a projection's
+    passed-through output received, the stream update's own new tensor (_StreamRead). Streams of another
+    dtype than the projection's (bf16, outside the precision policy) get a copy in the projection's first."""
+    shape, dtype = grad_x.shape, grad_x.dtype
+    flat = grad_x.to(g.dtype).reshape(-1, shape[-1])
+    flat.addmm_(g.reshape(-1, g.shape[-1]), W).addcmul_(v.reshape(flat.shape), coef.reshape(-1, 1))
+    return flat.view(shape).to(dtype)
 
 
 class ManifoldHyperConnection(_StreamMixing):
@@ -529,38 +614,41 @@ class ManifoldHyperConnection(_StreamMixing):
         self.b_post.zero_()
         self.b_res.copy_(res_diag * torch.eye(self.n))
 
-    def coefficients(self, x):
+    def streams_and_coefficients(self, x):
         n = self.n
         with _autocast_off(x):
-            z = _RMSScaledProjection.apply(x.float().flatten(-2), self.phi.weight.float(), self.eps)
+            z, v = _RMSScaledProjection.apply(x.flatten(-2), self.phi.weight.float(), self.eps)
             z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
             H_pre = torch.sigmoid(self.a_pre.float() * z_pre + self.b_pre.float())
             H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
             res_logits = self.a_res.float() * z_res.unflatten(-1, (n, n)) + self.b_res.float()
             H_res = sinkhorn(res_logits, self.iters)
-        return H_pre, H_post, H_res, res_logits
+        return v.view(x.shape), H_pre, H_post, H_res, res_logits
 
 
 class _RMSScaledProjection(torch.autograd.Function):
-    """z = (v @ phi^T) / sqrt(mean(v^2) + eps) over the last axis, with the backward written out: the RMS term's
-    gradient, a per-token multiple of v, is added in place into the projection's, so the backward writes one
-    nC-sized tensor per token where autograd writes five (the projection's, the norm's three, their sum)."""
+    """(z, v) with z = (v @ phi^T) / sqrt(mean(v^2) + eps) over the last axis, in phi's dtype; v is passed through (see
+    _StreamMixing). The backward is written out: the RMS term's gradient, a per-token multiple of v, and the
+    projection's are added in place into v's incoming gradient, where autograd writes five nC-sized tensors
+    per token (the projection's, the norm's three, their sum) and a sixth to add them to v's."""
 
     @staticmethod
     def forward(ctx, v, phi, eps):
-        raw = v @ phi.t()
-        inv_rms = torch.rsqrt(torch.linalg.vecdot(v, v).unsqueeze(-1) / v.shape[-1] + eps)
-        ctx.save_for_backward(v, phi, raw, inv_rms)
-        return raw * inv_rms
+        vf = v.to(phi.dtype)                    # fp32 in the model (the weight is cast to it)
+        raw = vf @ phi.t()
+        # a norm, not vecdot(v, v): that multiplies into an nC-sized temporary first
+        inv_rms = torch.rsqrt(torch.linalg.vector_norm(vf, dim=-1, keepdim=True).square() / v.shape[-1] + eps)
+        ctx.save_for_backward(vf, phi, raw, inv_rms)
+        return raw * inv_rms, v.detach()        # passed through as in _StreamRead
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_v):
         v, phi, raw, inv_rms = ctx.saved_tensors
         grad_raw = grad * inv_rms
         # d inv_rms / dv = -inv_rms^3 v / N
         coef = (grad * raw).sum(-1, keepdim=True) * inv_rms.pow(3) / -v.shape[-1]
-        grad_v = (grad_raw @ phi).addcmul_(v, coef)
-        return grad_v, grad_raw.flatten(0, -2).t() @ v.flatten(0, -2), None
+        return (_add_projection_grad(grad_v, grad_raw, phi, v, coef),
+                grad_raw.flatten(0, -2).t() @ v.flatten(0, -2), None)
 
 
 CONNECTIONS = {"baseline": lambda cfg, k: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection}
@@ -725,16 +813,17 @@ def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int =
     permutation matrices can need thousands of iterations while most converge in tens, so each round of 20
     works only on the matrices still off; every check is one host synchronisation."""
     P = sinkhorn(logits.double(), 1)
-    matrices, done = P.reshape(-1, *P.shape[-2:]), 1
-    todo = torch.arange(len(matrices), device=P.device)
+    # (n, n, matrices): the matrix axes first, as _SinkhornNormalisations works
+    matrices, done = P.reshape(-1, *P.shape[-2:]).movedim(0, -1).contiguous(), 1
+    todo = torch.arange(matrices.shape[-1], device=P.device)
     while done < max_iters:
-        off = matrices[todo]
-        todo = todo[torch.maximum((off.sum(-1) - 1).abs().amax(-1), (off.sum(-2) - 1).abs().amax(-1)) > tol]
+        off = matrices[..., todo]
+        todo = todo[torch.maximum((off.sum(1) - 1).abs().amax(0), (off.sum(0) - 1).abs().amax(0)) > tol]
         if not len(todo):
             break
-        matrices[todo] = _SinkhornNormalisations.apply(matrices[todo], 20)
+        matrices[..., todo] = _SinkhornNormalisations.apply(matrices[..., todo], 20)
         done += 20
-    return matrices.view_as(P), done
+    return matrices.movedim(-1, 0).reshape(P.shape), done
 
 
 def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:

@@ -1,6 +1,6 @@
 """Step time of the baseline, HC and mHC at one config: what the n residual streams cost.
 
-    python benchmarks/bench_step.py                          # CPU, fp32, width 512, depth 4, seq 256, batch 8, n 4
+    python benchmarks/bench_step.py                          # CPU fp32, widths 256 and 512, depth 4, seq 256, B 8, n 4
     python benchmarks/bench_step.py --compile                # the same with torch.compile per block
     python benchmarks/bench_step.py --device cuda --dtype bf16 --width 2048 --depth 8 --seq 1024 --record
     python benchmarks/bench_step.py --memory                 # saved-activation bytes, with and without checkpointing
@@ -10,7 +10,8 @@ One step is what the trainer does per optimizer step with one micro-batch: forwa
 backward, pre-clip gradient norm, AdamW step. The models are built with train_c4.parse_config + train_c4.GPT,
 so the real code is measured. Variants are timed in interleaved rounds (baseline, hc, mhc, baseline, ...), so
 that load from other processes hits all of them alike; warm-up (and compilation) is excluded, every timed step
-is bracketed by a device synchronize, and the median step is reported with its spread.
+is bracketed by a device synchronize, and the median step is reported with its spread. Each width is a run of its
+own; with the step times it reports what one forward saves for the backward (activation memory) per variant.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="autocast dtype, as the trainer's --dtype")
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--width", default="256,512", help="model width, or a comma-separated list: one run per width")
     p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=0, help="attention heads (0: width / 64)")
+    p.add_argument("--heads", type=int, default=0, help="attention heads (0: width / 64, per width)")
     p.add_argument("--seq", type=int, default=256, help="sequence length")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per step")
     p.add_argument("--n", type=int, default=4, help="streams of HC and mHC (--expansion)")
@@ -73,16 +74,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--note", default="", help="a word on the code state, written into the recorded row")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line as well")
     args = p.parse_args(argv)
+    args.widths = [int(w) for w in args.width.split(",")]
     if args.smoke:
-        args.width, args.depth, args.heads, args.seq, args.micro_batch = 32, 2, 2, 16, 2
+        args.widths, args.depth, args.heads, args.seq, args.micro_batch = [32], 2, 2, 16, 2
         args.tokenizer, args.warmup, args.rounds, args.steps, args.probe_sequences = "byte", 1, 1, 1, 2
-    args.heads = args.heads or max(1, args.width // 64)
+    args.heads_given = args.heads
+    at_width(args, args.widths[0])
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not set(args.variants) <= set(VARIANTS) or not args.variants:
         p.error(f"--variants must be a subset of {','.join(VARIANTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device")
     return args
+
+
+def at_width(args, width: int) -> None:
+    args.width, args.heads = width, args.heads_given or max(1, width // 64)
 
 
 def config(args, residual: str, checkpointing: bool | None = None, module=T) -> T.Config:
@@ -211,6 +218,8 @@ def run_timing(args, device: torch.device) -> dict:
                 out[f"{name}/baseline{at}_rounds"] = [round(min(ratios), 3), round(max(ratios), 3)]
                 out[f"{name}/baseline{at}_cpu"] = round(out["variants"][name + at]["cpu_ms_per_step"]
                                                        / out["variants"]["baseline" + at]["cpu_ms_per_step"], 3)
+    saved = {name: saved_activation_bytes(args, name, False, device) for name in args.variants}
+    out["saved_mb"] = {name: round(b / 2**20, 1) for name, b in saved.items()}
     if not args.no_probe:
         for v in variants:
             v.probe()                                    # warm (and, compiled, recompile for eval/no-grad)
@@ -331,7 +340,8 @@ def record_row(args, result: dict, device: torch.device, command: str) -> str:
                            f"cpu {result[k + '_cpu']})" for k in ratio_keys(result))
         probe = ", ".join(f"{name} {100 * v[name]['probe_share']:.2f}%" for name in v if "probe_share" in v[name])
         mfu = ", ".join(f"{name} {v[name]['mfu']:.1%}" for name in v if v[name]["mfu"] is not None)
-        numbers += f"; ratios: {ratios or '-'}; probe share @{args.metrics_every}: {probe or '-'}; MFU: {mfu or 'null'}"
+        numbers += (f"; ratios: {ratios or '-'}; probe share @{args.metrics_every}: {probe or '-'}; "
+                    f"MFU: {mfu or 'null'}; saved activations: {memory_text(result['saved_mb'])}")
     load = result.get("load", "")
     return (f"| {datetime.date.today().isoformat()} | {machine(device)} | `{command}` | {config_text} | {numbers} "
             f"| {load} |\n")
@@ -342,23 +352,31 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    argv = argv if argv is not None else sys.argv[1:]
+    shown = [a for i, a in enumerate(argv) if a not in ("--record", "--note") and (i == 0 or argv[i - 1] != "--note")]
+    command = "python benchmarks/bench_step.py " + " ".join(shown)
+    for width in args.widths:
+        at_width(args, width)
+        if args.profile:
+            run_profile(args, device)
+        elif args.explain:
+            run_explain(args, device)
+        else:
+            run_width(args, device, command)
+    return 0
+
+
+def run_width(args, device: torch.device, command: str) -> None:
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result = {"config": {k: getattr(args, k) for k in ("device", "dtype", "width", "depth", "heads", "seq",
                                                         "micro_batch", "n", "tokenizer", "compile",
                                                         "activation_checkpointing")}}
-    if args.profile:
-        return run_profile(args, device)
-    if args.explain:
-        return run_explain(args, device)
     if args.memory:
         result["memory"] = run_memory(args, device)
     else:
         result |= run_timing(args, device)
     if load_before is not None:
         result["load"] = f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
-    argv = argv if argv is not None else sys.argv[1:]
-    shown = [a for i, a in enumerate(argv) if a not in ("--record", "--note") and (i == 0 or argv[i - 1] != "--note")]
-    command = "python benchmarks/bench_step.py " + " ".join(shown)
     print(render(args, result))
     if args.json:
         print(json.dumps(result))
@@ -366,7 +384,12 @@ def main(argv=None) -> int:
         with open(DOC, "a") as f:
             f.write(record_row(args, result, device, command.strip()))
         print(f"recorded in {DOC.relative_to(ROOT)}")
-    return 0
+
+
+def memory_text(saved_mb: dict) -> str:
+    base = saved_mb.get("baseline")
+    return ", ".join(f"{name} {mb} MB" + (f" ({mb / base:.2f}x baseline)" if base and name != "baseline" else "")
+                     for name, mb in saved_mb.items())
 
 
 def ratio_keys(result: dict) -> list[str]:
@@ -392,6 +415,7 @@ def render(args, result: dict) -> str:
             lo, hi = result[k + "_rounds"]
             lines.append(f"{k}: {result[k]:.3f} wall (per-round ratios {lo:.3f} .. {hi:.3f}), "
                          f"{result[k + '_cpu']:.3f} cpu time")
+        lines.append(f"saved activations: {memory_text(result['saved_mb'])}")
     if "load" in result:
         lines.append(result["load"])
     return "\n".join(lines)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train_c4 as T
 
@@ -65,7 +66,7 @@ def test_rms_scaled_projection_equals_the_plain_formula(dtype):
     for fast in (True, False):
         v, phi = v0.clone().requires_grad_(), phi0.clone().requires_grad_()
         if fast:
-            z = T._RMSScaledProjection.apply(v, phi, 1e-5)
+            z, _ = T._RMSScaledProjection.apply(v, phi, 1e-5)
         else:   # model-spec.md: z = (v @ phi) / sqrt(mean(v^2) + eps)
             z = torch.nn.functional.linear(v, phi) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)
         z.backward(grad_out)
@@ -75,7 +76,72 @@ def test_rms_scaled_projection_equals_the_plain_formula(dtype):
         torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
     small = (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),
              torch.randn(4, 6, dtype=torch.float64, requires_grad=True))
-    assert torch.autograd.gradcheck(lambda v, phi: T._RMSScaledProjection.apply(v, phi, 1e-5), small)
+    assert torch.autograd.gradcheck(lambda v, phi: T._RMSScaledProjection.apply(v, phi, 1e-5)[0], small)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normalized_projection_equals_layer_norm_then_linear(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x0 = (3 * torch.randn(2, 5, 4, 32, generator=generator) + 1).to(dtype)    # streams with a mean of their own
+    W0 = torch.randn(6, 32, generator=generator).to(dtype)
+    grad_out = torch.randn(2, 5, 4, 6, generator=generator).to(dtype)
+    results = []
+    for fast in (True, False):
+        x, W = x0.clone().requires_grad_(), W0.clone().requires_grad_()
+        if fast:
+            z, _ = T._NormalizedProjection.apply(x, W, 1e-5)
+        else:
+            z = F.linear(F.layer_norm(x, (32,), eps=1e-5), W)
+        z.backward(grad_out)
+        results.append((z.detach(), x.grad, W.grad))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for fast, ref in zip(*results):
+        torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
+    small = (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),
+             torch.randn(4, 6, dtype=torch.float64, requires_grad=True))
+    assert torch.autograd.gradcheck(lambda x, W: T._NormalizedProjection.apply(x, W, 1e-5), small)
+
+
+def reference_coefficients(conn, x):
+    """H_pre, H_post, H_res of a connection as the papers write them, every step through autograd."""
+    n = conn.n
+    if isinstance(conn, T.HyperConnection):
+        d = torch.tanh(F.linear(F.layer_norm(x, x.shape[-1:], eps=conn.eps), conn.dynamic.weight))
+        A_r = conn.s_a * d[..., 1:n + 1] + conn.A_r_static
+        return (conn.s_a * d[..., 0] + conn.A_m_static, conn.s_b * d[..., n + 1] + conn.B_static,
+                A_r.transpose(-1, -2))
+    v = x.flatten(-2)
+    z = F.linear(v, conn.phi.weight) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + conn.eps)
+    z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
+    return (torch.sigmoid(conn.a_pre * z_pre + conn.b_pre), 2 * torch.sigmoid(conn.a_post * z_post + conn.b_post),
+            reference_sinkhorn(conn.a_res * z_res.unflatten(-1, (n, n)) + conn.b_res, conn.iters))
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_connection_equals_the_plain_formulas(residual):
+    """One connection, forward and every gradient, against reference_coefficients + reference_stream_update:
+    checks that x's gradient, gathered in place through the projection's passed-through output, is whole."""
+    cfg = tiny_config(residual, width=16, heads=2)
+    connection = (T.HyperConnection if residual == "hc" else T.ManifoldHyperConnection)(cfg, 1)
+    sublayer = torch.nn.Sequential(torch.nn.LayerNorm(cfg.width), torch.nn.Linear(cfg.width, cfg.width))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in connection.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    x0 = torch.randn(2, 5, cfg.expansion, cfg.width, generator=generator) + 0.5
+    grad_out = torch.randn(x0.shape, generator=generator)
+    results = []
+    for fast in (True, False):
+        x = x0.clone().requires_grad_()
+        out = connection(x, sublayer)[0] if fast else reference_stream_update(
+            x, *reference_coefficients(connection, x), sublayer)
+        out.backward(grad_out)
+        results.append([out.detach(), x.grad] + [p.grad.clone() for p in connection.parameters()]
+                       + [p.grad.clone() for p in sublayer.parameters()])
+        connection.zero_grad()
+        sublayer.zero_grad()
+    for fast, ref in zip(*results):
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
