@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
 
@@ -2558,7 +2559,10 @@ class Trainer:
         self.model.eval()
         x_all, y_all = (t[self.dist.rank::self.dist.world] for t in self.val)
         total = torch.zeros(2, device=self.dist.device)
-        for start in range(0, len(x_all), self.micro):
+        # under the run's progress bar (an interactive terminal), a bar of its own: at C4 scale an evaluation
+        # takes minutes, and a still bar would look like a hang
+        for start in tqdm(range(0, len(x_all), self.micro), desc="evaluation", leave=False,
+                          disable=self.log.bar is None):
             x, y = (t[start:start + self.micro].to(self.dist.device) for t in (x_all, y_all))
             with self.autocast():
                 _, loss = self.model(x, y)
@@ -2685,7 +2689,6 @@ class Progress:
                  "val_loss", "amax_fwd", "amax_bwd")
 
     def __init__(self, trainer: Trainer):
-        from tqdm import tqdm
         self.trainer, self.step_seconds = trainer, None
         interactive = trainer.dist.is_main and sys.stderr.isatty()
         self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
