@@ -7,8 +7,17 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
 
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
 exit codes and reliability rules in README.md and docs/reliability.md.
-Sections, in order: config/CLI -> model -> instability metrics -> data -> distributed ->
-checkpointing -> logging -> training loop -> main.
+Sections, in file order:
+  config/CLI            Config, presets, --help's groups, every check of a value
+  model                 the GPT body and the three residual paths (PlainResidual, HyperConnection, mHC)
+  instability metrics   composite gains, the study's recipe, the Sinkhorn truncation, the probe
+  data                  tokenizers, C4 (hub or local), held-out documents, loader thread and processes
+  distributed           torchrun's process group, DDP / FSDP2 wrapping, a failing rank's reason
+  checkpointing         write, seal, verify and safely load checkpoints; --consolidate
+  logging               train.log, metrics.jsonl, status.json, W&B
+  training loop         opens with the planner (memory plan, --micro-batch-size auto, time estimate),
+                        then the schedule, fault hooks, Trainer, progress, build_trainer, train
+  main                  one line and an exit code for every expected failure
 """
 
 from __future__ import annotations
