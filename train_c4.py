@@ -87,6 +87,14 @@ class DeviceFailure(TrainerError):
     exit_code = EXIT_DEVICE
 
 
+class RunFailed(TrainerError):
+    """A failure already classified (by `failure`) and recorded in status.json; the cause is chained."""
+
+    def __init__(self, exit_code: int, reason: str):
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     preset: str = "c4"
@@ -1428,15 +1436,16 @@ def _failure_key(rank: int) -> str:
     return f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed/{rank}"
 
 
-def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str]:
-    """The job's exit code and one-line reason for a failure seen on this rank.
+def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str, bool]:
+    """The job's exit code and one-line reason for a failure seen on this rank, and whether it is this rank's
+    own (not another rank's, nor a lost contact that no rank explains).
 
     A rank's own failure is written to the rendezvous store before the rank exits; the others only see
     a closed connection (gloo), a time-out or torchrun's SIGTERM (NCCL), and a rank that lost contact
     (code 5) reports the failure another rank noted, naming that rank, with its exit code: the launcher
     then acts on the root cause (halve the micro-batch, retry the data...) instead of blaming a GPU."""
     if dist.world == 1 or not torch.distributed.is_initialized():
-        return code, reason
+        return code, reason, True
     from torch.distributed.distributed_c10d import _get_default_store
     with contextlib.suppress(Exception):                   # best effort: the store's host may be gone too
         store = _get_default_store()
@@ -1444,12 +1453,12 @@ def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str]:
             for rank in range(dist.world):
                 if rank != dist.rank and store.check([_failure_key(rank)]):
                     peer_code, peer_reason = json.loads(store.get(_failure_key(rank)))
-                    return peer_code, f"rank {rank} failed: {peer_reason}"
+                    return peer_code, f"rank {rank} failed: {peer_reason}", False
         store.set(_failure_key(dist.rank), json.dumps([code, reason]))
     if code == EXIT_DEVICE and "lost contact" in reason:
-        reason += ("; no other rank reported an error: one was killed (out of host memory?) or is hung, "
-                   "see torchrun's summary and the ranks' logs")
-    return code, reason
+        return code, reason + ("; no other rank reported an error: one was killed (out of host memory?) or is "
+                               "hung, see torchrun's summary and the ranks' logs"), False
+    return code, reason, True
 
 
 def _vectorise_scalars(model: nn.Module) -> None:
@@ -2859,17 +2868,15 @@ def train(cfg: Config) -> None:
         log.status("interrupted", trainer.step, EXIT_INTERRUPTED, str(error))
         raise
     except BaseException as error:
-        own = classify_failure(error, trainer.micro)
-        code, reason = rank_failure(dist, *own)
+        code, reason, own = failure(error, dist, trainer.micro)
         status = reason if dist.world == 1 or reason.startswith("rank ") else f"rank {dist.rank}: {reason}"
-        if dist.world > 1 and not dist.is_main and (code, reason) == own:
+        if dist.world > 1 and not dist.is_main and own:
             # this rank failed first; rank 0 may be killed by torchrun before it can record why
             write_json_atomic(trainer.run_dir / "status.json", {"state": "failed", "step": trainer.step,
                               "exit_code": code, "reason": status, "updated": time.time()})
         with contextlib.suppress(OSError):  # a disk refusing even status.json: the printed line still says why
             log.status("failed", trainer.step, code, status)
-        error.failure = (code, reason)      # what main reports: classifying again there would lose the context
-        raise
+        raise RunFailed(code, reason) from error
     finally:
         trainer.batches.close()
     log.status("completed", trainer.step, EXIT_OK)
@@ -2880,6 +2887,17 @@ def train(cfg: Config) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # main: one line and an exit code for every expected failure (design.md's table)
+
+def failure(error: BaseException, dist: Dist, micro: int | None = None) -> tuple[int, str, bool]:
+    """The one classification of a failure into (exit code, reason, whether it is this rank's own): a RunFailed
+    keeps its own; a rank that only lost contact takes the reason of the rank that failed first (rank_failure)."""
+    if isinstance(error, RunFailed):
+        return error.exit_code, str(error), True
+    code, reason = classify_failure(error, micro)
+    if isinstance(error, (Diverged, Interrupted)):      # every rank stops at the same step: nothing to look up
+        return code, reason, True
+    return rank_failure(dist, code, reason)
+
 
 def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]:
     if isinstance(error, TrainerError):
@@ -2975,13 +2993,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:               # --help
         return done.code if isinstance(done.code, int) else EXIT_OK
     except BaseException as error:
-        code, reason = getattr(error, "failure", None) or classify_failure(error, None)
-        if not hasattr(error, "failure") and not isinstance(error, (Diverged, Interrupted)):
-            code, reason = rank_failure(dist, code, reason)
+        code, reason, _ = failure(error, dist)
         if isinstance(error, (Diverged, Interrupted)):
             end_distributed()                # every rank stops at the same step: a clean shutdown
-        if code == 1 and not isinstance(error, (TrainerError, OSError)):
-            raise
+        cause = error.__cause__ if isinstance(error, RunFailed) else error
+        if code == 1 and not isinstance(cause, (TrainerError, OSError)):
+            raise                            # a bug, not an expected failure: its traceback is what helps
         print(f"error: {'' if dist.world == 1 else f'rank {dist.rank}: '}{reason}", file=sys.stderr)
         if dist.world > 1:
             # torchrun sends SIGTERM to every other rank as soon as one exits non-zero, and Python restores
