@@ -56,50 +56,36 @@ def test_sinkhorn_backward_passes_gradcheck_with_few_and_many_iterations():
         assert torch.autograd.gradcheck(lambda t: T.sinkhorn(t, iters), (m,))
 
 
+PROJECTIONS = {  # name: (the fast Function, the plain formula, input shape, outputs)
+    # model-spec.md: z = (v @ phi) / sqrt(mean(v^2) + eps)
+    "rms_scaled": (lambda v, w: T._RMSScaledProjection.apply(v, w, 1e-5)[0],
+                   lambda v, w: F.linear(v, w) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5), (2, 5, 32), 24),
+    # HC: each stream's LayerNorm (no affine weights), then the dynamic projection
+    "normalized": (lambda x, w: T._NormalizedProjection.apply(x, w, 1e-5)[0],
+                   lambda x, w: F.linear(F.layer_norm(x, x.shape[-1:], eps=1e-5), w), (2, 5, 4, 32), 6),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_rms_scaled_projection_equals_the_plain_formula(dtype):
+@pytest.mark.parametrize("name", PROJECTIONS)
+def test_fused_projections_equal_the_plain_formulas(name, dtype):
+    fast_fn, plain_fn, shape, outputs = PROJECTIONS[name]
     generator = torch.Generator().manual_seed(0)
-    v0 = (3 * torch.randn(2, 5, 32, generator=generator)).to(dtype)
-    phi0 = torch.randn(24, 32, generator=generator).to(dtype)
-    grad_out = torch.randn(2, 5, 24, generator=generator).to(dtype)
+    x0 = (3 * torch.randn(*shape, generator=generator) + 1).to(dtype)     # vectors with a mean of their own
+    w0 = torch.randn(outputs, shape[-1], generator=generator).to(dtype)
+    grad_out = torch.randn(*shape[:-1], outputs, generator=generator).to(dtype)
     results = []
-    for fast in (True, False):
-        v, phi = v0.clone().requires_grad_(), phi0.clone().requires_grad_()
-        if fast:
-            z, _ = T._RMSScaledProjection.apply(v, phi, 1e-5)
-        else:   # model-spec.md: z = (v @ phi) / sqrt(mean(v^2) + eps)
-            z = torch.nn.functional.linear(v, phi) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)
+    for fn in (fast_fn, plain_fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        z = fn(x, w)
         z.backward(grad_out)
-        results.append((z.detach(), v.grad, phi.grad))
+        results.append((z.detach(), x.grad, w.grad))
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     for fast, ref in zip(*results):
         torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
     small = (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),
              torch.randn(4, 6, dtype=torch.float64, requires_grad=True))
-    assert torch.autograd.gradcheck(lambda v, phi: T._RMSScaledProjection.apply(v, phi, 1e-5)[0], small)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_normalized_projection_equals_layer_norm_then_linear(dtype):
-    generator = torch.Generator().manual_seed(0)
-    x0 = (3 * torch.randn(2, 5, 4, 32, generator=generator) + 1).to(dtype)    # streams with a mean of their own
-    W0 = torch.randn(6, 32, generator=generator).to(dtype)
-    grad_out = torch.randn(2, 5, 4, 6, generator=generator).to(dtype)
-    results = []
-    for fast in (True, False):
-        x, W = x0.clone().requires_grad_(), W0.clone().requires_grad_()
-        if fast:
-            z, _ = T._NormalizedProjection.apply(x, W, 1e-5)
-        else:
-            z = F.linear(F.layer_norm(x, (32,), eps=1e-5), W)
-        z.backward(grad_out)
-        results.append((z.detach(), x.grad, W.grad))
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
-    for fast, ref in zip(*results):
-        torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
-    small = (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),
-             torch.randn(4, 6, dtype=torch.float64, requires_grad=True))
-    assert torch.autograd.gradcheck(lambda x, W: T._NormalizedProjection.apply(x, W, 1e-5), small)
+    assert torch.autograd.gradcheck(fast_fn, small)
 
 
 def reference_coefficients(conn, x):
