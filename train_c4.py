@@ -214,7 +214,8 @@ HELP = dict(
     "held out instead (docs/data.md)",
     tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
     data_seed="document-order seed, independent of --seed",
-    data_streams="disjoint virtual data streams; the number of processes must divide it",
+    data_streams="disjoint virtual data streams (sequence p of every global batch comes from stream p mod this); "
+    "any number of processes that divides the global batch reads the same data",
     data_workers="loader processes per rank, each reading and tokenizing its share of the rank's streams "
     "(0: a background thread of the training process)",
     prefetch="micro-batches read ahead by the background loader thread (with --data-workers 0)",
@@ -1118,24 +1119,40 @@ class RankBatches:
     """This rank's share of every global batch, the same sequences whatever the number of processes.
 
     The corpus is split into --data-streams disjoint virtual streams. Sequence p of a global batch
-    always comes from stream p mod streams, and rank r takes positions r, r + world, ... (the streams
-    r, r + world, ...). So 1, 2 or 8 processes train on exactly the same sequences at every step, and
-    a checkpoint saved with one world size resumes exactly with another."""
+    always comes from stream p mod streams, and rank r takes positions r, r + world, ... So any number
+    of processes that divides the global batch trains on exactly the same sequences at every step, and a
+    checkpoint saved with one world size resumes exactly with another. When the world size does not
+    divide the streams, ranks share a stream: each reads all of its windows of a step (the same state
+    everywhere) and keeps its own positions', skipping the others' (`skips`)."""
 
     def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int,
                  skip_held_out: bool = False):
         # what a loader process rebuilds it from
         self.recipe = (files, tokenizer, cfg, rank, world, micro, skip_held_out)
         count, held_out = cfg.data_streams, False if skip_held_out else None
+        positions = range(rank, cfg.batch_size, world)
+        self.owners = [p % count for p in positions]
+        self.skips = stream_skips(positions, count, cfg.batch_size)
+        # the streams it reads, and its share of those no position reads (a batch below --data-streams): their
+        # untouched states go into the checkpoint too, for a resume at another world size
+        read = sorted(set(self.owners) | set(range(rank, count, world)))
         self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer, held_out),
-                                        tokenizer, cfg.seq_len) for v in range(rank, count, world)}
-        self.owners = [p % count for p in range(rank, cfg.batch_size, world)]
+                                        tokenizer, cfg.seq_len) for v in read}
         self.micro, self.cursor = micro, 0
 
+    def window(self, slot: int) -> torch.Tensor:
+        """The window of this rank's `slot`-th position of a step, past the shared stream's other windows."""
+        stream, (before, after) = self.streams[self.owners[slot]], self.skips[slot]
+        if before:
+            stream.take(before)
+        window = stream.take(1)
+        if after:
+            stream.take(after)
+        return window
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        owners = self.owners[self.cursor:self.cursor + self.micro]
+        windows = torch.cat([self.window(slot) for slot in range(self.cursor, self.cursor + self.micro)])
         self.cursor = (self.cursor + self.micro) % len(self.owners)
-        windows = torch.cat([self.streams[v].take(1) for v in owners])
         return windows[:, :-1], windows[:, 1:]
 
     @property
@@ -1155,6 +1172,21 @@ class RankBatches:
         for v, stream in self.streams.items():
             stream.load_state_dict(saved[v])
         self.cursor = states[0]["cursor"]
+
+
+def stream_skips(positions: range, streams: int, batch: int) -> list[tuple[int, int]]:
+    """For each of a rank's positions of a step (in order): how many windows of its stream belong to other ranks'
+    positions just before it, and, after the rank's last position of that stream, how many until the step's end.
+    All zeros when the world size divides the streams (every stream is one rank's). Position p is window
+    p // streams of stream p mod streams within the step."""
+    skips, last = [], {}
+    for slot, p in enumerate(positions):
+        v, k = p % streams, p // streams
+        skips.append([k - last.get(v, (-1, None))[0] - 1, 0])
+        last[v] = (k, slot)
+    for v, (k, slot) in last.items():
+        skips[slot][1] = len(range(v, batch, streams)) - 1 - k
+    return [tuple(skip) for skip in skips]
 
 
 def stalled(timeout: float) -> DataUnavailable:
@@ -1245,7 +1277,7 @@ class _StepShares(torch.utils.data.IterableDataset):
         threading.Thread(target=self._answer, args=(worker, states), daemon=True).start()
         try:
             for step in itertools.count():
-                windows = torch.cat([batches.streams[batches.owners[p]].take(1) for p in slots])
+                windows = torch.cat([batches.window(p) for p in slots])
                 states[step] = {str(v): batches.streams[v].state_dict() for v in mine}
                 states.pop(step - self.KEEP, None)
                 yield slots, windows, None
@@ -2334,9 +2366,8 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
     if cfg.batch_size % (micro * world):
         raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
                           f"{world} process(es)")
-    if cfg.data_streams % world:
-        raise ConfigError(f"{world} processes do not divide --data-streams {cfg.data_streams}")
-    read = min(cfg.batch_size, cfg.data_streams) // world         # the streams each process reads from
+    # the streams each process reads from (ranks share streams when the world size does not divide them)
+    read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
     if cfg.data_workers > read:
         raise ConfigError(f"--data-workers {cfg.data_workers} exceeds the {read} data stream(s) each of {world} "
                           "process(es) reads (a loader process owns whole streams); lower --data-workers, or raise "
@@ -2837,8 +2868,9 @@ def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> N
     log.info(f"run: {cfg.steps:,} steps, {cfg.steps * tokens_per_step:,} tokens, "
              f"{trainer.flops_per_token:.3g} FLOPs per token")
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({cfg.data_streams // trainer.dist.world} per process, "
-             f"{loader} each), data seed {cfg.data_seed}")
+    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({len(set(trainer.batches.owners))} read by this process"
+             f"{shared}, {loader} each), data seed {cfg.data_seed}")
     log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
 
 

@@ -328,6 +328,32 @@ def test_two_ranks_see_the_single_process_batches_and_resume_across_world_sizes(
     assert not documents[0] & documents[1]
 
 
+@pytest.mark.parametrize("world", [3, 4, 6])
+def test_any_world_size_that_divides_the_batch_reads_the_single_process_batches(world):
+    """4 streams, a global batch of 12: 3 and 6 processes share streams (each reads a shared stream's windows of a
+    step and keeps its own), 4 do not. Saved at step 2 by one layout and resumed by another (1 process, then
+    `world`), the batches stay those of one process throughout; one rank reads through a loader process."""
+    single = sample_batches(batch=12, micro=12)
+    ranks = [sample_batches(rank=r, world=world, batch=12, micro=12 // world) for r in range(world)]
+    for step in range(5):
+        whole = single.next_batch()[0]
+        for r, rank in enumerate(ranks):
+            assert torch.equal(rank.next_batch()[0], whole[r::world]), (step, r)
+        if step == 1:                                      # save from `world` ranks, resume with one
+            single = sample_batches(batch=12, micro=12)
+            single.load_state_dict([rank.state_dict() for rank in ranks])
+        if step == 3:                                      # save from one, resume with `world` ranks
+            ranks = [sample_batches(rank=r, world=world, batch=12, micro=12 // world) for r in range(world)]
+            for rank in ranks:
+                rank.load_state_dict([single.state_dict()])
+    cfg = T.parse_config(["--preset", "tiny", "--batch-size", "12", "--data-streams", "4", "--data-workers", "1"])
+    loader = T.start_loader(ranks[-1], cfg, pin_memory=False)
+    try:
+        assert torch.equal(loader.next_batch()[0], single.next_batch()[0][world - 1::world])
+    finally:
+        loader.close()
+
+
 def test_data_seed_changes_the_order_and_model_seed_does_not():
     assert torch.equal(sample_batches(data_seed=1).next_batch()[0], sample_batches(data_seed=1).next_batch()[0])
     assert not torch.equal(sample_batches(data_seed=1).next_batch()[0], sample_batches(data_seed=2).next_batch()[0])
