@@ -21,7 +21,6 @@ import io
 import json
 import math
 import os
-import re
 import sys
 import time
 import warnings
@@ -30,6 +29,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+
+from contract import RUN_NAME
 
 # --- config / CLI: constants every later section reads ------------------------------------------
 
@@ -43,7 +44,6 @@ FLAT = 0.05                     # the verdict calls gains within 1 ± FLAT "stay
 GAP_S = 900.0                   # a longer pause between two log lines is downtime, not wall time
 PLOT_POINTS = 400               # longer curves are cut into this many step bins before plotting
 GRAD_POINTS = 200               # fewer for the gradient norm, whose spikes would otherwise crowd
-RUN_NAME = re.compile(r"^(?P<method>[A-Za-z]+)_d(?P<depth>\d+)_s(?P<seed>\d+)$")
 SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
                "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_study",
                "amax_fwd_converged", "amax_bwd_converged", "sinkhorn_converged_err", "sinkhorn_col_err",
@@ -1110,10 +1110,10 @@ class Matrix:
     runs: dict                   # run -> [state, gpus]: in queue order
 
 
-def read_matrix(root):
+def read_matrix(root, log="matrix.log"):
     """The last invocation's QUEUE line and every job event after it; None without one."""
     try:
-        lines = (root / "matrix.log").read_text(errors="replace").splitlines()
+        lines = (root / log).read_text(errors="replace").splitlines()
     except OSError:
         return None
     starts = [i for i, line in enumerate(lines) if " QUEUE " in line]
@@ -1165,12 +1165,13 @@ def fmt_clock(seconds):
         str(timedelta(seconds=round(seconds)))
 
 
-def watch_view(root, stale_after_min=15.0, now=None):
-    """The matrix view as text (raises ReportError when no launcher has run in root)."""
+def watch_view(root, stale_after_min=15.0, now=None, log="matrix.log"):
+    """The matrix view as text (raises ReportError when no launcher has run in root); `log` is the launcher's
+    matrix log (matrix.node{i}.log for one node's share with --nodes)."""
     root, now = Path(root), time.time() if now is None else now
-    matrix = read_matrix(root)
+    matrix = read_matrix(root, log)
     if matrix is None:
-        raise ReportError(f"no matrix in {root} (no matrix.log with a QUEUE line): start one with run_experiments.sh")
+        raise ReportError(f"no matrix in {root} (no {log} with a QUEUE line): start one with run_experiments.sh")
     statuses = {name: read_json(root / name / "status.json") or {} for name in matrix.runs}
     counts = {state: sum(s == state for s, _ in matrix.runs.values()) for state in ("done", "running", "queued", "failed")}
     eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run

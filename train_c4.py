@@ -53,14 +53,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+import contract
+from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
+                      EXIT_OOM)
+
 ROOT = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------
 # config/CLI: every setting of a run, resolved once into a frozen Config
-
-EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = (
-    0, 2, 3, 4, 5, 6, 75)
-
 
 class TrainerError(Exception):
     """An expected failure: its message is the one line the user sees, exit_code what the launcher reads."""
@@ -178,8 +178,6 @@ PRESETS = {
     # the public 1.7B study's stress arm (run at depths 32, 48 and 64): 3x the learning rate, 3000 steps
     "stress": dict(lr=3e-4, steps=3000),
 }
-# presets that are an arm of the matrix of their own: their runs are named apart from the main arm's
-RUN_NAME_SUFFIX = {"stress": "_stress"}
 
 CHOICES = dict(residual=("baseline", "hc", "mhc"), preset=tuple(PRESETS), attn=("auto", "flash", "sdpa"),
                dtype=("auto", "bf16", "fp32"), tokenizer=("gpt2", "byte"), resume=("auto", "never"),
@@ -297,8 +295,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**values)
     validate(cfg)
     if not cfg.run_name:
-        suffix = RUN_NAME_SUFFIX.get(cfg.preset, "")
-        cfg = dataclasses.replace(cfg, run_name=f"{cfg.residual}_d{cfg.depth}_s{cfg.seed}{suffix}")
+        cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset))
     return cfg
 
 
@@ -2010,8 +2007,6 @@ GPU_PEAK_BF16_FLOPS = {
     "NVIDIA L40S": 362e12,
 }
 ASSUMED_GPU = "NVIDIA H100 80GB HBM3"          # what time estimates assume where no GPU can be asked
-# run_experiments.sh's planner looks this key up when nvidia-smi names no GPU; no device is named so
-GPU_PEAK_BF16_FLOPS["H100"] = GPU_PEAK_BF16_FLOPS[ASSUMED_GPU]
 # keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
@@ -2318,17 +2313,6 @@ def confirm_micro_batch(cfg: Config, dist: Dist, model: nn.Module, dtype: torch.
         print(f"micro-batch auto: {micro}, confirmed by one forward and backward on {torch.cuda.get_device_name()}",
               flush=True)
     return micro, per_rank // micro
-
-
-def queue_schedule(durations: list[float], slots: int, stagger: float = 0.0) -> float:
-    """Wall time of jobs started in queue order, each on the first slot to become free, launches at least
-    `stagger` seconds apart: what run_experiments.sh does (list scheduling, not the sum over slots)."""
-    free, last_launch = [0.0] * slots, -math.inf
-    for duration in durations:
-        slot = min(range(slots), key=free.__getitem__)
-        last_launch = max(free[slot], last_launch + stagger)
-        free[slot] = last_launch + duration
-    return max(free, default=0.0)
 
 
 def print_memory_plan(plan: MemoryPlan) -> None:

@@ -53,10 +53,10 @@ def launch(tmp_path, *args, env=None, timeout=120, out=None):
                           timeout=timeout, cwd=ROOT)
 
 
-def events(out, name=None, invocation=-1):
+def events(out, name=None, invocation=-1, log="matrix.log"):
     """(time, event, text) of one launcher invocation's matrix.log lines (default: the last)."""
     runs, current = [], None
-    for line in (Path(out) / "matrix.log").read_text().splitlines():
+    for line in (Path(out) / log).read_text().splitlines():
         stamp, event, text = (line.split(" ", 2) + ["", ""])[:3]
         if event == "START":
             current = []
@@ -65,10 +65,10 @@ def events(out, name=None, invocation=-1):
     return [e for e in runs[invocation] if name is None or e[1] == name]
 
 
-def launches(out, invocation=-1):
+def launches(out, invocation=-1, log="matrix.log"):
     """(time, run, gpus) of each LAUNCH line."""
     found = []
-    for t, _, text in events(out, "LAUNCH", invocation):
+    for t, _, text in events(out, "LAUNCH", invocation, log):
         m = re.match(r"(\S+) gpus=(\S+)", text)
         found.append((t, m.group(1), m.group(2)))
     return found
@@ -171,6 +171,28 @@ def test_stagger_spaces_launches(tmp_path):
     gaps = [(b - a).total_seconds() for a, b in zip(times, times[1:])]
     assert all(gap >= 1.0 for gap in gaps), gaps
     assert all(gap < 3.0 for gap in gaps), f"launches waited far longer than the stagger: {gaps}"
+
+
+def test_matrix_split_over_two_nodes_runs_each_job_once(tmp_path):
+    """Two launchers on one shared out folder, --nodes 2 with ranks 0 and 1, side by side: each runs every other
+    job of the queue, with its own lock and matrix log, and together they run the whole matrix once."""
+    out = tmp_path / "runs"
+    matrix = ["--methods", "baseline,hc,mhc", "--depths", "2,3", "--seeds", "1", "--gpus", "0,1", "--nodes", "2"]
+    nodes = [subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", *matrix, "--node-rank", str(i)],
+                              env=launcher_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=ROOT) for i in (0, 1)]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    ran = [[run for _, run, _ in launches(out, log=f"matrix.node{i}.log")] for i in (0, 1)]
+    assert ran == [["baseline_d3_s1", "mhc_d3_s1", "hc_d2_s1"], ["hc_d3_s1", "baseline_d2_s1", "mhc_d2_s1"]]
+    for run in ran[0] + ran[1]:
+        assert status(out, run)["state"] == "completed" and len(invocations(out, run)) == 1
+    assert not (out / "matrix.log").exists()
+    r = launch(tmp_path, "--dry-run", *matrix, "--node-rank", "1", out=tmp_path / "elsewhere")
+    assert r.returncode == 0 and re.search(r"^hc_d3_s1 +node 1 GPU 0 ", r.stdout, re.MULTILINE), r.stdout
+    assert re.search(r"^mhc_d2_s1 +node 1 next free slot ", r.stdout, re.MULTILINE)
+    r = launch(tmp_path, "--dry-run", *matrix, "--node-rank", "1")
+    assert r.returncode == 0 and re.search(r"^baseline_d3_s1 +skip \(completed\)", r.stdout, re.MULTILINE)
 
 
 def test_completed_matrix_launches_nothing(tmp_path):
@@ -462,7 +484,8 @@ def test_help(tmp_path):
 @pytest.mark.parametrize("args", [
     ["--bogus"], ["--methods", "hc,foo"], ["--depths", "0"], ["--seeds", "x"], ["--steps", "ten"],
     ["--gpus", "a"], ["--gpus-per-run", "0"], ["--stagger", "-1"], ["--max-retries", "two"],
-    ["--quick", "--demo"], ["--depths"], ["--", "--run-name", "x"],
+    ["--quick", "--demo"], ["--depths"], ["--", "--run-name", "x"], ["--nodes", "0"],
+    ["--nodes", "2", "--node-rank", "2"],
 ])
 def test_bad_flags_give_usage_and_exit_2(tmp_path, args):
     r = launch(tmp_path, *args)

@@ -1,0 +1,1191 @@
+"""matrix.py: the decisions of run_experiments.sh: the matrix, its plan, and what each job's exit means.
+
+run_experiments.sh keeps process control (starting jobs in their own process groups, probing GPUs, signals,
+waiting); everything that parses, validates, plans or decides is here, in one process that lives as long as the
+launcher. Read top to bottom:
+
+    command line -> the matrix (jobs in queue order, what earlier invocations left) -> GPUs and trainer command
+    -> --summary -> --dry-run (plan, calibration, time and cost) -> the run: the queue, exit codes, stopping
+
+The conversation with the bash side (`--requests FD --replies FD`, two pipes): this process writes one request
+per line, shell-quoted words; bash answers with zero or more lines and then `end`.
+
+    lock FILE                       take the launcher lock (flock), inherited by every job -> `ok` | `busy`
+    probe LOGDIR GPU...             probe the GPUs in parallel, output in LOGDIR/probe{GPU}.log -> `GPU STATUS`...
+    launch RUN GPUS LOG CMD...      start CMD in its own process group with CUDA_VISIBLE_DEVICES=GPUS
+                                    (`cpu`: none), appending to LOG
+    wait MS POLL_MS                 until a job exits, a signal arrives or MS pass -> `exited RUN STATUS`...,
+                                    `signal INT|TERM`...
+    kill SIGNAL                     send SIGNAL to every running job's process group
+
+Without those two flags (tests, a plain `python matrix.py --dry-run`) only --help, --summary and --dry-run work.
+The scheduler imports only the standard library; the dry run imports train_c4 (torch) for the planner.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
+                      EXIT_OOM, TRAINER_EXIT_CODES, run_name)
+
+ROOT = Path(__file__).resolve().parent
+PROG = "run_experiments.sh"
+# the launcher's own exit statuses
+EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 1, 2, 130, 143
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+MODES = {   # methods, depths, seeds, steps, trainer preset
+    "full": ("baseline,hc,mhc", "32,48", "42,123,456", None, None),
+    "quick": ("hc,mhc", "32,48", "42", 10000, None),
+    "stress": ("hc,mhc", "32,48,64", "42", None, "stress"),
+    # the demo preset fixes its own model; --depth 4 (its depth) is passed so the run name is exact
+    "demo": ("baseline,hc,mhc", "4", "42", None, "demo"),
+}
+METHODS = ("baseline", "hc", "mhc")
+# The trainer flags the launcher sets for each run: the run's identity and where it lives.
+OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps")
+
+DESCRIPTION = """\
+Fans the method x depth x seed matrix over the GPUs of one node (or a share of it over several nodes).
+
+One job per run `{method}_d{depth}_s{seed}`, each on its own slot of --gpus-per-run GPUs, started from a
+queue as slots free up, launches at least --stagger seconds apart. Re-running the same command continues the
+matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
+
+EPILOG = f"""\
+Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline
+
+Failures, by the trainer's exit code: {EXIT_BAD_CONFIG} bad arguments (not retried), {EXIT_DIVERGED} diverged (a
+result), {EXIT_OOM} out of memory (one retry at half the micro-batch, same global batch), {EXIT_DEVICE} device
+error (the GPU is re-probed; one that fails the probe or fails two different jobs is quarantined; the job moves
+to another GPU), {EXIT_DATA} data unreachable (retried after a backoff), {EXIT_INTERRUPTED} interrupted
+(requeued), anything else (retried up to --max-retries).
+
+Files: {{out}}/matrix.log (every decision, timestamped; matrix.node{{i}}.log with --nodes), {{out}}/{{run}}/train.log
+(the job's output), {{out}}/{{run}}/launcher.json (a micro-batch halved after an out-of-memory exit; kept for
+later runs of the matrix; delete it to forget), {{out}}/.launcher.lock (one launcher per out folder and node).
+
+Exit status: {EXIT_OK} every job completed or diverged (a divergence is a result); {EXIT_FAILED} some job failed
+or could not run (listed at the end); {EXIT_USAGE} bad arguments; {EXIT_SIGINT} stopped by Ctrl-C,
+{EXIT_SIGTERM} by SIGTERM (jobs saved a checkpoint; the same command resumes the matrix).
+
+Environment: RUN_EXPERIMENTS_TRAINER (trainer command, split on whitespace; the launcher appends each run's
+flags), RUN_EXPERIMENTS_PROBE (GPU health probe; gets the GPU index; exit 0 = healthy),
+RUN_EXPERIMENTS_NVIDIA_SMI (GPU discovery, default nvidia-smi; `false`: no GPU), RUN_EXPERIMENTS_PYTHON,
+RUN_EXPERIMENTS_REPORT (report script, default report.py), RUN_EXPERIMENTS_POLL (seconds between polls, 1),
+RUN_EXPERIMENTS_DATA_BACKOFF (seconds before the first retry after exit {EXIT_DATA}, doubling; 300),
+RUN_EXPERIMENTS_MAX_REQUEUES (10), RUN_EXPERIMENTS_STOP_TIMEOUT (seconds jobs get to checkpoint after Ctrl-C;
+600), RUN_EXPERIMENTS_CALIBRATE_STEPS (steps of each --calibrate run, 10, at least 4)."""
+
+USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo] [--methods L] [--depths L] [--seeds L] [--steps N]\n"
+         "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
+         "       [--max-retries N] [--out DIR] [--dry-run [--calibrate]] [--summary] [-- train_c4.py flags]")
+
+
+class UsageError(Exception):
+    """A bad flag or environment knob: one line, the usage, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+    def format_help(self):
+        return "Usage: " + super().format_help().removeprefix("usage: ")
+
+
+def listed(pattern, what):
+    """An argparse type: a comma list whose every entry matches `pattern`."""
+    def parse(text):
+        items = text.split(",") if text else []
+        if not items:
+            raise argparse.ArgumentTypeError(f"{what} must not be empty")
+        for item in items:
+            if not re.fullmatch(pattern, item):
+                raise argparse.ArgumentTypeError(f"'{item}' is not a valid entry of {what}")
+        return list(dict.fromkeys(items))        # a repeat is dropped, the order kept
+    return parse
+
+
+def number(pattern, what, convert=int):
+    def parse(text):
+        if not re.fullmatch(pattern, text):
+            raise argparse.ArgumentTypeError(f"{what}, not '{text}'")
+        return convert(text)
+    return parse
+
+
+WHOLE = r"[0-9]+"
+POSITIVE = r"[1-9][0-9]*"
+SECONDS = r"[0-9]+(\.[0-9]{1,3})?"
+
+
+def build_parser():
+    p = Parser(prog=f"bash {PROG}", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+               formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=26, width=110))
+    m = p.add_argument_group("matrix (default --full)")
+    for mode, help_text in (
+            ("full", "baseline,hc,mhc x depths 32,48 x seeds 42,123,456 (18 runs, the trainer's default steps)"),
+            ("quick", "hc,mhc x depths 32,48 x seed 42 at 10000 steps (4 runs)"),
+            ("stress", "the stress arm: hc,mhc x depths 32,48,64 x seed 42 with --preset stress (lr 3e-4, 3000 "
+                       "steps), runs named {method}_d{depth}_s{seed}_stress: it shares --out with the main matrix"),
+            ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table")):
+        m.add_argument(f"--{mode}", dest="mode", action="append_const", const=mode, help=help_text)
+    m.add_argument("--methods", type=listed("baseline|hc|mhc", "--methods (baseline,hc,mhc)"),
+                   help="override the methods, e.g. hc,mhc")
+    m.add_argument("--depths", type=listed(POSITIVE, "--depths (positive integers)"), help="e.g. 32,48")
+    m.add_argument("--seeds", type=listed(WHOLE, "--seeds (non-negative integers)"), help="e.g. 42,123")
+    m.add_argument("--steps", type=number(POSITIVE, "--steps must be a positive integer"),
+                   help="pass --steps N to every run")
+    m.add_argument("--vary-data-seed", action="store_true",
+                   help="pass --data-seed SEED with each run's seed: seeds then vary the data order as well as the "
+                        "initialisation (default: one data order for every seed)")
+    g = p.add_argument_group("placement")
+    g.add_argument("--gpus", type=listed(WHOLE, "--gpus (GPU indices)"),
+                   help="GPU indices to use (default: all that nvidia-smi lists; none found: one CPU slot)")
+    g.add_argument("--exclude-gpus", type=listed(WHOLE, "--exclude-gpus (GPU indices)"), default=[],
+                   help="GPU indices never to use")
+    g.add_argument("--gpus-per-run", type=number(POSITIVE, "--gpus-per-run must be a positive integer"), default=1,
+                   help="GPUs per run (default 1); K > 1 runs torchrun with --parallel fsdp (-- --parallel ddp "
+                        "overrides)")
+    g.add_argument("--nodes", type=number(POSITIVE, "--nodes must be a positive integer"), default=1,
+                   help="nodes sharing the matrix (default 1): each runs every N-th job of the queue")
+    g.add_argument("--node-rank", type=number(WHOLE, "--node-rank must be a non-negative integer"), default=0,
+                   help="this node's share, 0 to N-1 (default 0)")
+    g.add_argument("--stagger", type=number(SECONDS, "--stagger must be seconds >= 0 (at most 3 decimals)", float),
+                   default=15.0, help="at least SEC seconds between two launches (default 15)")
+    f = p.add_argument_group("failures")
+    f.add_argument("--max-retries", type=number(WHOLE, "--max-retries must be a non-negative integer"), default=2,
+                   help="retries of a job that failed for an unknown reason or lost its data source (default 2)")
+    o = p.add_argument_group("output and modes")
+    o.add_argument("--out", default="runs", help="run folders and matrix.log (default runs)")
+    o.add_argument("--dry-run", action="store_true",
+                   help="print the plan (every job, node, slot, micro-batch, global batch, time, command), the wall "
+                        "time and the cost; run and write nothing. Times from the FLOP count at 40%% of the GPU's "
+                        "bf16 peak unless --calibrate")
+    o.add_argument("--calibrate", action="store_true",
+                   help="with --dry-run: first time a few steps of each method x depth on the slots, in a temporary "
+                        "folder, and estimate from those")
+    o.add_argument("--price-per-gpu-hour", type=number(r"[0-9]+(\.[0-9]+)?", "--price-per-gpu-hour must be a number "
+                                                       "of dollars", float), default=2.49, metavar="USD",
+                   help="for the dry run's cost and the matrix view (default 2.49)")
+    o.add_argument("--summary", action="store_true",
+                   help="print the matrix view and the results table from the live files of --out; run nothing")
+    o.add_argument("--watch-every", type=number(WHOLE, "--watch-every must be whole seconds >= 0"), default=60,
+                   metavar="SEC", help="print the matrix view every SEC seconds while jobs run (default 60; 0: never)")
+    p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--replies", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+@dataclass
+class Options:
+    """The launcher's settings, validated."""
+    mode: str
+    methods: list
+    depths: list
+    seeds: list
+    steps: int | None
+    preset: str | None                 # the trainer preset the mode sets
+    vary_data_seed: bool
+    gpus: list | None
+    exclude_gpus: list
+    gpus_per_run: int
+    nodes: int
+    node_rank: int
+    stagger: float
+    max_retries: int
+    out: Path
+    dry_run: bool
+    calibrate: bool
+    price: float
+    summary: bool
+    watch_every: int
+    extra: list                        # flags for every train_c4.py run
+    poll: float = 1.0
+    data_backoff: int = 300
+    max_requeues: int = 10
+    stop_timeout: int = 600
+    calibrate_steps: int = 10
+    requests: int | None = None
+    replies: int | None = None
+
+
+def environment_knob(name, default, pattern=WHOLE, what="a non-negative integer", convert=int):
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    if not re.fullmatch(pattern, text):
+        raise UsageError(f"{name} must be {what}, not '{text}'")
+    return convert(text)
+
+
+def parse_options(argv):
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, extra = build_parser().parse_args(argv[:split]), argv[split + 1:]
+    modes = set(args.mode or [])
+    if len(modes) > 1:
+        raise UsageError("choose one of --full, --quick, --stress, --demo")
+    mode = modes.pop() if modes else "full"
+    methods, depths, seeds, steps, preset = MODES[mode]
+    opt = Options(
+        mode=mode, methods=args.methods or methods.split(","),
+        depths=sorted({int(d) for d in (args.depths or depths.split(","))}, reverse=True),
+        seeds=[int(s) for s in (args.seeds or seeds.split(","))], steps=args.steps or steps, preset=preset,
+        vary_data_seed=args.vary_data_seed, gpus=args.gpus, exclude_gpus=args.exclude_gpus,
+        gpus_per_run=args.gpus_per_run, nodes=args.nodes, node_rank=args.node_rank, stagger=args.stagger,
+        max_retries=args.max_retries, out=Path(args.out), dry_run=args.dry_run, calibrate=args.calibrate,
+        price=args.price_per_gpu_hour, summary=args.summary, watch_every=args.watch_every, extra=extra,
+        requests=args.requests, replies=args.replies)
+    opt.poll = environment_knob("RUN_EXPERIMENTS_POLL", 1.0, SECONDS, "seconds >= 0.01", float)
+    if opt.poll < 0.01:
+        raise UsageError(f"RUN_EXPERIMENTS_POLL must be seconds >= 0.01, not '{opt.poll}'")
+    opt.data_backoff = environment_knob("RUN_EXPERIMENTS_DATA_BACKOFF", 300)
+    opt.max_requeues = environment_knob("RUN_EXPERIMENTS_MAX_REQUEUES", 10)
+    opt.stop_timeout = environment_knob("RUN_EXPERIMENTS_STOP_TIMEOUT", 600)
+    opt.calibrate_steps = environment_knob("RUN_EXPERIMENTS_CALIBRATE_STEPS", 10)
+    check_options(opt)
+    return opt
+
+
+def check_options(opt):
+    if not str(opt.out):
+        raise UsageError("--out must not be empty")
+    if opt.calibrate and not opt.dry_run:
+        raise UsageError("--calibrate goes with --dry-run (it times the matrix before you start it)")
+    if opt.calibrate_steps < 4:
+        raise UsageError(f"RUN_EXPERIMENTS_CALIBRATE_STEPS must be an integer >= 4, not '{opt.calibrate_steps}'")
+    if opt.node_rank >= opt.nodes:
+        raise UsageError(f"--node-rank {opt.node_rank} must be below --nodes {opt.nodes}")
+    for arg in opt.extra:
+        flag = arg.split("=", 1)[0]
+        if flag in OWN_TRAINER_FLAGS:
+            raise UsageError(f"{flag} is set by the launcher for each run (use --methods, --depths, --seeds, --steps, "
+                             "--out), not after --")
+        if flag == "--data-seed" and opt.vary_data_seed:
+            raise UsageError("--vary-data-seed sets --data-seed for each run; do not pass it after --")
+        if flag == "--preset" and opt.preset:
+            raise UsageError(f"--{opt.mode} sets --preset {opt.preset}; do not pass --preset after --")
+    if not opt.summary:
+        check_out(opt.out)
+
+
+def check_out(out):
+    """--out must be a folder this user can write in, or one it can create. A probe folder is made and removed
+    where it would go: as root, os.access passes on folders where mkdir then fails (/proc)."""
+    where = out
+    while not where.exists() and where.parent != where and str(where) != ".":
+        where = where.parent
+    if not where.is_dir():
+        raise UsageError(f"--out {out}: {where} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".run_experiments-probe.", dir=where))
+    except OSError:
+        raise UsageError(f"--out {out}: cannot create a folder in {where}") from None
+
+
+def extra_value(extra, flag):
+    """The value of a trainer flag among the extra flags (the last one wins, as in argparse), or None."""
+    value = None
+    for i, arg in enumerate(extra):
+        if arg == flag and i + 1 < len(extra):
+            value = extra[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# The matrix: jobs in queue order, and what earlier invocations left
+
+@dataclass
+class Job:
+    name: str
+    method: str
+    depth: int
+    seed: int
+    node: int
+    state: str = "pending"     # pending|running|completed|diverged|failed|interrupted|skipped_completed|...
+    reason: str = ""
+    step: int | None = None    # status.json's step before this invocation: the plan's remaining steps
+    attempts: int = 0
+    retries: int = 0
+    data_retries: int = 0
+    requeues: int = 0
+    oom_retried: bool = False
+    micro: int | None = None   # set after an out-of-memory exit (here or in an earlier invocation)
+    batch: int | None = None
+    not_before: float = 0.0
+    avoid: set = field(default_factory=set)     # GPUs it had a device error on
+    gpus: str = ""
+    launched_at: float = 0.0
+
+
+def read_json(path, newer_than=None):
+    """A JSON file's content, or {} when missing, unreadable, or older than `newer_than` (left from before)."""
+    try:
+        if newer_than is not None and os.path.getmtime(path) < newer_than:
+            return {}
+        with open(path) as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def matrix_jobs(opt):
+    """Seed-major (every comparison of seed 42 finishes before seed 123 starts, so a node lost mid-day still
+    leaves complete comparisons), then deeper models first (longest jobs first packs the GPUs). With --nodes N,
+    node i runs the jobs i, i+N, i+2N, ... of that order: every node gets a mix of long and short jobs."""
+    jobs = []
+    for seed in opt.seeds:
+        for depth in opt.depths:
+            for method in opt.methods:
+                index = len(jobs)
+                jobs.append(Job(run_name(method, depth, seed, opt.preset), method, depth, seed, index % opt.nodes))
+    for job in jobs:
+        status = read_json(opt.out / job.name / "status.json")
+        if status.get("state") in ("completed", "diverged"):
+            job.state = "skipped_" + status["state"]
+        if isinstance(status.get("step"), int):
+            job.step = status["step"]
+        micro = read_json(opt.out / job.name / "launcher.json").get("micro_batch_size")
+        if isinstance(micro, int) and micro > 0:      # halved after an OOM in an earlier invocation: stays halved
+            job.micro = micro
+    return jobs
+
+
+# ----------------------------------------------------------------------------------------------
+# GPUs and the trainer command
+
+class RunError(Exception):
+    """The matrix cannot run as asked (no GPU left, another launcher on --out): one line, exit 1."""
+
+
+def warn(message):
+    print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+
+def discover_gpus(opt):
+    """The GPU indices to use; ['cpu'] (one slot, its jobs see no GPU) when none is found."""
+    found = opt.gpus if opt.gpus is not None else nvidia_smi("index")
+    gpus = [g for g in found if g not in opt.exclude_gpus]
+    if found and not gpus:
+        raise RunError("--exclude-gpus leaves no GPU to use")
+    if not gpus:
+        if opt.gpus_per_run > 1:
+            warn(f"no GPU found: --gpus-per-run {opt.gpus_per_run} ignored, one CPU slot")
+            opt.gpus_per_run = 1
+        return ["cpu"]
+    if len(gpus) < opt.gpus_per_run:
+        raise RunError(f"--gpus-per-run {opt.gpus_per_run} but only {len(gpus)} GPU(s): {' '.join(gpus)}")
+    return gpus
+
+
+def nvidia_smi(query, gpu=None):
+    """One nvidia-smi field per GPU (RUN_EXPERIMENTS_NVIDIA_SMI stands in for it); [] when there is none."""
+    command = shlex.split(os.environ.get("RUN_EXPERIMENTS_NVIDIA_SMI", "nvidia-smi"))
+    command += [f"--query-gpu={query}", "--format=csv,noheader"] + (["-i", gpu] if gpu else [])
+    try:
+        listing = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    values = [line.strip() for line in listing.splitlines() if line.strip()]
+    return [v for v in values if v.isdigit()] if query == "index" else values
+
+
+def real_trainer():
+    return not os.environ.get("RUN_EXPERIMENTS_TRAINER") and (ROOT / "train_c4.py").is_file()
+
+
+def trainer_base(opt):
+    """The trainer command the run's flags are appended to."""
+    if os.environ.get("RUN_EXPERIMENTS_TRAINER"):
+        return shlex.split(os.environ["RUN_EXPERIMENTS_TRAINER"])     # used as-is for every --gpus-per-run
+    if opt.gpus_per_run > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={opt.gpus_per_run}", str(ROOT / "train_c4.py")]
+    return [sys.executable, str(ROOT / "train_c4.py")]
+
+
+def trainer_flags(opt, job):
+    flags = ["--residual", job.method, "--depth", str(job.depth), "--seed", str(job.seed), "--run-name", job.name,
+             "--out", str(opt.out)]
+    flags += ["--steps", str(opt.steps)] if opt.steps else []
+    flags += ["--preset", opt.preset] if opt.preset else []
+    flags += ["--data-seed", str(job.seed)] if opt.vary_data_seed else []
+    flags += ["--resume", "auto"]
+    # FSDP shards parameters and optimizer state, so a 2.5B model leaves room for activations
+    flags += ["--parallel", "fsdp"] if opt.gpus_per_run > 1 else []
+    flags += opt.extra
+    # last, so that they win over the extra flags (argparse keeps the last value)
+    flags += ["--micro-batch-size", str(job.micro)] if job.micro else []
+    flags += ["--batch-size", str(job.batch)] if job.batch else []
+    return flags
+
+
+class TrainerRejects(Exception):
+    """train_c4.py refuses these flags (its own one-line message)."""
+
+
+def trainer_config(flags):
+    """The trainer's own resolution of its flags (preset, then explicit flags): the Config a job will run with."""
+    import train_c4          # torch, seconds to import: only the planner and an OOM without config.json need it
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return train_c4.parse_config(flags)
+    except (train_c4.TrainerError, SystemExit) as error:
+        lines = (err.getvalue().strip() or str(error)).splitlines()
+        raise TrainerRejects(lines[-1] if lines else repr(error)) from None
+
+
+def known_batches(opt, job, defaults):
+    """(micro-batch, global batch) of a job as far as the launcher knows, as text."""
+    micro = job.micro or extra_value(opt.extra, "--micro-batch-size") or defaults[0]
+    batch = job.batch or extra_value(opt.extra, "--batch-size") or defaults[1]
+    return str(micro), str(batch)
+
+
+def trainer_defaults(opt, job):
+    """The trainer's default micro-batch and global batch for these flags, as the plan shows them."""
+    unknown = ("trainer default", "trainer default")
+    if not real_trainer():
+        return unknown
+    try:
+        cfg = trainer_config(trainer_flags(opt, job))
+    except TrainerRejects as error:
+        warn(f"train_c4.py rejects these flags: {error}")
+        return unknown
+    return f"{cfg.micro_batch_size} (trainer default)", f"{cfg.batch_size} (trainer default)"
+
+
+def slot_label(opt, gpus, i):
+    """The GPUs of the i-th slot in the initial layout."""
+    return "cpu" if gpus == ["cpu"] else ",".join(gpus[i * opt.gpus_per_run:(i + 1) * opt.gpus_per_run])
+
+
+def slot_count(opt, gpus):
+    return 1 if gpus == ["cpu"] else len(gpus) // opt.gpus_per_run
+
+
+def log_name(opt):
+    return "matrix.log" if opt.nodes == 1 else f"matrix.node{opt.node_rank}.log"
+
+
+def lock_name(opt):
+    return ".launcher.lock" if opt.nodes == 1 else f".launcher.node{opt.node_rank}.lock"
+
+
+# ----------------------------------------------------------------------------------------------
+# --summary and the end-of-matrix report
+
+def show_matrix(opt):
+    """The matrix view (report.py --watch) from matrix.log and the runs' status.json."""
+    import report            # numpy: only for the view
+    try:
+        print(report.watch_view(opt.out, log=log_name(opt)), flush=True)
+    except (report.ReportError, OSError) as error:
+        print(f"report: {error}", flush=True)
+
+
+def print_report(opt):
+    script = Path(os.environ.get("RUN_EXPERIMENTS_REPORT") or ROOT / "report.py")
+    print(flush=True)
+    if not script.is_file():
+        print(f"No results table: {script} does not exist yet. Raw results: {opt.out}/*/metrics.jsonl, "
+              f"{opt.out}/*/status.json", flush=True)
+        return
+    print(f"Results ({sys.executable} {script} {opt.out}):", flush=True)
+    code = subprocess.run([sys.executable, str(script), str(opt.out)]).returncode
+    if code:
+        warn(f"{script} exited {code}; the runs themselves are not affected")
+    plots = sorted(p for pattern in ("*.png", "*/*.png", "*.pdf", "*/*.pdf", "*.svg", "*/*.svg")
+                   for p in opt.out.glob(pattern))
+    if plots:
+        print(f"Plots ({len(plots)}):", *(f"  {p}" for p in plots), sep="\n")
+        if (opt.out / "report" / "results.md").is_file():
+            print(f"Table, verdict and plots together: {opt.out / 'report' / 'results.md'}")
+    else:
+        print(f"No plot files found under {opt.out} (report.py writes them; see its output above).")
+
+
+def summary(opt):
+    if not (opt.out / log_name(opt)).is_file() and not any(opt.out.glob("*/status.json")):
+        print(f"{PROG}: error: --summary: no matrix has run in '{opt.out}' (no {log_name(opt)}, no run folder); "
+              "check --out", file=sys.stderr)
+        return EXIT_USAGE
+    show_matrix(opt)      # the matrix as the folder's launcher ran it (matrix.log), not as these flags make it
+    print_report(opt)
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# --dry-run: the plan, nothing run, nothing written
+
+def human(seconds):
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def queue_schedule(durations, slots, stagger=0.0):
+    """Wall time of jobs started in queue order, each on the first slot to become free, launches at least
+    `stagger` seconds apart: what the launcher does (list scheduling, not the sum over slots)."""
+    free, last_launch = [0.0] * slots, -math.inf
+    for duration in durations:
+        slot = min(range(slots), key=free.__getitem__)
+        last_launch = max(free[slot], last_launch + stagger)
+        free[slot] = last_launch + duration
+    return max(free, default=0.0)
+
+
+def calibrate(opt, jobs, gpus, folder):
+    """opt.calibrate_steps steps of each distinct method x depth into `folder`, side by side on the slots as in
+    the matrix, a wave at a time; the trainer times its own steps (tokens_per_s in metrics.jsonl)."""
+    keys, wave, slots = set(), [], slot_count(opt, gpus)
+    steps = str(opt.calibrate_steps)
+    for job in jobs + [None]:
+        if job is not None and f"{job.method}_d{job.depth}" not in keys and not job.state.startswith("skipped"):
+            key = f"{job.method}_d{job.depth}"
+            keys.add(key)
+            # last, so that they win: a throw-away run, no W&B, evaluation and checkpoint only at its end
+            cmd = trainer_base(opt) + trainer_flags(opt, job) + [
+                "--out", str(folder), "--run-name", key, "--steps", steps, "--resume", "never", "--wandb", "disabled",
+                "--eval-every", steps, "--metrics-every", steps, "--ckpt-every", steps]
+            slot = slot_label(opt, gpus, len(wave))
+            print(f"Calibrating {key} on {'the CPU' if slot == 'cpu' else 'GPU ' + slot}: {steps} steps", flush=True)
+            with open(folder / f"{key}.log", "w") as log:
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES="" if slot == "cpu" else slot)
+                wave.append((key, subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)))
+        if len(wave) == slots or (job is None and wave):      # a wave fills every slot once; the last may not
+            for key, process in wave:
+                if process.wait():
+                    tail = (folder / f"{key}.log").read_text(errors="replace").splitlines()[-2:]
+                    print(f"  calibration of {key} exited {process.returncode}: {' '.join(tail)}")
+            wave = []
+
+
+def measured_rate(folder, key, steps):
+    """The median tokens/s of the calibration run's timed steps (the first third is warm-up), or None."""
+    warmup = steps // 3
+    try:
+        with open(folder / key / "metrics.jsonl") as f:
+            rates = [r["tokens_per_s"] for r in map(json.loads, f) if r.get("tokens_per_s") and r["step"] > warmup]
+    except (OSError, ValueError):
+        rates = []
+    return statistics.median(rates) if rates else None
+
+
+def plan_jobs(opt, jobs, calibration, gpu):
+    """Per job the micro-batch the trainer will use ('auto' resolved by its memory plan) and the seconds of its
+    remaining steps (None: unknown); and the lines that say where the times come from."""
+    import train_c4 as T     # torch: the planner is the trainer's
+    peak = None if gpu == "cpu" else T.gpu_peak_flops(gpu or T.ASSUMED_GPU)
+    micros, rates, plan, lines = {}, {}, {}, []
+    for job in jobs:
+        try:
+            cfg = trainer_config(trainer_flags(opt, job))
+        except TrainerRejects as error:
+            lines.append(f"{job.name}: train_c4.py rejects its flags: {error}")
+            continue
+        key, micro = f"{cfg.residual}_d{cfg.depth}", cfg.micro_batch_size
+        if (key, micro) not in micros:
+            try:
+                micros[key, micro] = (micro if micro != "auto" else T.cpu_auto_micro_batch(cfg, opt.gpus_per_run)
+                                      if gpu == "cpu" else T.auto_micro_batch(cfg, opt.gpus_per_run)[0])
+            except T.ConfigError:
+                micros[key, micro] = "none-fits"
+        if key not in rates:
+            rate = measured_rate(calibration, key, opt.calibrate_steps) if calibration else None
+            if rate is None and peak:
+                numels = T.parameter_numels(cfg)
+                flops = T.flops_per_token(cfg, numels["total"] - numels["wte.weight"] - numels["wpe.weight"])
+            rates[key] = (rate, True) if rate else (T.ASSUMED_MFU * peak * opt.gpus_per_run / flops if peak else None,
+                                                    False)
+        rate = rates[key][0]
+        tokens = max(0, cfg.steps - (job.step or 0)) * cfg.batch_size * cfg.seq_len
+        plan[job.name] = (micros[key, micro], tokens / rate if rate else None)
+    if calibration:
+        warmup = opt.calibrate_steps // 3
+        lines.append(f"Times from --calibrate: the median tokens/s of steps {warmup + 1}-{opt.calibrate_steps} of each "
+                     f"configuration, measured just now on {'the CPU' if gpu == 'cpu' else gpu or 'the GPUs'} "
+                     "(start-up, compilation and warm-up excluded):")
+        lines += [f"  {key}: " + (f"{rate:,.0f} tokens/s" if measured else "no timed step (see above)")
+                  for key, (rate, measured) in rates.items()]
+    if peak and not all(measured for _, measured in rates.values()):
+        lines.append(f"Times from the FLOP count: {T.ASSUMED_MFU:.0%} MFU of the {peak / 1e12:.0f} TFLOP/s dense bf16 "
+                     f"peak of {gpu or 'an H100, assumed (nvidia-smi names no GPU)'}, {opt.gpus_per_run} GPU(s) per "
+                     "run. HC and mHC also mix their n streams, work the FLOP count leaves out: expect them slower "
+                     "(--calibrate measures)")
+    elif gpu not in ("cpu", "") and not peak:
+        lines.append(f"No time estimate: the dense bf16 peak of {gpu} is not known (train_c4.GPU_PEAK_BF16_FLOPS); "
+                     "--calibrate measures")
+    return plan, lines
+
+
+def wall_and_cost(opt, jobs, plan, gpus):
+    """The lines on the wall time of the queue (per node with --nodes) and what the nodes cost for it."""
+    slots = slot_count(opt, gpus)
+    durations = {node: [plan[j.name][1] for j in jobs if j.node == node and j.name in plan]
+                 for node in range(opt.nodes)}
+    if any(None in d for d in durations.values()):
+        return ["Wall time: unknown without --calibrate (no GPU peak to assume)"]
+    walls = {node: queue_schedule(d, slots, opt.stagger) for node, d in durations.items()}
+    wall, total = max(walls.values()), sum(sum(d) for d in durations.values())
+    count = sum(map(len, durations.values()))
+    where = f"{slots} slot(s)" + (f" on each of {opt.nodes} nodes" if opt.nodes > 1 else "")
+    lines = [f"Wall time: {count} job(s) on {where}, each started in queue order on the first free slot, launches "
+             f"{opt.stagger:g} s apart: {human(wall)} (the jobs add up to {human(total)}; evaluation, probes, "
+             "checkpoints, start-up and retries not included)"]
+    if opt.nodes > 1:
+        lines.append("  per node: " + ", ".join(f"node {n} {human(w)}" for n, w in walls.items()))
+    if gpus == ["cpu"]:
+        return lines + ["Cost: no GPU-hours, the jobs run on the CPU"]
+    node_gpus = len(gpus) * opt.nodes
+    return lines + [f"Cost at ${opt.price:.2f} per GPU-hour: {node_gpus} GPU(s) x {wall / 3600:.1f} h = "
+                    f"${node_gpus * wall / 3600 * opt.price:,.0f} for the node{'s' if opt.nodes > 1 else ''}; the jobs "
+                    f"themselves use {opt.gpus_per_run * total / 3600:,.0f} GPU-hours "
+                    f"(${opt.gpus_per_run * total / 3600 * opt.price:,.0f})"]
+
+
+def job_line(opt, job, slot, micro, batch, seconds):
+    where = f"node {job.node} " if opt.nodes > 1 else ""
+    return (f"{job.name:<17} {where + slot:<18} micro-batch {micro}, global batch {batch}"
+            + (f", {human(seconds)}" if seconds is not None else "")
+            + (f", resumes (step {job.step})" if job.step is not None else ""))
+
+
+def dry_run(opt, jobs, gpus):
+    todo = [j for j in jobs if not j.state.startswith("skipped")]
+    defaults = trainer_defaults(opt, todo[0] if todo else jobs[0])
+    plan, lines, gpu = {}, [], "cpu" if gpus == ["cpu"] else (nvidia_smi("name", gpus[0]) or [""])[0]
+    if real_trainer():
+        with tempfile.TemporaryDirectory(prefix="run_experiments_calibrate.") as folder:
+            if opt.calibrate:
+                calibrate(opt, [j for j in todo if j.node == opt.node_rank], gpus, Path(folder))
+            plan, lines = plan_jobs(opt, todo, Path(folder) if opt.calibrate else None, gpu)
+    elif opt.calibrate:
+        warn("--calibrate needs the real train_c4.py (RUN_EXPERIMENTS_TRAINER is set): no time estimate")
+    slots, base = slot_count(opt, gpus), trainer_base(opt)
+    nodes = f" x {opt.nodes} nodes (this is node {opt.node_rank})" if opt.nodes > 1 else ""
+    if gpus == ["cpu"]:
+        print(f"Plan ({opt.mode}): {len(jobs)} runs; no GPU found: one CPU slot{nodes}, jobs run one at a time; "
+              f"out: {opt.out}")
+    else:
+        print(f"Plan ({opt.mode}): {len(jobs)} runs on {slots} slot(s) of {opt.gpus_per_run} GPU(s){nodes} "
+              f"[GPUs: {' '.join(gpus)}], launches >= {opt.stagger:g}s apart; out: {opt.out}")
+        print("Every GPU is probed before the first launch; an unhealthy one is left out.")
+    started = dict.fromkeys(range(opt.nodes), 0)
+    auto_planned = False
+    for job in jobs:
+        if job.state.startswith("skipped"):
+            print(f"{job.name:<17} skip ({job.state.removeprefix('skipped_')})")
+            continue
+        slot = slot_label(opt, gpus, started[job.node]) if started[job.node] < slots else None
+        started[job.node] += 1
+        micro, batch = known_batches(opt, job, defaults)
+        planned, seconds = plan.get(job.name, (None, None))
+        if micro.startswith("auto") and planned is not None:        # resolved as the trainer will
+            micro, auto_planned = f"{planned}{micro.removeprefix('auto') or ' (auto)'}", True
+        label = "CPU" if slot == "cpu" else f"GPU {slot}" if slot else "next free slot"
+        print(job_line(opt, job, label, micro, batch, seconds))
+        cvd = "" if slot == "cpu" else slot or "<slot>"
+        print(f"    CUDA_VISIBLE_DEVICES={cvd} {shlex.join(base + trainer_flags(opt, job))}")
+    if auto_planned:
+        print(f"micro-batch auto: the most the trainer's memory plan fits on one {gpu or 'GPU'} (80 GiB when this "
+              "machine sees no CUDA device) at 95% of its memory; a job confirms it with one real step (not under "
+              "FSDP); see python train_c4.py --estimate")
+    for line in lines + (wall_and_cost(opt, todo, plan, gpus) if plan else []):
+        print(line)
+    print(f"Dry run: no job was launched and nothing was written to {opt.out} (the calibration ran in a temporary "
+          "folder)." if opt.calibrate else "Dry run: nothing was launched or written.")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# The run: the queue, slots that free up, and what each exit code means
+
+class LauncherGone(Exception):
+    """The bash side closed the conversation (it was killed): nothing left to decide."""
+
+
+class Bash:
+    """The process-control side: one request per line, its answer lines up to `end`. Every answer may carry
+    `signal NAME` lines: a Ctrl-C or SIGTERM the launcher received since its last answer."""
+
+    def __init__(self, requests, replies):
+        self.requests, self.replies = os.fdopen(requests, "w"), os.fdopen(replies)
+        self.signals = []
+
+    def ask(self, *words):
+        try:
+            self.requests.write(shlex.join(map(str, words)) + "\n")
+            self.requests.flush()
+        except BrokenPipeError:
+            raise LauncherGone from None
+        answer = []
+        for line in self.replies:
+            words = line.split(maxsplit=2)
+            if words == ["end"]:
+                return answer
+            if words[:1] == ["signal"]:
+                self.signals.append(words[1])
+            else:
+                answer.append(words)
+        raise LauncherGone
+
+
+class Log:
+    """Timestamped decisions, to the terminal and to the matrix log."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, event, text):
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}" \
+            + time.strftime("%z", time.localtime(now))
+        line = f"{stamp} {event} {text}"
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+def last_line(path):
+    try:
+        lines = Path(path).read_text(errors="replace").replace("\r", "").splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def probe_reason(status, log):
+    """A failed probe's last line, else what its exit status says."""
+    return (last_line(log) or ("timed out, no output" if status == 124 else
+                               f"killed by signal {status - 128}, no output" if status > 128 else
+                               f"exit status {status}, no output"))
+
+
+class Matrix:
+    def __init__(self, opt, jobs, gpus, bash):
+        self.opt, self.bash, self.gpus = opt, bash, gpus
+        self.jobs = [j for j in jobs if j.node == opt.node_rank]
+        self.base = trainer_base(opt)
+        self.cpu = gpus == ["cpu"]
+        self.gpu_state = dict.fromkeys(gpus, "free")           # free|busy|quarantined
+        self.failed_runs = {g: [] for g in gpus}               # the runs that had a device error on a GPU
+        self.queue, self.running = [], {}
+        self.stopping, self.stop_status, self.stop_deadline = False, EXIT_OK, 0.0
+        self.last_launch = None
+        self.probes = Path(tempfile.mkdtemp(prefix="run_experiments."))
+        self.log = Log(opt.out / log_name(opt))
+
+    # -- start-up -------------------------------------------------------------------------------
+    def start(self):
+        o = self.opt
+        if self.bash.ask("lock", o.out / lock_name(o)) != [["ok"]]:
+            raise RunError(f"another launcher, or jobs of a killed one, are still running on {o.out} (see: fuser -v "
+                           f"{o.out / lock_name(o)}); stop them or wait, then run this again")
+        data = extra_value(o.extra, "--data")
+        self.log("START", f"{PROG} pid={os.getppid()} mode={o.mode} runs={len(self.jobs)} gpus={' '.join(self.gpus)} "
+                          f"gpus_per_run={o.gpus_per_run} stagger={o.stagger:g}s max_retries={o.max_retries} "
+                          f"data={data or 'preset ' + (o.preset or extra_value(o.extra, '--preset') or 'c4') + ' default'}"
+                          + (f" node={o.node_rank}/{o.nodes}" if o.nodes > 1 else "")
+                          + f" extra={shlex.join(o.extra)}")
+        # the line report.py --watch reads the matrix from (queue order, slots, price)
+        self.log("QUEUE", f"slots={slot_count(o, self.gpus)} gpus_per_run={o.gpus_per_run} gpus={','.join(self.gpus)} "
+                          f"price_per_gpu_hour={o.price:g} runs={','.join(j.name for j in self.jobs)}")
+        for job in self.jobs:
+            if job.state.startswith("skipped"):
+                self.log("SKIP", f"{job.name} already {job.state.removeprefix('skipped_')} (status.json)")
+            else:
+                self.queue.append(job)
+        if not self.cpu and self.queue:
+            for gpu, status in self.bash.ask("probe", self.probes, *self.gpus):
+                if status == "0":
+                    self.log("PROBE", f"gpu={gpu} healthy")
+                else:
+                    self.quarantine(gpu, f"failed the start-up probe: {self.probe_reason(gpu, int(status))}")
+            if self.healthy() < o.gpus_per_run:
+                self.log("ERROR", f"too few GPUs passed the health probe ({self.healthy()} healthy, {o.gpus_per_run} "
+                                  "needed per run); see the QUARANTINE lines above (on a machine without GPUs, leave "
+                                  "out --gpus)")
+
+    def probe_reason(self, gpu, status):
+        return probe_reason(status, self.probes / f"probe{gpu}.log")
+
+    def quarantine(self, gpu, reason):
+        self.gpu_state[gpu] = "quarantined"
+        self.log("QUARANTINE", f"gpu={gpu} {reason}; it is not used again in this matrix")
+
+    def healthy(self):
+        return sum(state != "quarantined" for state in self.gpu_state.values())
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self):
+        self.start()
+        last_view = time.time()        # the first view a period after the start
+        while self.stopping and self.running or not self.stopping and (self.running or self.queue):
+            self.handle_signals()
+            if self.stopping:
+                if time.time() > self.stop_deadline:
+                    self.log("STOP", f"jobs still running {self.opt.stop_timeout}s after SIGTERM: killing them")
+                    self.bash.ask("kill", "KILL")
+                    self.stop_deadline = time.time() + 3600
+            elif self.healthy() < self.opt.gpus_per_run and not self.cpu:
+                for job in self.queue:
+                    self.fail(job, "no healthy GPU left to run it")
+                self.queue = []
+                continue
+            elif self.try_launch():
+                continue           # poll again right away: another slot may be free
+            for _, name, status in self.bash.ask("wait", int(self.wait_seconds() * 1000), int(self.opt.poll * 1000)):
+                self.on_exit(self.running.pop(name), int(status))
+            if self.opt.watch_every and self.running and time.time() - last_view >= self.opt.watch_every:
+                last_view = time.time()
+                show_matrix(self.opt)
+        self.handle_signals()
+        return self.finish()
+
+    def wait_seconds(self):
+        """One poll, or less when the stagger ends sooner, so launches are not late by a poll."""
+        wait = self.opt.poll
+        if not self.stopping and self.queue and self.last_launch is not None:
+            left = self.last_launch + self.opt.stagger - time.time()
+            wait = left if 0 < left < wait else wait
+        return wait
+
+    def handle_signals(self):
+        while self.bash.signals:
+            name = self.bash.signals.pop(0)
+            if self.stopping:
+                self.log("STOP", f"second SIG{name}: killing the remaining jobs without waiting for their checkpoints")
+                self.bash.ask("kill", "KILL")
+                continue
+            self.stopping, self.stop_status = True, EXIT_SIGINT if name == "INT" else EXIT_SIGTERM
+            self.stop_deadline = time.time() + self.opt.stop_timeout
+            self.log("STOP", f"SIG{name} received: sending SIGTERM to {len(self.running)} job(s); each saves a "
+                             "checkpoint and exits; run the same command again to resume")
+            self.bash.ask("kill", "TERM")
+
+    # -- launching ------------------------------------------------------------------------------
+    def pick_gpus(self, job):
+        """The GPUs for a job, or None. A job avoids the GPUs it had a device error on, as long as enough other
+        healthy GPUs exist (then it waits for them to free up)."""
+        if self.cpu:
+            return "cpu" if self.gpu_state["cpu"] == "free" else None
+        k = self.opt.gpus_per_run
+        usable = [g for g, state in self.gpu_state.items() if state != "quarantined"]
+        free = [g for g in usable if self.gpu_state[g] == "free"]
+        preferred = [g for g in free if g not in job.avoid]
+        if len(preferred) >= k:
+            return ",".join(preferred[:k])
+        if len([g for g in usable if g not in job.avoid]) < k and len(free) >= k:
+            return ",".join(free[:k])
+        return None
+
+    def try_launch(self):
+        """Launch the first ready job that fits a free slot; False when none."""
+        now = time.time()
+        if self.last_launch is not None and now - self.last_launch < self.opt.stagger:
+            return False
+        for job in self.queue:
+            gpus = job.not_before <= now and self.pick_gpus(job)
+            if gpus:
+                self.queue.remove(job)
+                self.launch(job, gpus)
+                return True
+        return False
+
+    def launch(self, job, gpus):
+        job.attempts += 1
+        command = self.base + trainer_flags(self.opt, job)
+        folder = self.opt.out / job.name
+        folder.mkdir(parents=True, exist_ok=True)
+        for g in gpus.split(","):
+            self.gpu_state[g] = "busy"
+        micro, batch = known_batches(self.opt, job, ("trainer default", "trainer default"))
+        self.log("LAUNCH", f"{job.name} gpus={gpus} attempt={job.attempts} micro_batch={micro} global_batch={batch} "
+                           f"cmd: CUDA_VISIBLE_DEVICES={'' if gpus == 'cpu' else gpus} {shlex.join(command)}")
+        self.last_launch = time.time()
+        job.launched_at = self.last_launch - 1      # a status.json older than this is left from before
+        with open(folder / "train.log", "a") as f:
+            f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}: launcher attempt {job.attempts} on "
+                    f"{'CPU' if gpus == 'cpu' else gpus}: {shlex.join(command)}\n")
+        self.bash.ask("launch", job.name, gpus, folder / "train.log", *command)
+        self.running[job.name] = job
+        job.gpus, job.state = gpus, "running"
+
+    def requeue(self, job):
+        """To the front of the queue: it has a checkpoint."""
+        self.queue.insert(0, job)
+        job.state = "pending"
+
+    # -- exits ----------------------------------------------------------------------------------
+    def status(self, job):
+        """status.json as this attempt left it ({} when it is from an earlier attempt)."""
+        return read_json(self.opt.out / job.name / "status.json", newer_than=job.launched_at)
+
+    def trainer_code(self, job, status):
+        """A status the trainer does not use (torchrun reports 1 for any failed rank) is replaced by the
+        exit_code rank 0 wrote to status.json during this attempt, when there is one."""
+        if status in TRAINER_EXIT_CODES:
+            return status
+        code = self.status(job).get("exit_code")
+        return code if code in TRAINER_EXIT_CODES - {EXIT_OK} else status
+
+    def reason(self, job):
+        """The trainer's own reason for its exit: status.json, else the last line of train.log."""
+        return self.status(job).get("reason") or last_line(self.opt.out / job.name / "train.log")
+
+    def on_exit(self, job, status):
+        for g in job.gpus.split(","):
+            if self.gpu_state[g] != "quarantined":
+                self.gpu_state[g] = "free"
+        code = self.trainer_code(job, status)
+        self.log("EXIT", f"{job.name} code={status}"
+                         + (f" (trainer code {code} from status.json)" if code != status else "") + f" gpus={job.gpus}")
+        if self.stopping and code not in (EXIT_OK, EXIT_DIVERGED):
+            job.state, job.reason = "interrupted", f"stopped by the launcher (exit {status}); resumes on the next run"
+            return
+        if code == EXIT_OK:
+            job.state = "completed"
+            self.log("DONE", f"{job.name} completed")
+        elif code == EXIT_DIVERGED:
+            job.state, job.reason = "diverged", self.reason(job)
+            self.log("DIVERGED", f"{job.name} recorded as a result, not retried: {job.reason}")
+        elif code == EXIT_BAD_CONFIG:
+            self.fail(job, f"bad arguments or config, not retried: {self.reason(job)}")
+            train_log = self.opt.out / job.name / "train.log"
+            tail = train_log.read_text(errors="replace").splitlines()[-5:]
+            print(f"---- last lines of {train_log} ----", *tail, sep="\n", file=sys.stderr, flush=True)
+        elif code == EXIT_OOM:
+            self.oom_retry(job)
+        elif code == EXIT_DEVICE:
+            self.device_error(job)
+        elif code == EXIT_DATA:
+            self.data_retry(job)
+        elif code == EXIT_INTERRUPTED:
+            self.requeue_or_fail(job, "interrupted (exit 75) but the launcher is not stopping: resuming from its "
+                                      "checkpoint", f"interrupted {self.opt.max_requeues + 1} times; not requeued again")
+        else:
+            self.retry_or_fail(job, f"exit {status}: {self.reason(job)}")
+
+    def fail(self, job, reason):
+        job.state, job.reason = "failed", reason
+        self.log("FAILED", f"{job.name} {reason}")
+
+    def retry_or_fail(self, job, why):
+        """A retry within --max-retries, else failed."""
+        if job.retries < self.opt.max_retries:
+            job.retries += 1
+            self.log("RETRY", f"{job.name} ({why}) retry {job.retries}/{self.opt.max_retries}; resumes from its "
+                              "checkpoint")
+            self.requeue(job)
+        else:
+            self.fail(job, f"{why}; gave up after {self.opt.max_retries} retries")
+
+    def requeue_or_fail(self, job, why, given_up):
+        """Requeues (exit 75, device errors) are bounded by RUN_EXPERIMENTS_MAX_REQUEUES."""
+        if job.requeues < self.opt.max_requeues:
+            job.requeues += 1
+            self.log("REQUEUE", f"{job.name} {why}")
+            self.requeue(job)
+        else:
+            self.fail(job, given_up)
+
+    def data_retry(self, job):
+        if job.data_retries >= self.opt.max_retries:
+            self.fail(job, f"data source unreachable after {self.opt.max_retries} retries: {self.reason(job)}")
+            return
+        delay = self.opt.data_backoff << job.data_retries
+        job.data_retries += 1
+        job.not_before = time.time() + delay
+        self.log("RETRY", f"{job.name} data source unreachable: retry {job.data_retries}/{self.opt.max_retries} in "
+                          f"{delay}s: {self.reason(job)}")
+        self.requeue(job)
+
+    def oom_retry(self, job):
+        """Halve the micro-batch the run used, keep its global batch; once."""
+        used = self.used_batches(job)
+        micro, batch = used
+        if job.oom_retried:
+            return self.fail(job, f"out of memory again at micro-batch {micro} (after one halving); pass a smaller -- "
+                                  "--micro-batch-size or use --gpus-per-run")
+        if not isinstance(micro, int):
+            return self.fail(job, "out of memory, and its micro-batch is unknown (no config.json from this attempt, "
+                                  f"micro-batch {micro or 'not given'}); pass -- --micro-batch-size N")
+        if micro <= 1:
+            return self.fail(job, "out of memory at micro-batch 1; a GPU cannot hold this run alone: use "
+                                  "--gpus-per-run 2 or more")
+        job.oom_retried, job.micro, job.batch = True, micro // 2, batch if isinstance(batch, int) else job.batch
+        write_json(self.opt.out / job.name / "launcher.json",
+                   {"micro_batch_size": job.micro, "reason": f"halved from {micro} after an out-of-memory exit"})
+        self.log("RETRY", f"{job.name} out of memory at micro-batch {micro}: retrying once with micro-batch "
+                          f"{job.micro}, global batch {batch if isinstance(batch, int) else 'unchanged (trainer default)'}")
+        self.requeue(job)
+
+    def used_batches(self, job):
+        """(micro-batch, global batch) this attempt used: its config.json, else what the launcher passed, else the
+        trainer's default for these flags (the OOM may come before config.json is written)."""
+        config = read_json(self.opt.out / job.name / "config.json", newer_than=job.launched_at).get("config", {})
+        given = [config.get(key) for key in ("micro_batch_size", "batch_size")]
+        known = [job.micro or extra_value(self.opt.extra, "--micro-batch-size"),
+                 job.batch or extra_value(self.opt.extra, "--batch-size")]
+        used = [g if isinstance(g, int) else k for g, k in zip(given, known)]
+        if not str(used[0]).isdigit() and real_trainer():
+            with contextlib.suppress(TrainerRejects):
+                cfg = trainer_config(trainer_flags(self.opt, job))
+                used = [used[0] or cfg.micro_batch_size, used[1] or cfg.batch_size]
+        return [int(v) if str(v).isdigit() else v for v in used]
+
+    def device_error(self, job):
+        """Exit 5: probe the job's GPUs; a GPU that fails the probe, or has now failed two different jobs, is
+        quarantined. The job is requeued and avoids these GPUs."""
+        if job.gpus == "cpu":
+            return self.retry_or_fail(job, "device error on the CPU slot")
+        gpus = job.gpus.split(",")
+        for g in gpus:
+            if job.name not in self.failed_runs[g]:
+                self.failed_runs[g].append(job.name)
+            job.avoid.add(g)
+        for gpu, status in self.bash.ask("probe", self.probes, *gpus):
+            if status != "0":
+                self.quarantine(gpu, f"failed the probe after a device error in {job.name}: "
+                                     f"{self.probe_reason(gpu, int(status))}")
+            elif len(self.failed_runs[gpu]) >= 2:
+                self.quarantine(gpu, f"passed the probe but failed two different jobs ({' '.join(self.failed_runs[gpu])})")
+            else:
+                self.log("PROBE", f"gpu={gpu} healthy after a device error in {job.name}; kept (a second failing job "
+                                  "quarantines it)")
+        self.requeue_or_fail(job, f"after a device error on gpu {job.gpus}; it will run on other GPUs if any are "
+                                  "healthy",
+                             f"device errors on {job.requeues + 1} attempts; probably not the hardware: see "
+                             f"{self.opt.out / job.name / 'train.log'}")
+
+    # -- the end --------------------------------------------------------------------------------
+    def finish(self):
+        finished = ("completed", "diverged", "skipped_completed", "skipped_diverged")
+        bad = [j for j in self.jobs if j.state not in finished]
+        print(f"\nMatrix in {self.opt.out} (log: {self.log.path}):")
+        for job in self.jobs:
+            state = {"pending": "not started"}.get(job.state, job.state.replace("skipped_", "already "))
+            print(f"  {job.name:<16} {state:<18} {job.reason}".rstrip())
+        quarantined = [g for g, state in self.gpu_state.items() if state == "quarantined"]
+        if quarantined:      # not remembered across invocations: the next start-up probe checks them again
+            self.log("END", f"quarantined GPU(s): {' '.join(quarantined)}; to keep them out next time: --exclude-gpus "
+                            f"{','.join(quarantined)}")
+        ok = len(self.jobs) - len(bad)
+        if self.stopping:
+            self.log("END", f"stopped: {ok} of {len(self.jobs)} runs finished; run the same command to resume the rest")
+            return self.stop_status
+        print_report(self.opt)
+        if bad:
+            self.log("END", f"{ok} of {len(self.jobs)} runs finished; {len(bad)} failed:")
+            for job in bad:
+                self.log("END", f"failed {job.name}: {job.reason or job.state}")
+            return EXIT_FAILED
+        self.log("END", f"all {len(self.jobs)} runs finished (completed or diverged)")
+        return EXIT_OK
+
+
+def write_json(path, obj):
+    """Atomically: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj) + "\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+def probe_gpu():
+    """The default GPU health probe (run with CUDA_VISIBLE_DEVICES=one GPU): an allocation, a matmul, and its
+    result checked against the CPU's. The last line printed is the reason the launcher logs."""
+    import torch
+    if not torch.cuda.is_available():
+        print("CUDA is not available")
+        return 1
+    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    got = (a.cuda() @ a.cuda()).cpu()
+    torch.cuda.synchronize()
+    if not torch.allclose(got, a @ a, rtol=1e-3, atol=1e-2):
+        print("matmul result differs from the CPU")
+        return 1
+    print("ok", torch.cuda.get_device_name(0))
+    return 0
+
+
+def check_setup(opt):
+    data, preset = extra_value(opt.extra, "--data"), opt.preset or extra_value(opt.extra, "--preset")
+    if data == "c4" or not data and (preset or "c4") == "c4":
+        warn("these runs stream C4 (--data c4) from the Hugging Face Hub: this node must reach huggingface.co for the "
+             "whole run, or prefetch shards and pass -- --data '/path/c4/*.json.gz'"
+             + (" (HF_HUB_OFFLINE is set: only what is in the HF cache can be read)"
+                if os.environ.get("HF_HUB_OFFLINE") else ""))
+    if os.environ.get("RUN_EXPERIMENTS_TRAINER") or opt.dry_run:
+        if not os.environ.get("RUN_EXPERIMENTS_TRAINER") and not (ROOT / "train_c4.py").is_file():
+            warn(f"{ROOT / 'train_c4.py'} not found (the plan is printed anyway)")
+        return
+    if not (ROOT / "train_c4.py").is_file():
+        raise RunError(f"{ROOT / 'train_c4.py'} not found")
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        raise RunError(f"{sys.executable} cannot import torch; run 'bash setup.sh' to create .venv")
+
+
+def main(argv):
+    if argv[:1] == ["--probe-gpu"]:
+        return probe_gpu()
+    try:
+        opt = parse_options(argv)
+    except (UsageError, argparse.ArgumentTypeError) as error:
+        print(f"{PROG}: error: {error}\nUsage: {USAGE}\nTry 'bash {PROG} --help' for more.", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if opt.summary:
+            return summary(opt)
+        check_setup(opt)
+        jobs, gpus = matrix_jobs(opt), discover_gpus(opt)
+        if opt.dry_run:
+            return dry_run(opt, jobs, gpus)
+        if opt.requests is None:
+            raise RunError("the matrix runs through run_experiments.sh (this process only decides): bash "
+                           "run_experiments.sh " + shlex.join(argv))
+        try:
+            opt.out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise RunError(f"cannot create {opt.out}: {error.strerror}") from None
+        # Ctrl-C reaches this process with the launcher (one process group): the launcher relays it, in order
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return Matrix(opt, jobs, gpus, Bash(opt.requests, opt.replies)).run()
+    except RunError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    except LauncherGone:
+        return EXIT_FAILED
+    except KeyboardInterrupt:        # Ctrl-C during a dry run or its calibration
+        return EXIT_SIGINT
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
