@@ -94,7 +94,7 @@ RUN_EXPERIMENTS_DATA_BACKOFF (seconds before the first retry after exit {EXIT_DA
 RUN_EXPERIMENTS_MAX_REQUEUES (10), RUN_EXPERIMENTS_STOP_TIMEOUT (seconds jobs get to checkpoint after Ctrl-C;
 600), RUN_EXPERIMENTS_CALIBRATE_STEPS (steps of each --calibrate run, 10, at least 4)."""
 
-USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo] [--methods L] [--depths L] [--seeds L] [--steps N]\n"
+USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo] [--residual L] [--depth L] [--seed L] [--steps N]\n"
          "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
          "       [--max-retries N] [--out DIR] [--dry-run [--calibrate]] [--summary] [-- train_c4.py flags]")
 
@@ -148,10 +148,13 @@ def build_parser():
                        "steps), runs named {method}_d{depth}_s{seed}_stress: it shares --out with the main matrix"),
             ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table")):
         m.add_argument(f"--{mode}", dest="mode", action="append_const", const=mode, help=help_text)
-    m.add_argument("--methods", type=listed("baseline|hc|mhc", "--methods (baseline,hc,mhc)"),
-                   help="override the methods, e.g. hc,mhc")
-    m.add_argument("--depths", type=listed(POSITIVE, "--depths (positive integers)"), help="e.g. 32,48")
-    m.add_argument("--seeds", type=listed(WHOLE, "--seeds (non-negative integers)"), help="e.g. 42,123")
+    # the trainer's names, each taking a list (the plural names are the same flags)
+    m.add_argument("--residual", "--methods", dest="methods", metavar="LIST",
+                   type=listed("baseline|hc|mhc", "--residual (baseline,hc,mhc)"), help="override the methods, e.g. hc,mhc")
+    m.add_argument("--depth", "--depths", dest="depths", metavar="LIST",
+                   type=listed(POSITIVE, "--depth (positive integers)"), help="override the depths, e.g. 32,48")
+    m.add_argument("--seed", "--seeds", dest="seeds", metavar="LIST",
+                   type=listed(WHOLE, "--seed (non-negative integers)"), help="override the seeds, e.g. 42,123")
     m.add_argument("--steps", type=number(POSITIVE, "--steps must be a positive integer"),
                    help="pass --steps N to every run")
     m.add_argument("--vary-data-seed", action="store_true",
@@ -278,8 +281,8 @@ def check_options(opt):
     for arg in opt.extra:
         flag = arg.split("=", 1)[0]
         if flag in OWN_TRAINER_FLAGS:
-            raise UsageError(f"{flag} is set by the launcher for each run (use --methods, --depths, --seeds, --steps, "
-                             "--out), not after --")
+            raise UsageError(f"{flag} is set by the launcher for each run: give it before -- (a list for --residual, "
+                             "--depth, --seed)")
         if flag == "--data-seed" and opt.vary_data_seed:
             raise UsageError("--vary-data-seed sets --data-seed for each run; do not pass it after --")
         if flag == "--preset" and opt.preset:
