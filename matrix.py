@@ -132,6 +132,11 @@ def number(pattern, what, convert=int):
     return parse
 
 
+def hms_seconds(text):
+    hours, minutes, seconds = map(int, text.split(":"))
+    return hours * 3600 + minutes * 60 + seconds
+
+
 WHOLE = r"[0-9]+"
 POSITIVE = r"[1-9][0-9]*"
 SECONDS = r"[0-9]+(\.[0-9]{1,3})?"
@@ -193,6 +198,14 @@ def build_parser():
                    help="print the matrix view and the results table from the live files of --out; run nothing")
     o.add_argument("--watch-every", type=number(WHOLE, "--watch-every must be whole seconds >= 0"), default=60,
                    metavar="SEC", help="print the matrix view every SEC seconds while jobs run (default 60; 0: never)")
+    s = p.add_argument_group("SLURM")
+    s.add_argument("--slurm", action="store_true",
+                   help="submit the matrix as a SLURM job array instead (one run per task on one node with "
+                        "--gpus-per-run GPUs, requeued at the time limit) and a report job that runs after it")
+    s.add_argument("--slurm-time", type=number(r"[0-9]+:[0-5][0-9]:[0-5][0-9]", "--slurm-time must be H:MM:SS",
+                                               hms_seconds), default=hms_seconds("24:00:00"), metavar="H:MM:SS",
+                   help="the partition's time limit (default 24:00:00): each task asks for its planned time plus a "
+                        "margin, at most this; a run that needs longer is requeued at the limit and resumes")
     p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
     p.add_argument("--replies", type=int, help=argparse.SUPPRESS)
     return p
@@ -221,6 +234,8 @@ class Options:
     price: float
     summary: bool
     watch_every: int
+    slurm: bool
+    slurm_time: int
     extra: list                        # flags for every train_c4.py run
     poll: float = 1.0
     data_backoff: int = 300
@@ -256,7 +271,8 @@ def parse_options(argv):
         vary_data_seed=args.vary_data_seed, gpus=args.gpus, exclude_gpus=args.exclude_gpus,
         gpus_per_run=args.gpus_per_run, nodes=args.nodes, node_rank=args.node_rank, stagger=args.stagger,
         max_retries=args.max_retries, out=Path(args.out), dry_run=args.dry_run, calibrate=args.calibrate,
-        price=args.price_per_gpu_hour, summary=args.summary, watch_every=args.watch_every, extra=extra,
+        price=args.price_per_gpu_hour, summary=args.summary, watch_every=args.watch_every, slurm=args.slurm,
+        slurm_time=args.slurm_time, extra=extra,
         requests=args.requests, replies=args.replies)
     opt.poll = environment_knob("RUN_EXPERIMENTS_POLL", 1.0, SECONDS, "seconds >= 0.01", float)
     if opt.poll < 0.01:
@@ -272,6 +288,8 @@ def parse_options(argv):
 def check_options(opt):
     if not str(opt.out):
         raise UsageError("--out must not be empty")
+    if opt.slurm and (opt.dry_run or opt.summary or opt.nodes > 1):
+        raise UsageError("--slurm submits the whole matrix: not with --dry-run, --summary or --nodes")
     if opt.calibrate and not opt.dry_run:
         raise UsageError("--calibrate goes with --dry-run (it times the matrix before you start it)")
     if opt.calibrate_steps < 4:
@@ -724,6 +742,69 @@ def dry_run(opt, jobs, gpus):
 
 
 # ----------------------------------------------------------------------------------------------
+# --slurm: the matrix as a SLURM job array, one run per task, and a report job after it
+
+SLURM_MARGIN = 1.25, 600       # a task asks for its planned time x 1.25 + 10 minutes (start-up, evaluation, probes)
+
+
+def hms(seconds):
+    seconds = int(math.ceil(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def submit(command):
+    """sbatch --parsable ...: the job id."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RunError(f"cannot run sbatch ({error}); --slurm needs a SLURM login node") from None
+    if done.returncode:
+        raise RunError(f"sbatch refused the job: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return done.stdout.strip().split(";")[0]
+
+
+def task_time(opt, jobs):
+    """One --time for every task of the array: the longest planned run plus the margin, at most --slurm-time.
+    The GPUs are on the compute nodes: the plan assumes the GPU nvidia-smi names here, else an H100."""
+    if not real_trainer():
+        return opt.slurm_time, "no plan (RUN_EXPERIMENTS_TRAINER is set)"
+    plan, _ = plan_jobs(opt, jobs, None, (nvidia_smi("name") or [""])[0])
+    times = [seconds for _, seconds in plan.values()]
+    if not times or None in times:
+        return opt.slurm_time, "no time estimate"
+    wanted = max(times) * SLURM_MARGIN[0] + SLURM_MARGIN[1]
+    return min(wanted, opt.slurm_time), f"the longest planned run {human(max(times))}"
+
+
+def submit_slurm(opt, jobs):
+    todo = [j for j in jobs if not j.state.startswith("skipped")]
+    for job in jobs:
+        if job.state.startswith("skipped"):
+            print(f"{job.name:<17} skip ({job.state.removeprefix('skipped_')})")
+    if not todo:
+        print(f"Nothing to submit: every run in {opt.out} completed or diverged.")
+        return EXIT_OK
+    opt.out = opt.out.resolve()          # the tasks start in the repository, not in this shell's folder
+    opt.out.mkdir(parents=True, exist_ok=True)
+    # one file per submission: a task of an earlier array still reads its own line
+    tasks = opt.out / f"slurm-matrix-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+    tasks.write_text("".join(shlex.join(trainer_flags(opt, job)) + "\n" for job in todo))
+    seconds, why = task_time(opt, todo)
+    array = submit(["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
+                    f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}", f"--job-name=matrix-{opt.out.name}",
+                    str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)])
+    report = submit(["sbatch", "--parsable", f"--dependency=afterany:{array}", f"--job-name=report-{opt.out.name}",
+                     str(ROOT / "slurm" / "report.sbatch"), str(opt.out)])
+    for i, job in enumerate(todo):
+        print(f"{job.name:<17} task {array}_{i}")
+    print(f"Submitted job array {array}: {len(todo)} run(s), each on one node with {opt.gpus_per_run} GPU(s), "
+          f"--time {hms(seconds)} ({why}, x{SLURM_MARGIN[0]:g} + {SLURM_MARGIN[1] // 60} min, at most --slurm-time "
+          f"{hms(opt.slurm_time)}); a run still going at the limit saves, is requeued and resumes. The report: job "
+          f"{report}, after the array. The runs' flags: {tasks}. Watch: squeue -j {array},{report}")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
 # The run: the queue, slots that free up, and what each exit code means
 
 class LauncherGone(Exception):
@@ -1167,7 +1248,10 @@ def main(argv):
         if opt.summary:
             return summary(opt)
         check_setup(opt)
-        jobs, gpus = matrix_jobs(opt), discover_gpus(opt)
+        jobs = matrix_jobs(opt)
+        if opt.slurm:
+            return submit_slurm(opt, jobs)
+        gpus = discover_gpus(opt)
         if opt.dry_run:
             return dry_run(opt, jobs, gpus)
         if opt.requests is None:

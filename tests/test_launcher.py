@@ -542,7 +542,7 @@ def test_a_probe_that_fails_silently_is_quarantined_with_a_reason(tmp_path):
 
 
 @pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh", ROOT / "benchmarks" / "gpu_check.sh",
-                                    ROOT / "slurm" / "run.sbatch", *sorted((ROOT / "tests" / "fake_slurm").iterdir())],
+                                    ROOT / "slurm" / "run.sbatch", ROOT / "slurm" / "report.sbatch", *sorted((ROOT / "tests" / "fake_slurm").iterdir())],
                          ids=lambda path: path.name)
 def test_shellcheck_is_clean(script):
     shellcheck = ROOT / ".venv" / "bin" / "shellcheck"
@@ -619,3 +619,16 @@ def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes
         assert f"(step {stopped_at[run]}, " in (out / run / "train.log").read_text()      # resumed there
         steps = [json.loads(line)["step"] for line in (out / run / "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(151))                # nothing lost or repeated across the stop
+
+
+def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):
+    import matrix
+    monkeypatch.setenv("RUN_EXPERIMENTS_NVIDIA_SMI", "false")
+    monkeypatch.setattr(matrix, "real_trainer", lambda: True)
+    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: ({"a": (4, 3600.0), "b": (2, 7200.0)}, []))
+    opt = matrix.parse_options(["--slurm", "--out", str(tmp_path)])
+    assert matrix.task_time(opt, [])[0] == 7200 * 1.25 + 600
+    opt = matrix.parse_options(["--slurm", "--slurm-time", "2:30:00", "--out", str(tmp_path)])
+    assert matrix.task_time(opt, [])[0] == 9000 and matrix.hms(9000) == "2:30:00"
+    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: ({"a": (4, None)}, []))
+    assert matrix.task_time(opt, []) == (9000, "no time estimate")
