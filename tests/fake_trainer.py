@@ -1,4 +1,5 @@
-"""A stand-in for train_c4.py that keeps the launcher contract of design.md, for fast launcher tests.
+"""A stand-in for train_c4.py that keeps the trainer's contract with the launcher (contract.py's exit codes, the
+run folder of README.md), for fast launcher tests.
 
 It parses the flags the launcher passes, writes config.json / status.json atomically and appends
 metrics.jsonl like the real trainer, "trains" by sleeping a little per step, saves a step counter as
@@ -25,8 +26,10 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
-EXIT_OK, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_INTERRUPTED = 0, 3, 4, 5, 75
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from contract import EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM  # noqa: E402
 
 
 def write_json(path, obj):

@@ -367,6 +367,26 @@ def test_sigterm_stops_the_jobs_and_the_next_invocation_resumes(tmp_path):
         assert status(out, run)["state"] == "completed"
 
 
+def test_ctrl_c_reaches_the_whole_foreground_group_and_the_launcher_stops_the_jobs_in_order(tmp_path):
+    """A terminal's Ctrl-C goes to the launcher's process group (bash, matrix.py, a sleep): matrix.py must not die
+    of it, and the jobs, each in a group of its own, get SIGTERM from the launcher and checkpoint."""
+    out = tmp_path / "runs"
+    env = launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1)
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc,mhc",
+                             "--depths", "2", "--seeds", "1", "--gpus", "0,1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: all(status(out, r)["step"] >= 3 for r in ("hc_d2_s1", "mhc_d2_s1")), what="progress")
+        os.killpg(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "STOP SIGINT received: sending SIGTERM to 2 job(s)" in output
+    assert all(status(out, r)["state"] == "interrupted" for r in ("hc_d2_s1", "mhc_d2_s1"))
+
+
 def test_a_killed_trainer_is_requeued_and_resumes(tmp_path):
     out, run = tmp_path / "runs", "hc_d2_s1"
     args = ["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc", "--depths", "2",

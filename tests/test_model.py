@@ -1,4 +1,4 @@
-"""The residual variants and the instability metrics of model-spec.md, on tiny CPU models."""
+"""The residual variants and the instability metrics of docs/model.md, on tiny CPU models."""
 
 import pytest
 import torch

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def reference_sinkhorn(logits, iters):
-    """model-spec.md word for word, differentiated by autograd."""
+    """docs/model.md word for word, differentiated by autograd."""
     P = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iters):
         P = P / P.sum(dim=-2, keepdim=True)
@@ -57,7 +57,7 @@ def test_sinkhorn_backward_passes_gradcheck_with_few_and_many_iterations():
 
 
 PROJECTIONS = {  # name: (the fast Function, the plain formula, input shape, outputs)
-    # model-spec.md: z = (v @ phi) / sqrt(mean(v^2) + eps)
+    # docs/model.md: z = (v @ phi) / sqrt(mean(v^2) + eps)
     "rms_scaled": (lambda v, w: T._RMSScaledProjection.apply(v, w, 1e-5)[0],
                    lambda v, w: F.linear(v, w) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5), (2, 5, 32), 24),
     # HC: each stream's LayerNorm (no affine weights), then the dynamic projection
