@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Results table, verdict and plots for a matrix of train_c4.py runs.
 
-    python report.py [RUNS_DIR] [--out RUNS_DIR/report] [--heatmap-run NAME] [--no-plots]
+    python report.py [RUNS_DIR ...] [--report-dir RUNS_DIR/report] [--heatmap-run NAME] [--no-plots]
 
-Reads every run folder under RUNS_DIR (a folder with config.json, or with metrics.jsonl and
-status.json), tolerating the half-written last line of a running job, and writes to --out:
+Reads every run folder under each RUNS_DIR (a folder with config.json, or with metrics.jsonl and
+status.json), tolerating the half-written last line of a running job, and merges them: several runs
+folders (e.g. one per node, or a parent holding them) give one report, and two copies of one run are
+refused. Writes to --report-dir:
 results.md (table, verdict, per-run table, plots), results.csv (one row per method x depth),
 runs.csv (one row per run) and four PNG plots. The table and the verdict are printed too.
-Exit 0 on success, 2 when no runs are found or the arguments are wrong.
+Exit 0 on success, 2 when no runs are found, a run is found twice or the arguments are wrong.
 
 Sections, in order: config/CLI -> reading -> aggregation -> table -> verdict -> plots -> main.
 Importing this module has no side effects (matplotlib is imported only when plotting).
@@ -57,20 +59,24 @@ class ReportError(Exception):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
-        description="Summarize a folder of train_c4.py runs: results table, verdict and plots.")
-    p.add_argument("runs_dir", nargs="?", default="runs", type=Path,
-                   help="folder holding the run folders (searched recursively; default: runs)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="where results.md, the CSV files and the plots go (default: RUNS_DIR/report)")
+        description="Summarize folders of train_c4.py runs: results table, verdict and plots.")
+    p.add_argument("runs_dirs", nargs="*", default=[Path("runs")], type=Path, metavar="RUNS_DIR",
+                   help="folders holding the run folders, searched recursively and merged into one report, e.g. "
+                        "the runs folders of several nodes or one folder holding their copies; a run found "
+                        "twice is refused (default: runs)")
+    # not --out, which names the runs folder for train_c4.py and run_experiments.sh (--out still works here)
+    p.add_argument("--report-dir", "--out", dest="out", type=Path, default=None, metavar="DIR",
+                   help="where results.md, the CSV files and the plots go (default: RUNS_DIR/report; with "
+                        "several folders, report/ in the folder that holds them all)")
     p.add_argument("--heatmap-run", default=None, metavar="NAME",
                    help="run folder name for the single-layer gain heatmap "
                         "(default: the HC run with the largest peak amax_fwd)")
     p.add_argument("--no-plots", action="store_true",
                    help="write the table and verdict only (a quick look while jobs run)")
     p.add_argument("--watch", action="store_true",
-                   help="print the matrix view from the live files (matrix.log, each run's status.json) and write "
-                        "nothing: per GPU the run, step, loss, amax, tokens/s and ETA; done/running/queued/failed, "
-                        "the wall ETA and the dollars spent and to spend")
+                   help="print the matrix view from the live files of one RUNS_DIR (matrix.log, each run's "
+                        "status.json) and write nothing: per GPU the run, step, loss, amax, tokens/s and ETA; "
+                        "done/running/queued/failed, the wall ETA and the dollars spent and to spend")
     p.add_argument("--stale-after", type=float, default=15.0, metavar="MIN",
                    help="with --watch: flag a running job whose status.json has not moved for MIN minutes")
     return p.parse_args(argv)
@@ -304,8 +310,36 @@ def find_run_dirs(root):
     return sorted(found)
 
 
-def load_runs(root):
-    return [r for r in map(load_run, find_run_dirs(Path(root))) if r is not None]
+def load_runs(*roots):
+    """The runs under every root, each folder read once (roots may overlap); two copies of one run are refused."""
+    folders = {}
+    for root in roots:
+        found = find_run_dirs(Path(root))
+        if not found and len(roots) > 1:
+            warn(f"no runs found under {root}")
+        for folder in found:
+            folders.setdefault(folder.resolve(), folder)
+    runs = [r for r in map(load_run, folders.values()) if r is not None]
+    refuse_copies(runs)
+    return runs
+
+
+def refuse_copies(runs):
+    """Two folders of one run (its name, or its method, depth, seed and preset) would count it twice: copies from
+    two nodes, or runs that differ in a setting the table does not separate. Raises ReportError naming both."""
+    seen = {}
+    for run in runs:
+        keys = [run.name] + ([] if run.seed is None else
+                             [(run.method, run.depth, run.seed, str(settings(run.config).get("preset", "")))])
+        for key in keys:
+            other = seen.setdefault(key, run)
+            if other is not run:
+                raise ReportError(f"one run found twice: {_where(other)} and {_where(run)}; keep one of them "
+                                  "(copies from two nodes?) or report them separately")
+
+
+def _where(run):
+    return f"{run.path} ({run.status.get('state', 'unknown')} at step {run.status.get('step', '?')})"
 
 
 # --- aggregation: one summary per run, then one row per method x depth ---------------------------
@@ -490,9 +524,9 @@ def aggregate(summaries):
     return rows
 
 
-def collect(runs_dir):
-    """The aggregated rows of a runs folder (for tests and notebooks)."""
-    return aggregate([summarize(r) for r in load_runs(runs_dir)])
+def collect(*runs_dirs):
+    """The aggregated rows of one or more runs folders (for tests and notebooks)."""
+    return aggregate([summarize(r) for r in load_runs(*runs_dirs)])
 
 
 # --- table: markdown for results.md and the terminal, CSV for machines ---------------------------
@@ -1222,9 +1256,9 @@ def matrix_notes(summaries):
     return lines
 
 
-def results_markdown(root, rows, summaries, verdict_lines, plots, notes):
+def results_markdown(roots, rows, summaries, verdict_lines, plots, notes):
     n = len(summaries)
-    parts = [f"# Results: {root}", "",
+    parts = [f"# Results: {', '.join(map(str, roots))}", "",
              f"{n} run{'s' if n != 1 else ''}, {len(rows)} method × depth rows; "
              f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py.", "",
              "## Table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
@@ -1235,24 +1269,25 @@ def results_markdown(root, rows, summaries, verdict_lines, plots, notes):
     return "\n".join(parts) + "\n"
 
 
-def report(root, out=None, heatmap_run=None, with_plots=True):
+def report(roots, out=None, heatmap_run=None, with_plots=True):
     """Everything main does after parsing the arguments; raises ReportError for expected problems."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ReportError(f"{root} is not a folder; pass the folder that holds the run folders (e.g. runs)")
-    runs = load_runs(root)
+    roots = [Path(root) for root in roots]
+    for root in roots:
+        if not root.is_dir():
+            raise ReportError(f"{root} is not a folder; pass the folder that holds the run folders (e.g. runs)")
+    runs = load_runs(*roots)
     if not runs:
-        raise ReportError(f"no runs found under {root} (a run folder holds config.json, "
+        raise ReportError(f"no runs found under {', '.join(map(str, roots))} (a run folder holds config.json, "
                           "or metrics.jsonl and status.json)")
     heat = pick_heatmap_run(runs, heatmap_run)
     summaries = sorted((summarize(r) for r in runs),
                        key=lambda s: (s.arm, s.depth, method_key(s.method), s.seed or 0, s.name))
     rows = aggregate(summaries)
     verdict_lines = verdict(rows)
-    out = Path(out) if out is not None else root / "report"
+    out = Path(out) if out is not None else default_out(roots)
     out.mkdir(parents=True, exist_ok=True)
     plots, notes = write_plots(runs, heat, out) if with_plots else ([], ["plots skipped (--no-plots)."])
-    (out / "results.md").write_text(results_markdown(root, rows, summaries, verdict_lines, plots, notes))
+    (out / "results.md").write_text(results_markdown(roots, rows, summaries, verdict_lines, plots, notes))
     write_csv(out / "results.csv", csv_rows(rows))
     write_csv(out / "runs.csv", run_csv_rows(summaries))
     buf = io.StringIO()
@@ -1263,6 +1298,13 @@ def report(root, out=None, heatmap_run=None, with_plots=True):
     return rows, buf.getvalue()
 
 
+def default_out(roots):
+    """RUNS_DIR/report; for several folders, report/ in the one that holds them all (all/ for all/node0, all/node1)."""
+    if len(roots) == 1:
+        return roots[0] / "report"
+    return Path(os.path.commonpath([os.path.abspath(root) for root in roots])) / "report"
+
+
 def main(argv=None) -> int:
     """The command line; returns the exit code (0 ok, 2 no runs or bad arguments, 1 write error)."""
     try:
@@ -1271,9 +1313,11 @@ def main(argv=None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         if args.watch:
-            print(watch_view(args.runs_dir, args.stale_after))
+            if len(args.runs_dirs) != 1:
+                raise ReportError("--watch reads one matrix folder (its matrix.log); pass one RUNS_DIR")
+            print(watch_view(args.runs_dirs[0], args.stale_after))
             return 0
-        _, text = report(args.runs_dir, args.out, args.heatmap_run, with_plots=not args.no_plots)
+        _, text = report(args.runs_dirs, args.out, args.heatmap_run, with_plots=not args.no_plots)
     except ReportError as e:
         print(f"report: {e}", file=sys.stderr)
         return 2

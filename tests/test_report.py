@@ -447,6 +447,48 @@ def test_cli_prints_table_and_has_no_traceback(tmp_path):
     assert "| HC | 4 | 1/1 |" in done.stdout and "**depth 4**" in done.stdout
 
 
+# --- several runs folders (one per node, or a parent holding their copies) ----------------------
+
+def test_runs_folders_of_two_nodes_merge_into_the_report_of_one_folder(tmp_path):
+    hc_seed1(tmp_path / "flat"), hc_seed2(tmp_path / "flat")
+    hc_seed1(tmp_path / "all" / "node0"), hc_seed2(tmp_path / "all" / "node1")
+    assert report.main([str(tmp_path / "flat"), "--no-plots"]) == 0
+    assert report.main([str(tmp_path / "all" / "node0"), str(tmp_path / "all" / "node1")]) == 0
+    assert report.main([str(tmp_path / "all"), "--out", str(tmp_path / "parent"), "--no-plots"]) == 0
+    merged = tmp_path / "all" / "report"                     # the default --out: beside the node folders
+    assert table_cells(merged, "HC", 4)["seeds done/total"] == "2/2"
+    for name in ("results.csv", "runs.csv"):                 # every number as if the runs shared one folder
+        expected = (tmp_path / "flat" / "report" / name).read_text()
+        assert (merged / name).read_text() == (tmp_path / "parent" / name).read_text() == expected, name
+    assert {p.name for p in merged.glob("*.png")} == {"amax.png", "loss.png", "grad_norm.png"}
+    assert (merged / "results.md").read_text().startswith(f"# Results: {tmp_path / 'all' / 'node0'}, ")
+
+
+def test_a_run_found_twice_is_refused_with_both_paths(tmp_path, capsys):
+    hc_seed1(tmp_path / "node0"), hc_seed2(tmp_path / "node0")
+    copy = write_run(tmp_path / "node1", "hc_d4_s1", [train(1, 0.0, 4.0, 0.5, 10)], state="interrupted")
+    assert report.main([str(tmp_path / "node0"), str(tmp_path / "node1"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"report: one run found twice: {tmp_path / 'node0' / 'hc_d4_s1'} (completed at step 4) "
+                          f"and {copy} (interrupted at step 1); keep one") and "\n" not in err
+    assert not (tmp_path / "report").exists()
+    # under another name, found in the parent folder: the same method, depth, seed and preset
+    copy.rename(copy.with_name("hc_d4_s1_rerun"))
+    assert report.main([str(tmp_path), "--no-plots"]) == 2
+    assert f"and {copy.with_name('hc_d4_s1_rerun')} (interrupted" in capsys.readouterr().err
+    config = json.loads((copy.with_name("hc_d4_s1_rerun") / "config.json").read_text())
+    config["config"]["preset"] = "stress"                    # another arm: a run of its own
+    (copy.with_name("hc_d4_s1_rerun") / "config.json").write_text(json.dumps(config))
+    assert report.main([str(tmp_path), str(tmp_path / "node0"), "--no-plots"]) == 0      # overlapping: read once
+    assert [len(row.runs) for row in report.collect(tmp_path, tmp_path / "node0")] == [2, 1]
+
+
+def test_watch_reads_one_folder(tmp_path, capsys):
+    assert report.main([str(tmp_path), str(tmp_path), "--watch"]) == 2
+    assert capsys.readouterr().err.strip() == ("report: --watch reads one matrix folder (its matrix.log); pass one "
+                                               "RUNS_DIR")
+
+
 def test_import_has_no_side_effects(tmp_path):
     code = "import sys, report; assert 'matplotlib' not in sys.modules; print('ok')"
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
