@@ -188,6 +188,15 @@ def test_matrix_split_over_two_nodes_runs_each_job_once(tmp_path):
     for run in ran[0] + ran[1]:
         assert status(out, run)["state"] == "completed" and len(invocations(out, run)) == 1
     assert not (out / "matrix.log").exists()
+    # nodes without a shared file system: each node's folder copied back, the report merges them
+    for i in (0, 1):
+        for run in ran[i]:
+            shutil.copytree(out / run, tmp_path / "all" / f"node{i}" / run)
+    tables = [subprocess.run([PY, str(ROOT / "report.py"), *folders, "--no-plots", "--report-dir", str(tmp_path / name)],
+                             capture_output=True, text=True, cwd=ROOT) for name, folders in
+              (("merged", [tmp_path / "all" / "node0", tmp_path / "all" / "node1"]), ("shared", [out]))]
+    assert [t.returncode for t in tables] == [0, 0], tables
+    assert (tmp_path / "merged" / "runs.csv").read_text() == (tmp_path / "shared" / "runs.csv").read_text()
     r = launch(tmp_path, "--dry-run", *matrix, "--node-rank", "1", out=tmp_path / "elsewhere")
     assert r.returncode == 0 and re.search(r"^hc_d3_s1 +node 1 GPU 0 ", r.stdout, re.MULTILINE), r.stdout
     assert re.search(r"^mhc_d2_s1 +node 1 next free slot ", r.stdout, re.MULTILINE)
