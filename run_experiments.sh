@@ -132,7 +132,7 @@ answer() {   # answer REQUEST...: its lines, the signals received meanwhile, the
         launch) launch "${@:2}" ;;
         wait) wait_for_jobs "$2" "$3" ;;
         kill) signal_jobs "$2" ;;
-        *) echo "$PROG: unknown request from matrix.py: $*" >&2 ;;
+        *) echo "$PROG: unknown request from matrix.py: $*" >&"$STDERR" ;;
     esac
     local n=${#SIGNALS[@]}
     ((n == 0)) || printf 'signal %s\n' "${SIGNALS[@]:0:n}"
@@ -151,6 +151,8 @@ MATRIX=$!
 exec {REQUESTS}<"$PIPES/requests" {REPLIES}>"$PIPES/replies"
 trap 'SIGNALS+=(INT)' INT
 trap 'SIGNALS+=(TERM)' TERM
+trap '' PIPE             # an answer to a matrix.py that died fails quietly; the next read sees the end
+exec {STDERR}>&2
 
 request=()
 while :; do
@@ -159,7 +161,7 @@ while :; do
     ((status > 128)) && continue   # a signal interrupted the read; its trap recorded it
     ((status == 0)) || break       # matrix.py has finished
     eval "request=($line)"         # words quoted by Python's shlex.join
-    answer "${request[@]}" >&"$REPLIES"
+    answer "${request[@]}" 2>/dev/null 1>&"$REPLIES"
 done
 exec {REQUESTS}<&- {REPLIES}>&-
 exit_status_of "$MATRIX"

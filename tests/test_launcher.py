@@ -396,6 +396,26 @@ def test_ctrl_c_reaches_the_whole_foreground_group_and_the_launcher_stops_the_jo
     assert all(status(out, r)["state"] == "interrupted" for r in ("hc_d2_s1", "mhc_d2_s1"))
 
 
+def test_if_matrix_py_dies_the_launcher_stops_the_jobs_with_a_checkpoint(tmp_path):
+    out = tmp_path / "runs"
+    env = launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1)
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc",
+                             "--depths", "2", "--seeds", "1", "--gpus", "0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        wait_for(lambda: status(out, "hc_d2_s1")["step"] >= 3, what="progress")
+        brain = subprocess.run(["pgrep", "-f", f"matrix.py --requests 3 --replies 4 --out {out}"],
+                               capture_output=True, text=True).stdout.split()
+        os.kill(int(brain[0]), signal.SIGKILL)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 137, output
+    assert "matrix.py exited (137) with 1 job(s) running; stopping them" in output
+    assert status(out, "hc_d2_s1")["state"] == "interrupted"
+
+
 def test_a_killed_trainer_is_requeued_and_resumes(tmp_path):
     out, run = tmp_path / "runs", "hc_d2_s1"
     args = ["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc", "--depths", "2",
