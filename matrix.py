@@ -519,11 +519,12 @@ def lock_name(opt):
 # ----------------------------------------------------------------------------------------------
 # --summary and the end-of-matrix report
 
-def show_matrix(opt):
-    """The matrix view (report.py --watch) from matrix.log and the runs' status.json."""
+def show_matrix(opt, whole=False):
+    """The matrix view (report.py --watch) from this launcher's matrix log, or (whole) from every node's, and
+    the runs' status.json."""
     import report            # numpy: only for the view
     try:
-        print(report.watch_view(opt.out, log=log_name(opt)), flush=True)
+        print(report.watch_view(opt.out, log=None if whole else log_name(opt)), flush=True)
     except (report.ReportError, OSError) as error:
         print(f"report: {error}", flush=True)
 
@@ -550,11 +551,11 @@ def print_report(opt):
 
 
 def summary(opt):
-    if not (opt.out / log_name(opt)).is_file() and not any(opt.out.glob("*/status.json")):
-        print(f"{PROG}: error: --summary: no matrix has run in '{opt.out}' (no {log_name(opt)}, no run folder); "
+    if not any(opt.out.glob("matrix*.log")) and not any(opt.out.glob("*/status.json")):
+        print(f"{PROG}: error: --summary: no matrix has run in '{opt.out}' (no matrix.log, no run folder); "
               "check --out", file=sys.stderr)
         return EXIT_USAGE
-    show_matrix(opt)      # the matrix as the folder's launcher ran it (matrix.log), not as these flags make it
+    show_matrix(opt, whole=True)    # the matrix as the folder's launchers ran it, not as these flags make it
     print_report(opt)
     return EXIT_OK
 

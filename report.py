@@ -1199,13 +1199,26 @@ def fmt_clock(seconds):
         str(timedelta(seconds=round(seconds)))
 
 
-def watch_view(root, stale_after_min=15.0, now=None, log="matrix.log"):
-    """The matrix view as text (raises ReportError when no launcher has run in root); `log` is the launcher's
-    matrix log (matrix.node{i}.log for one node's share with --nodes)."""
+def read_matrices(root, log=None):
+    """One launcher's matrix (`log`), else the folder's: matrix.log, or the nodes' shares (matrix.node{i}.log,
+    run_experiments.sh --nodes) as one matrix: their slots added up, their queues one after another."""
+    names = [log] if log else ["matrix.log"] if (root / "matrix.log").exists() else \
+        sorted(p.name for p in root.glob("matrix.node*.log"))
+    shares = [m for m in (read_matrix(root, name) for name in names) if m is not None]
+    if not shares:
+        return None
+    return Matrix(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
+                  shares[0].price, all(m.cpu for m in shares), {k: v for m in shares for k, v in m.runs.items()})
+
+
+def watch_view(root, stale_after_min=15.0, now=None, log=None):
+    """The matrix view as text (raises ReportError when no launcher has run in root); `log` is one launcher's
+    matrix log (default: the folder's, every node's share of it together)."""
     root, now = Path(root), time.time() if now is None else now
-    matrix = read_matrix(root, log)
+    matrix = read_matrices(root, log)
     if matrix is None:
-        raise ReportError(f"no matrix in {root} (no {log} with a QUEUE line): start one with run_experiments.sh")
+        raise ReportError(f"no matrix in {root} (no {log or 'matrix.log'} with a QUEUE line): start one with "
+                          "run_experiments.sh")
     statuses = {name: read_json(root / name / "status.json") or {} for name in matrix.runs}
     counts = {state: sum(s == state for s, _ in matrix.runs.values()) for state in ("done", "running", "queued", "failed")}
     eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run

@@ -188,6 +188,8 @@ def test_matrix_split_over_two_nodes_runs_each_job_once(tmp_path):
     for run in ran[0] + ran[1]:
         assert status(out, run)["state"] == "completed" and len(invocations(out, run)) == 1
     assert not (out / "matrix.log").exists()
+    r = launch(tmp_path, "--summary")                     # from any shell: both nodes' shares as one matrix
+    assert r.returncode == 0 and "6 done, 0 running, 0 queued, 0 failed" in r.stdout, r.stdout + r.stderr
     # nodes without a shared file system: each node's folder copied back, the report merges them
     for i in (0, 1):
         for run in ran[i]:
