@@ -1,5 +1,4 @@
 """Every test runs offline: no hub, no W&B, a throw-away Hugging Face cache."""
-import os
 import sys
 from pathlib import Path
 

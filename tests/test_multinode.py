@@ -116,25 +116,27 @@ def test_slurm_script_requeues_after_the_time_limit_signal_and_resumes(tmp_path,
 
 
 def test_the_matrix_as_a_slurm_job_array_then_the_report(tmp_path):
-    """run_experiments.sh --slurm under the fake SLURM: one array task per run (slurm/run.sbatch --matrix, one node,
-    --gpus-per-run GPUs, --time from the plan), then the report job after the array; a second submission of the
-    finished matrix submits nothing."""
+    """run_experiments.sh --slurm under the fake SLURM: one array task per run not yet finished (slurm/run.sbatch
+    --matrix, one node, --gpus-per-run GPUs, --time from the plan), then the report job after the array; a second
+    submission of the finished matrix submits nothing."""
     state, out = tmp_path / "slurm", tmp_path / "runs"
     state.mkdir()
     env = {**environment(tmp_path), "PATH": f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}",
            "PYTHON": sys.executable, "FAKE_SLURM_STATE": str(state), "RUN_EXPERIMENTS_NVIDIA_SMI": "false"}
     command = ["bash", str(ROOT / "run_experiments.sh"), "--slurm", "--residual", "hc,mhc", "--depth", "2", "--seed",
                "1", "--steps", "4", "--out", str(out), "--", "--preset", "tiny"]
+    (out / "hc_d2_s1").mkdir(parents=True)        # finished before: not submitted (and one run less to train here)
+    (out / "hc_d2_s1" / "status.json").write_text('{"state": "completed", "step": 4}')
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     array, report = (state / "submitted").read_text().splitlines()
-    assert array.startswith("--parsable --array=0-1 --nodes=1 --gpus-per-node=1 --time=0:10:01 ")   # tiny: 0 s + 10 min
+    assert array.startswith("--parsable --array=0-0 --nodes=1 --gpus-per-node=1 --time=0:10:01 ")   # tiny: 0 s + 10 min
     assert f"slurm/run.sbatch --matrix {out}/slurm-matrix-" in array
     assert report.startswith("--parsable --dependency=afterany:4243 ") and report.endswith(f"report.sbatch {out}")
-    for run in ("hc_d2_s1", "mhc_d2_s1"):
-        assert json.loads((out / run / "status.json").read_text())["state"] == "completed"
+    assert json.loads((out / "mhc_d2_s1" / "status.json").read_text())["state"] == "completed"
     assert (out / "report" / "results.md").is_file()
-    assert "task 4243_1" in done.stdout and "The report: job 4244" in done.stdout
+    assert "hc_d2_s1          skip (completed)" in done.stdout and "mhc_d2_s1         task 4243_0" in done.stdout
+    assert "The report: job 4244" in done.stdout
     again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "Nothing to submit" in again.stdout
     assert len((state / "submitted").read_text().splitlines()) == 2
