@@ -24,16 +24,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import functools
 import glob
 import hashlib
+import importlib.metadata
+import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import pickle
+import queue
 import random
 import secrets
 import shutil
@@ -42,16 +47,27 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import tiktoken
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from tiktoken_ext.openai_public import r50k_pat_str
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
+
+# Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets, and
+# torch.distributed's fsdp and checkpoint packages (each about a second: the latter two load torch.distributed.tensor),
+# which --estimate, --help and most tests never need; wandb (about a second) only when W&B is on; flash_attn,
+# optional and CUDA only.
 
 ROOT = Path(__file__).resolve().parent
 
@@ -919,9 +935,6 @@ class GPT2Tokenizer:
     vocab_size = 50257
 
     def __init__(self):
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-        from tiktoken_ext.openai_public import r50k_pat_str
         files = {name: str(DATA_DIR / "gpt2" / name) for name in GPT2_HASHES}
         ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=files["vocab.bpe"],
                                                 encoder_json_file=files["encoder.json"],
@@ -1200,8 +1213,6 @@ class Prefetcher:
     of the last batch consumed, not of the ones read ahead. A stall longer than `timeout` raises."""
 
     def __init__(self, batches: RankBatches, depth: int, timeout: float, pin_memory: bool = False):
-        import queue
-        import threading
         self.batches, self.timeout, self._queue_errors = batches, timeout, (queue.Empty, queue.Full)
         self.pin_memory = pin_memory
         self.state, self.waited = batches.state_dict(), 0.0
@@ -1263,12 +1274,10 @@ class _StepShares(torch.utils.data.IterableDataset):
     KEEP = 8            # recent steps whose states are kept: more than a worker can run ahead (prefetch 2)
 
     def __init__(self, batches: RankBatches, workers: int):
-        import multiprocessing
         self.recipe, self.state, self.workers = batches.recipe, batches.state_dict(), workers
         self.requests, self.replies = [multiprocessing.Queue() for _ in range(workers)], multiprocessing.Queue()
 
     def __iter__(self):
-        import threading
         worker = torch.utils.data.get_worker_info().id
         batches = RankBatches(*self.recipe)
         batches.load_state_dict([self.state])
@@ -1290,7 +1299,6 @@ class _StepShares(torch.utils.data.IterableDataset):
 
     def states_after(self, step: int, timeout: float) -> dict:
         """Every worker's stream states after `step` (counted from 0), merged."""
-        import queue
         for requests in self.requests:
             requests.put(step)
         streams = {}
@@ -1308,7 +1316,6 @@ def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
     of its own a worker would outlive a training process killed outright, so Linux is asked to end it then."""
     os.setpgrp()
     if sys.platform == "linux":
-        import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
         if os.getppid() == 1:                               # the training process died before the line above
             os._exit(1)
@@ -1418,11 +1425,10 @@ def setup_distributed() -> Dist:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        import datetime
         # start-up waits for every rank to stream its first documents, verify and load a checkpoint and
         # compile: generous; shorten_timeout() tightens it once the first step has gone through
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                             timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+                                             timeout=timedelta(seconds=START_TIMEOUT_S))
     return Dist(rank, world, device)
 
 
@@ -1431,10 +1437,8 @@ def shorten_timeout(dist: Dist, data_timeout: float) -> None:
     It stays 2 minutes above --data-timeout: a rank starved of data then gives up first and says why,
     instead of its peers timing out without knowing the cause."""
     if dist.world > 1:
-        import datetime
-        from torch.distributed.distributed_c10d import _set_pg_timeout
         seconds = float(os.environ.get("TRAIN_C4_STEP_TIMEOUT_S", max(STEP_TIMEOUT_S, data_timeout + 120)))
-        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+        _set_pg_timeout(timedelta(seconds=seconds))
 
 
 def end_distributed() -> None:
@@ -1478,7 +1482,6 @@ def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str, bool]:
     then acts on the root cause (halve the micro-batch, retry the data...) instead of blaming a GPU."""
     if dist.world == 1 or not torch.distributed.is_initialized():
         return code, reason, True
-    from torch.distributed.distributed_c10d import _get_default_store
     with contextlib.suppress(Exception):                   # best effort: the store's host may be gone too
         store = _get_default_store()
         if code == EXIT_DEVICE:
@@ -1512,7 +1515,6 @@ def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Mo
     if dist.world == 1:
         return model
     if cfg.parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     _vectorise_scalars(model)
@@ -1571,7 +1573,6 @@ def safe_dcp() -> tuple[type, type]:
     restricted unpickler, and the non-tensor entries (the optimizer's param_groups), which DCP's planner loads
     with weights_only=False, checked with weights_only=True first. Built on first use: importing
     torch.distributed.checkpoint takes about a second."""
-    import io
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -1957,7 +1958,7 @@ def start_wandb(cfg: Config, run_dir: Path, config_record: dict, log: RunLog):
     mode = wandb_mode(cfg)
     if mode == "disabled" or not log.enabled:
         return None
-    import wandb            # about a second to import: only when W&B is on
+    import wandb
     init = functools.partial(
         wandb.init, project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "hc-mhc-c4",
         id=wandb_run_id(run_dir), name=run_dir.name, resume="allow", job_type=cfg.residual, config=config_record,
@@ -2471,15 +2472,14 @@ def git_commit() -> str:
 
 
 def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, params: dict) -> dict:
-    import datasets
-    import tiktoken
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
             "device_name": device_name(dist.device),
             "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
             "attention": "flash" if use_flash else "sdpa",
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "datasets": datasets.__version__, "tiktoken": tiktoken.__version__},
+                         "datasets": importlib.metadata.version("datasets"),
+                                     "tiktoken": importlib.metadata.version("tiktoken")},
             "git_commit": git_commit()}
 
 
