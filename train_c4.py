@@ -52,6 +52,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 import tiktoken
 import torch
@@ -1207,18 +1208,37 @@ def stalled(timeout: float) -> DataUnavailable:
                            "the data source stalled")
 
 
+class Loader(Protocol):
+    """What the training loop reads its batches from (make_loader: Prefetcher or LoaderProcesses), both reading a
+    RankBatches ahead in the background. Reading starts at the first next_batch, so that a resume can load the saved
+    position first; state_dict is the position right after the last batch consumed, never after one read ahead."""
+    batches: RankBatches
+    waited: float               # seconds next_batch spent waiting for data
+    skipped: int                # malformed or empty lines skipped so far
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, states: list[dict]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Prefetcher:
     """Builds the next batches in a background thread, so the accelerator does not wait on reading and
     tokenizing. Each batch travels with the loader state right after it: a checkpoint saves the state
     of the last batch consumed, not of the ones read ahead. A stall longer than `timeout` raises."""
 
     def __init__(self, batches: RankBatches, depth: int, timeout: float, pin_memory: bool = False):
-        self.batches, self.timeout, self._queue_errors = batches, timeout, (queue.Empty, queue.Full)
-        self.pin_memory = pin_memory
+        self.batches, self.timeout, self.pin_memory = batches, timeout, pin_memory
         self.state, self.waited = batches.state_dict(), 0.0
         self.queue, self.stopping = queue.Queue(maxsize=depth), threading.Event()
         self.thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
-        self.thread.start()
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        self.batches.load_state_dict(states)
+        self.state = self.batches.state_dict()
 
     def _produce(self) -> None:
         item = None
@@ -1233,7 +1253,7 @@ class Prefetcher:
                     item = (None, None, error)
             try:
                 self.queue.put(item, timeout=0.1)
-            except self._queue_errors[1]:
+            except queue.Full:
                 continue
             if item[2] is not None:
                 return
@@ -1242,13 +1262,16 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the thread before the interpreter exits: a thread killed inside torch aborts the process."""
         self.stopping.set()
-        self.thread.join(timeout=60)
+        if self.thread.ident is not None:
+            self.thread.join(timeout=60)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.thread.ident is None:
+            self.thread.start()
         started = time.perf_counter()
         try:
             batch, state, error = self.queue.get(timeout=self.timeout)
-        except self._queue_errors[0]:
+        except queue.Empty:
             raise stalled(self.timeout) from None
         finally:
             self.waited += time.perf_counter() - started
@@ -1328,16 +1351,24 @@ class LoaderProcesses:
     state is that after the last whole step consumed; checkpoints are only taken between steps."""
 
     def __init__(self, batches: RankBatches, workers: int, timeout: float, pin_memory: bool = False):
-        self.workers, self.timeout, self.pin_memory, self.micro = workers, timeout, pin_memory, batches.micro
-        self.per_step, self.steps, self.cursor, self.waited = len(batches.owners), 0, 0, 0.0
-        self.state, self.inputs, self.targets = (0, batches.state_dict()), None, None
+        self.batches, self.workers, self.timeout, self.pin_memory = batches, workers, timeout, pin_memory
+        self.micro, self.per_step, self.steps, self.cursor, self.waited = batches.micro, len(batches.owners), 0, 0, 0.0
+        self.state, self.inputs, self.targets, self.shares = (0, batches.state_dict()), None, None, None
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        self.batches.load_state_dict(states)
+        self.state = (0, self.batches.state_dict())
+
+    def _start(self) -> None:
         self.unread = self.state[1]["streams"]          # streams no batch position reads keep this state
-        self.shares = _StepShares(batches, workers)
-        self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=workers,
-                                                       prefetch_factor=2, timeout=timeout,
+        self.shares = _StepShares(self.batches, self.workers)
+        self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=self.workers,
+                                                       prefetch_factor=2, timeout=self.timeout,
                                                        worker_init_fn=_leave_group_signals_to_the_trainer))
 
     def _next_step(self) -> None:
+        if self.shares is None:
+            self._start()
         started = time.perf_counter()
         try:
             shares = [next(self.loader) for _ in range(self.workers)]
@@ -1378,7 +1409,7 @@ class LoaderProcesses:
         self.loader = None                     # the DataLoader iterator shuts its workers down when released
 
 
-def start_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Prefetcher | LoaderProcesses:
+def make_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Loader:
     if cfg.data_workers:
         return LoaderProcesses(batches, cfg.data_workers, cfg.data_timeout, pin_memory)
     return Prefetcher(batches, cfg.prefetch, cfg.data_timeout, pin_memory)
@@ -2542,7 +2573,7 @@ class Trainer:
     dist: Dist
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    batches: RankBatches | Prefetcher | LoaderProcesses
+    loader: Loader
     val: tuple[torch.Tensor, torch.Tensor]
     micro: int
     accum: int
@@ -2564,7 +2595,7 @@ class Trainer:
         """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only."""
         device, loss_sum, step = self.dist.device, torch.zeros((), device=self.dist.device), self.step + 1
         for micro_step in range(self.accum):
-            x, y = (t.to(device, non_blocking=True) for t in self.batches.next_batch())
+            x, y = (t.to(device, non_blocking=True) for t in self.loader.next_batch())
             last = micro_step == self.accum - 1
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(last)
@@ -2627,7 +2658,7 @@ class Trainer:
     def save(self) -> None:
         """Every rank: its data-loader and RNG state. Model and optimizer: rank 0 writes them whole
         (one process, DDP), or every rank writes its shards with torch.distributed.checkpoint (FSDP)."""
-        files = {f"rank{self.dist.rank}.pt": {"data": self.batches.state_dict(), "rng": rng_state()}}
+        files = {f"rank{self.dist.rank}.pt": {"data": self.loader.state_dict(), "rng": rng_state()}}
         sharded = None
         if is_sharded(self.model):
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -2639,8 +2670,8 @@ class Trainer:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
         write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded)
         self.log.live["last_checkpoint_step"] = self.step
-        if self.batches.skipped:
-            self.log.info(f"data: {self.batches.skipped} malformed or empty lines skipped so far")
+        if self.loader.skipped:
+            self.log.info(f"data: {self.loader.skipped} malformed or empty lines skipped so far")
 
     def restore(self) -> None:
         """Called after wrapping: FSDP loads its shards in place, resharded to this world size."""
@@ -2678,7 +2709,7 @@ class Trainer:
 
     def _load_data_and_rng(self, files: dict) -> None:
         ranks = [state for name, state in sorted(files.items()) if name.startswith("rank")]
-        self.batches.load_state_dict([state["data"] for state in ranks])
+        self.loader.load_state_dict([state["data"] for state in ranks])
         if len(ranks) != self.dist.world:
             self.log.info(f"data: the checkpoint was written by {len(ranks)} process(es), this run has "
                           f"{self.dist.world}; every data stream continues where it stopped, so the batches are "
@@ -2711,13 +2742,13 @@ class Trainer:
         if self.step == 0:
             self.log.metrics({"step": 0, "time": time.time(), **self.probe(with_layers=True)})
         while self.step < self.cfg.steps:
-            started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.batches.waited
+            started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.loader.waited
             loss, norm, stopping = self.optimizer_step(stop)
             self.step += 1
             self.tokens += self.cfg.batch_size * self.cfg.seq_len
             seconds = time.perf_counter() - started
             measured = self.measurements()
-            record = self.record(loss, norm, lr, seconds, self.batches.waited - waited) | measured
+            record = self.record(loss, norm, lr, seconds, self.loader.waited - waited) | measured
             self.log.metrics(record)
             if self.wandb_run is not None and (measured or self.step % self.cfg.log_every == 0):
                 # not every step: W&B allows a run about 2 requests a second, and a matrix shares one project
@@ -2840,8 +2871,9 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
                                   fused=dist.device.type == "cuda")
     micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
     batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
+    loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
     params = count_parameters(cfg)
-    trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
+    trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val,
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir,
                       gpu_peak_flops(device_name(dist.device)),
                       flops_per_token(cfg, params["non_embedding"]), faults=Faults(dist.rank))
@@ -2869,7 +2901,7 @@ def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> N
              f"{trainer.flops_per_token:.3g} FLOPs per token")
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
     shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({len(set(trainer.batches.owners))} read by this process"
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({len(set(trainer.loader.batches.owners))} read by this process"
              f"{shared}, {loader} each), data seed {cfg.data_seed}")
     log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
 
@@ -2884,7 +2916,6 @@ def held_out_source(data: DataFiles, val_data: str) -> str:
 def train(cfg: Config) -> None:
     dist = setup_distributed()
     trainer = build_trainer(cfg, dist)
-    trainer.batches = start_loader(trainer.batches, cfg, dist.device.type == "cuda")
     log, stop = trainer.log, StopRequest()
     # a fresh start logs its own step-0 probe again, so nothing of an earlier attempt is kept
     log.open_metrics(keep_through_step=trainer.step if trainer.step else -1)
@@ -2910,7 +2941,7 @@ def train(cfg: Config) -> None:
             log.status("failed", trainer.step, code, status)
         raise RunFailed(code, reason) from error
     finally:
-        trainer.batches.close()
+        trainer.loader.close()
     log.status("completed", trainer.step, EXIT_OK)
     log.info(f"completed {trainer.step} steps; run folder {trainer.run_dir}")
     if trainer.wandb_run is not None:
