@@ -8,16 +8,21 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
 exit codes and reliability rules in README.md and docs/reliability.md.
 Sections, in file order:
-  config/CLI            Config, presets, --help's groups, every check of a value
-  model                 the GPT body and the three residual paths (PlainResidual, HyperConnection, mHC)
+  config/CLI            exit codes and the errors that carry them, Config, presets, --help's groups,
+                        every check of a value
+  model                 the GPT body and the three residual paths (PlainResidual, HyperConnection,
+                        ManifoldHyperConnection)
   instability metrics   composite gains, the study's recipe, the Sinkhorn truncation, the probe
-  data                  tokenizers, C4 (hub or local), held-out documents, loader thread and processes
+  data                  tokenizers, C4 (hub or local), held-out documents, the rank's batches (RankBatches)
+                        and the Loader that reads them ahead: a thread or loader processes
   distributed           torchrun's process group, DDP / FSDP2 wrapping, a failing rank's reason
   checkpointing         write, seal, verify and safely load checkpoints; --consolidate
   logging               train.log, metrics.jsonl, status.json, W&B
-  training loop         opens with the planner (memory plan, --micro-batch-size auto, time estimate),
-                        then the schedule, fault hooks, Trainer, progress, build_trainer, train
-  main                  one line and an exit code for every expected failure
+  training loop         GPU peaks, FLOPs per token; the planner (memory plan, --micro-batch-size auto,
+                        matrix schedule, --estimate); the batch split, lr schedule, precision, resume checks,
+                        config.json's record, signals, fault hooks, Trainer, progress, preflight checks,
+                        build_trainer, train
+  main                  the one classification of a failure into a line and an exit code; main
 """
 
 from __future__ import annotations
@@ -65,10 +70,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-# Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets, and
-# torch.distributed's fsdp and checkpoint packages (each about a second: the latter two load torch.distributed.tensor),
-# which --estimate, --help and most tests never need; wandb (about a second) only when W&B is on; flash_attn,
-# optional and CUDA only.
+# Imported where they are used, on purpose: datasets and torch.distributed's fsdp and checkpoint packages (each
+# about a second, as much as torch itself: `python -X importtime -c 'import train_c4'`), which --help, --estimate
+# and most tests never need; flash_attn, optional and CUDA only; wandb (its own line says why).
 
 ROOT = Path(__file__).resolve().parent
 
@@ -115,7 +119,7 @@ class RunFailed(TrainerError):
 @dataclasses.dataclass(frozen=True)
 class Config:
     preset: str = "c4"
-    # model (model-spec.md "Transformer body": depth 32 at width 2048 is the 1.73B model)
+    # model (docs/model.md, "Baseline and the transformer body": depth 32 at width 2048 is the 1.73B model)
     residual: str = "mhc"
     depth: int = 32
     width: int = 2048
@@ -173,6 +177,10 @@ class Config:
     estimate: bool = False
     estimate_world_size: int = 0
     gpu_memory_gb: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
 
 
 PRESETS = {
@@ -271,10 +279,14 @@ FLAG_GROUPS = {
 }
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def presets_text() -> str:
     """The presets and what each one sets, for --help."""
     return "presets (explicit flags win):\n" + "\n".join(textwrap.fill(
-        f"{name}: " + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items()) or "the defaults above"),
+        f"{name}: " + (", ".join(f"{_flag(k)} {v}" for k, v in values.items()) or "the defaults above"),
         width=100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
         for name, values in PRESETS.items())
 
@@ -296,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     for title, names in FLAG_GROUPS.items():
         group = parser.add_argument_group(title)
         for field in (fields[name] for name in names):
-            flag = "--" + field.name.replace("_", "-")
+            flag = _flag(field.name)
             if field.type == "bool":
                 group.add_argument(flag, action="store_true", help=HELP[field.name])
             else:
@@ -329,10 +341,6 @@ LIMITS = dict(depth=1024, width=65536, heads=512, expansion=64, seq_len=2 ** 20,
               estimate_world_size=2 ** 20, data_timeout=1e6, gpu_memory_gb=1e6, lr=1e3, weight_decay=1e3,
               hc_scale_init=1e6, mhc_gate_init=1e6, mhc_res_diag=1e6, mhc_pre_bias=1e6)
 INT64_MAX = 2 ** 63 - 1
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def validate(cfg: Config) -> None:
@@ -1989,7 +1997,7 @@ def start_wandb(cfg: Config, run_dir: Path, config_record: dict, log: RunLog):
     mode = wandb_mode(cfg)
     if mode == "disabled" or not log.enabled:
         return None
-    import wandb
+    import wandb            # about a second to import: only when W&B is on
     init = functools.partial(
         wandb.init, project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "hc-mhc-c4",
         id=wandb_run_id(run_dir), name=run_dir.name, resume="allow", job_type=cfg.residual, config=config_record,
@@ -2052,6 +2060,20 @@ MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "to
 # batches and the maths stay the same.
 TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
                  "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
+
+
+def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
+    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
+    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
+    return GPU_PEAK_BF16_FLOPS.get(name)
 
 
 # ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto), the time and cost of a matrix
@@ -2298,6 +2320,13 @@ def _activation_terms(cfg: Config, micro: int, fit: dict, full: dict, term) -> N
          "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
 
 
+def check_batch_split(cfg: Config, world: int, micro: int | None = None) -> None:
+    """--batch-size splits evenly over the processes and, given a micro-batch, into whole micro-batches on each."""
+    if cfg.batch_size % (world * (micro or 1)):
+        into = f"{world} process(es)" if micro is None else f"--micro-batch-size {micro} x {world} process(es)"
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {into}")
+
+
 def divisors_descending(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
@@ -2373,6 +2402,65 @@ def print_memory_plan(plan: MemoryPlan) -> None:
           "compare mem_peak_gb in metrics.jsonl")
     print(f"  {'total':<{width}}{plan.total / GiB:7.2f} GiB  of {plan.card / GiB:.1f} GiB: {verdict}")
 
+
+def parameter_summary(params: dict) -> str:
+    """count_parameters' counts in words, as --estimate and a run's log show them."""
+    return (f"{params['total']:,} parameters ({params['embedding']:,} embedding, {params['non_embedding']:,} "
+            f"non-embedding, {params['streams']:,} in the residual connections)")
+
+
+def print_estimate(cfg: Config) -> None:
+    """Model size, work per token and the memory plan of one GPU: the model is built on the meta device and the
+    activations are measured on tiny copies on the CPU, so nothing of the real size is allocated."""
+    params = count_parameters(cfg)
+    print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {parameter_summary(params)}")
+    flops = flops_per_token(cfg, params["non_embedding"])
+    print(f"{flops:.4g} training FLOPs per token; "
+          f"{cfg.tokens_per_step:,} tokens per step; {cfg.steps * cfg.tokens_per_step:,} tokens in "
+          f"{cfg.steps:,} steps")
+    world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    micro, auto_line = _estimate_micro_batch(cfg, world)
+    strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
+    print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
+          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}:")
+    print_memory_plan(memory_plan(cfg, micro, world))
+    if cfg.residual != "baseline":
+        fit = activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters,
+                                 cfg.dtype != "fp32", False)["streams"]
+        streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
+        print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
+              f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
+    print(auto_line)
+    _print_time_estimate(cfg, world, flops)
+
+
+def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
+    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
+    check_batch_split(cfg, world)
+    try:
+        auto, _ = auto_micro_batch(cfg, world)
+        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
+                     "of the card)")
+    except ConfigError as error:
+        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
+    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
+    check_batch_split(cfg, world, micro)
+    return micro, auto_line
+
+
+def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    peak = gpu_peak_flops(name or ASSUMED_GPU)
+    if not peak:
+        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
+        return
+    tokens_per_s = ASSUMED_MFU * peak * world / flops
+    print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
+          f"{tokens_per_s:,.0f} tokens/s, {cfg.tokens_per_step / tokens_per_s:.2f} s per step, "
+          f"{cfg.steps * cfg.tokens_per_step / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
+
+
 # ---- end of the planner
 
 
@@ -2381,8 +2469,7 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
     'auto' on CUDA: the largest micro-batch the memory plan fits on this GPU (build_trainer then confirms it with
     one real step); on the CPU: the per-process batch capped at CPU_AUTO_MICRO."""
     if cfg.micro_batch_size == "auto":
-        if cfg.batch_size % world:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
+        check_batch_split(cfg, world)
         if torch.cuda.is_available():
             micro, plan = auto_micro_batch(cfg, world)
             why = (f"planned {plan.total / GiB:.1f} of {plan.card / GiB:.1f} GiB, at most {1 - AUTO_MARGIN:.0%} "
@@ -2395,9 +2482,7 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
             print(f"micro-batch auto: {micro} ({why})", flush=True)
     else:
         micro = int(cfg.micro_batch_size)
-    if cfg.batch_size % (micro * world):
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
-                          f"{world} process(es)")
+    check_batch_split(cfg, world, micro)
     # the streams each process reads from (ranks share streams when the world size does not divide them)
     read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
     if cfg.data_workers > read:
@@ -2405,20 +2490,6 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
                           "process(es) reads (a loader process owns whole streams); lower --data-workers, or raise "
                           "--data-streams and --batch-size")
     return micro, cfg.batch_size // (micro * world)
-
-
-def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
-    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
-    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
-    return GPU_PEAK_BF16_FLOPS.get(name)
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -2475,18 +2546,20 @@ def check_resumable(run_dir: Path, cfg: Config) -> dict:
                               f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
     changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
     if changes and not cfg.allow_changed_settings:
-        listed = ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
-        raise ConfigError(f"{run_dir} was trained with other settings ({listed}); rerun with its settings, choose "
+        raise ConfigError(f"{run_dir} was trained with other settings ({listed(changes)}); rerun with its settings, choose "
                           "another --run-name, or pass --allow-changed-settings to continue under the new ones")
     return changes
+
+
+def listed(changes: dict) -> str:
+    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
 
 
 def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
     """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
     if not changes:
         return
-    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): "
-             + ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items()))
+    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {listed(changes)}")
     if log.enabled:
         with open(run_dir / "settings_changes.jsonl", "a") as f:
             f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
@@ -2719,7 +2792,7 @@ class Trainer:
             set_rng_state(own["rng"])
 
     def record(self, loss: float, norm: float, lr: float, seconds: float, data_wait: float) -> dict:
-        tokens_per_s = self.cfg.batch_size * self.cfg.seq_len / seconds
+        tokens_per_s = self.cfg.tokens_per_step / seconds
         mem = torch.cuda.max_memory_allocated(self.dist.device) / 1e9 if self.dist.device.type == "cuda" else None
         mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world) if self.peak_flops else None
         return {"step": self.step, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": norm,
@@ -2745,7 +2818,7 @@ class Trainer:
             started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.loader.waited
             loss, norm, stopping = self.optimizer_step(stop)
             self.step += 1
-            self.tokens += self.cfg.batch_size * self.cfg.seq_len
+            self.tokens += self.cfg.tokens_per_step
             seconds = time.perf_counter() - started
             measured = self.measurements()
             record = self.record(loss, norm, lr, seconds, self.loader.waited - waited) | measured
@@ -2889,15 +2962,13 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
 
 def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
     cfg, log = trainer.cfg, trainer.log
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
              f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
              f"({record['dtype']}, {record['attention']} attention)")
-    log.info(f"parameters: {params['total']:,} ({params['non_embedding']:,} non-embedding, "
-             f"{params['streams']:,} in the residual connections)")
-    log.info(f"tokens per step: {tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
+    log.info(f"model: {parameter_summary(params)}")
+    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
              f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
-    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * tokens_per_step:,} tokens, "
+    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
              f"{trainer.flops_per_token:.3g} FLOPs per token")
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
     shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
@@ -2949,7 +3020,7 @@ def train(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# main: one line and an exit code for every expected failure (design.md's table)
+# main: one line and an exit code for every expected failure (the codes: EXIT_* above, docs/reliability.md)
 
 def failure(error: BaseException, dist: Dist, micro: int | None = None) -> tuple[int, str, bool]:
     """The one classification of a failure into (exit code, reason, whether it is this rank's own): a RunFailed
@@ -2980,63 +3051,6 @@ def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]
     if isinstance(error, OSError):          # the file system refused: full, quota, read-only, permission
         return 1, f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
     return 1, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def print_estimate(cfg: Config) -> None:
-    """Model size, work per token and the memory plan of one GPU: the model is built on the meta device and the
-    activations are measured on tiny copies on the CPU, so nothing of the real size is allocated."""
-    params = count_parameters(cfg)
-    print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {params['total']:,} parameters "
-          f"({params['embedding']:,} embedding, {params['non_embedding']:,} non-embedding, "
-          f"{params['streams']:,} in the residual connections)")
-    flops = flops_per_token(cfg, params["non_embedding"])
-    print(f"{flops:.4g} training FLOPs per token; "
-          f"{cfg.batch_size * cfg.seq_len:,} tokens per step; {cfg.steps * cfg.batch_size * cfg.seq_len:,} tokens in "
-          f"{cfg.steps:,} steps")
-    world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    micro, auto_line = _estimate_micro_batch(cfg, world)
-    strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
-    print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
-          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}:")
-    print_memory_plan(memory_plan(cfg, micro, world))
-    if cfg.residual != "baseline":
-        fit = activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters,
-                                 cfg.dtype != "fp32", False)["streams"]
-        streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
-        print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
-              f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
-    print(auto_line)
-    _print_time_estimate(cfg, world, flops)
-
-
-def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
-    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
-    if cfg.batch_size % world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
-    try:
-        auto, _ = auto_micro_batch(cfg, world)
-        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
-                     "of the card)")
-    except ConfigError as error:
-        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
-    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
-    if cfg.batch_size % (micro * world):
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
-                          f"{world} process(es)")
-    return micro, auto_line
-
-
-def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    peak = gpu_peak_flops(name or ASSUMED_GPU)
-    if not peak:
-        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
-        return
-    tokens_per_s = ASSUMED_MFU * peak * world / flops
-    print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
-          f"{tokens_per_s:,.0f} tokens/s, {cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
-          f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
 
 
 def main(argv: list[str] | None = None) -> int:
