@@ -1228,7 +1228,8 @@ class Loader(Protocol):
 
     def state_dict(self) -> dict: ...
 
-    def load_state_dict(self, states: list[dict]) -> None: ...
+    def load_state_dict(self, states: list[dict]) -> None:
+        """Every rank's saved states (RankBatches.load_state_dict), before the first next_batch."""
 
     def close(self) -> None: ...
 
