@@ -8,32 +8,43 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
 exit codes and reliability rules in README.md and docs/reliability.md.
 Sections, in file order:
-  config/CLI            Config, presets, --help's groups, every check of a value
-  model                 the GPT body and the three residual paths (PlainResidual, HyperConnection, mHC)
+  config/CLI            the errors that carry the exit codes (contract.py: the codes and the run-name
+                        format the launcher and the report share), Config, presets, --help's groups,
+                        every check of a value
+  model                 the GPT body and the three residual paths (PlainResidual, HyperConnection,
+                        ManifoldHyperConnection)
   instability metrics   composite gains, the study's recipe, the Sinkhorn truncation, the probe
-  data                  tokenizers, C4 (hub or local), held-out documents, loader thread and processes
+  data                  tokenizers, C4 (hub or local), held-out documents, the rank's batches (RankBatches)
+                        and the Loader that reads them ahead: a thread or loader processes
   distributed           torchrun's process group, DDP / FSDP2 wrapping, a failing rank's reason
   checkpointing         write, seal, verify and safely load checkpoints; --consolidate
   logging               train.log, metrics.jsonl, status.json, W&B
-  training loop         opens with the planner (memory plan, --micro-batch-size auto, time estimate),
-                        then the schedule, fault hooks, Trainer, progress, build_trainer, train
-  main                  one line and an exit code for every expected failure
+  training loop         GPU peaks, FLOPs per token; the planner (memory plan, --micro-batch-size auto,
+                        --estimate); the batch split, lr schedule, precision, resume checks,
+                        config.json's record, signals, fault hooks, Trainer, progress, preflight checks,
+                        build_trainer, train
+  main                  the one classification of a failure into a line and an exit code; main
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import functools
 import glob
 import hashlib
+import importlib.metadata
+import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import pickle
+import queue
 import random
 import secrets
 import shutil
@@ -42,20 +53,31 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
+import tiktoken
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from tiktoken_ext.openai_public import r50k_pat_str
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import contract
 from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
                       EXIT_OOM)
+
+# Imported where they are used, on purpose: datasets and torch.distributed's fsdp and checkpoint packages (each
+# about a second, as much as torch itself: `python -X importtime -c 'import train_c4'`), which --help, --estimate
+# and most tests never need; flash_attn, optional and CUDA only; wandb (its own line says why).
 
 ROOT = Path(__file__).resolve().parent
 
@@ -98,7 +120,7 @@ class RunFailed(TrainerError):
 @dataclasses.dataclass(frozen=True)
 class Config:
     preset: str = "c4"
-    # model (model-spec.md "Transformer body": depth 32 at width 2048 is the 1.73B model)
+    # model (docs/model.md, "Baseline and the transformer body": depth 32 at width 2048 is the 1.73B model)
     residual: str = "mhc"
     depth: int = 32
     width: int = 2048
@@ -156,6 +178,10 @@ class Config:
     estimate: bool = False
     estimate_world_size: int = 0
     gpu_memory_gb: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
 
 
 PRESETS = {
@@ -252,10 +278,14 @@ FLAG_GROUPS = {
 }
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def presets_text() -> str:
     """The presets and what each one sets, for --help."""
     return "presets (explicit flags win):\n" + "\n".join(textwrap.fill(
-        f"{name}: " + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items()) or "the defaults above"),
+        f"{name}: " + (", ".join(f"{_flag(k)} {v}" for k, v in values.items()) or "the defaults above"),
         width=100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
         for name, values in PRESETS.items())
 
@@ -277,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     for title, names in FLAG_GROUPS.items():
         group = parser.add_argument_group(title)
         for field in (fields[name] for name in names):
-            flag = "--" + field.name.replace("_", "-")
+            flag = _flag(field.name)
             if field.type == "bool":
                 group.add_argument(flag, action="store_true", help=HELP[field.name])
             else:
@@ -309,10 +339,6 @@ LIMITS = dict(depth=1024, width=65536, heads=512, expansion=64, seq_len=2 ** 20,
               estimate_world_size=2 ** 20, data_timeout=1e6, gpu_memory_gb=1e6, lr=1e3, weight_decay=1e3,
               hc_scale_init=1e6, mhc_gate_init=1e6, mhc_res_diag=1e6, mhc_pre_bias=1e6)
 INT64_MAX = 2 ** 63 - 1
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def validate(cfg: Config) -> None:
@@ -916,9 +942,6 @@ class GPT2Tokenizer:
     vocab_size = 50257
 
     def __init__(self):
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-        from tiktoken_ext.openai_public import r50k_pat_str
         files = {name: str(DATA_DIR / "gpt2" / name) for name in GPT2_HASHES}
         ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=files["vocab.bpe"],
                                                 encoder_json_file=files["encoder.json"],
@@ -1191,20 +1214,38 @@ def stalled(timeout: float) -> DataUnavailable:
                            "the data source stalled")
 
 
+class Loader(Protocol):
+    """What the training loop reads its batches from (make_loader: Prefetcher or LoaderProcesses), both reading a
+    RankBatches ahead in the background. Reading starts at the first next_batch, so that a resume can load the saved
+    position first; state_dict is the position right after the last batch consumed, never after one read ahead."""
+    batches: RankBatches
+    waited: float               # seconds next_batch spent waiting for data
+    skipped: int                # malformed or empty lines skipped so far
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        """Every rank's saved states (RankBatches.load_state_dict), before the first next_batch."""
+
+    def close(self) -> None: ...
+
+
 class Prefetcher:
     """Builds the next batches in a background thread, so the accelerator does not wait on reading and
     tokenizing. Each batch travels with the loader state right after it: a checkpoint saves the state
     of the last batch consumed, not of the ones read ahead. A stall longer than `timeout` raises."""
 
     def __init__(self, batches: RankBatches, depth: int, timeout: float, pin_memory: bool = False):
-        import queue
-        import threading
-        self.batches, self.timeout, self._queue_errors = batches, timeout, (queue.Empty, queue.Full)
-        self.pin_memory = pin_memory
+        self.batches, self.timeout, self.pin_memory = batches, timeout, pin_memory
         self.state, self.waited = batches.state_dict(), 0.0
         self.queue, self.stopping = queue.Queue(maxsize=depth), threading.Event()
         self.thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
-        self.thread.start()
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        self.batches.load_state_dict(states)
+        self.state = self.batches.state_dict()
 
     def _produce(self) -> None:
         item = None
@@ -1219,7 +1260,7 @@ class Prefetcher:
                     item = (None, None, error)
             try:
                 self.queue.put(item, timeout=0.1)
-            except self._queue_errors[1]:
+            except queue.Full:
                 continue
             if item[2] is not None:
                 return
@@ -1228,13 +1269,16 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the thread before the interpreter exits: a thread killed inside torch aborts the process."""
         self.stopping.set()
-        self.thread.join(timeout=60)
+        if self.thread.ident is not None:
+            self.thread.join(timeout=60)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.thread.ident is None:
+            self.thread.start()
         started = time.perf_counter()
         try:
             batch, state, error = self.queue.get(timeout=self.timeout)
-        except self._queue_errors[0]:
+        except queue.Empty:
             raise stalled(self.timeout) from None
         finally:
             self.waited += time.perf_counter() - started
@@ -1260,12 +1304,10 @@ class _StepShares(torch.utils.data.IterableDataset):
     KEEP = 8            # recent steps whose states are kept: more than a worker can run ahead (prefetch 2)
 
     def __init__(self, batches: RankBatches, workers: int):
-        import multiprocessing
         self.recipe, self.state, self.workers = batches.recipe, batches.state_dict(), workers
         self.requests, self.replies = [multiprocessing.Queue() for _ in range(workers)], multiprocessing.Queue()
 
     def __iter__(self):
-        import threading
         worker = torch.utils.data.get_worker_info().id
         batches = RankBatches(*self.recipe)
         batches.load_state_dict([self.state])
@@ -1287,7 +1329,6 @@ class _StepShares(torch.utils.data.IterableDataset):
 
     def states_after(self, step: int, timeout: float) -> dict:
         """Every worker's stream states after `step` (counted from 0), merged."""
-        import queue
         for requests in self.requests:
             requests.put(step)
         streams = {}
@@ -1305,7 +1346,6 @@ def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
     of its own a worker would outlive a training process killed outright, so Linux is asked to end it then."""
     os.setpgrp()
     if sys.platform == "linux":
-        import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
         if os.getppid() == 1:                               # the training process died before the line above
             os._exit(1)
@@ -1318,16 +1358,24 @@ class LoaderProcesses:
     state is that after the last whole step consumed; checkpoints are only taken between steps."""
 
     def __init__(self, batches: RankBatches, workers: int, timeout: float, pin_memory: bool = False):
-        self.workers, self.timeout, self.pin_memory, self.micro = workers, timeout, pin_memory, batches.micro
-        self.per_step, self.steps, self.cursor, self.waited = len(batches.owners), 0, 0, 0.0
-        self.state, self.inputs, self.targets = (0, batches.state_dict()), None, None
+        self.batches, self.workers, self.timeout, self.pin_memory = batches, workers, timeout, pin_memory
+        self.micro, self.per_step, self.steps, self.cursor, self.waited = batches.micro, len(batches.owners), 0, 0, 0.0
+        self.state, self.inputs, self.targets, self.shares = (0, batches.state_dict()), None, None, None
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        self.batches.load_state_dict(states)
+        self.state = (0, self.batches.state_dict())
+
+    def _start(self) -> None:
         self.unread = self.state[1]["streams"]          # streams no batch position reads keep this state
-        self.shares = _StepShares(batches, workers)
-        self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=workers,
-                                                       prefetch_factor=2, timeout=timeout,
+        self.shares = _StepShares(self.batches, self.workers)
+        self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=self.workers,
+                                                       prefetch_factor=2, timeout=self.timeout,
                                                        worker_init_fn=_leave_group_signals_to_the_trainer))
 
     def _next_step(self) -> None:
+        if self.shares is None:
+            self._start()
         started = time.perf_counter()
         try:
             shares = [next(self.loader) for _ in range(self.workers)]
@@ -1368,7 +1416,7 @@ class LoaderProcesses:
         self.loader = None                     # the DataLoader iterator shuts its workers down when released
 
 
-def start_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Prefetcher | LoaderProcesses:
+def make_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Loader:
     if cfg.data_workers:
         return LoaderProcesses(batches, cfg.data_workers, cfg.data_timeout, pin_memory)
     return Prefetcher(batches, cfg.prefetch, cfg.data_timeout, pin_memory)
@@ -1415,11 +1463,10 @@ def setup_distributed() -> Dist:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        import datetime
         # start-up waits for every rank to stream its first documents, verify and load a checkpoint and
         # compile: generous; shorten_timeout() tightens it once the first step has gone through
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                             timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+                                             timeout=timedelta(seconds=START_TIMEOUT_S))
     return Dist(rank, world, device)
 
 
@@ -1428,10 +1475,8 @@ def shorten_timeout(dist: Dist, data_timeout: float) -> None:
     It stays 2 minutes above --data-timeout: a rank starved of data then gives up first and says why,
     instead of its peers timing out without knowing the cause."""
     if dist.world > 1:
-        import datetime
-        from torch.distributed.distributed_c10d import _set_pg_timeout
         seconds = float(os.environ.get("TRAIN_C4_STEP_TIMEOUT_S", max(STEP_TIMEOUT_S, data_timeout + 120)))
-        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+        _set_pg_timeout(timedelta(seconds=seconds))
 
 
 def end_distributed() -> None:
@@ -1475,7 +1520,6 @@ def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str, bool]:
     then acts on the root cause (halve the micro-batch, retry the data...) instead of blaming a GPU."""
     if dist.world == 1 or not torch.distributed.is_initialized():
         return code, reason, True
-    from torch.distributed.distributed_c10d import _get_default_store
     with contextlib.suppress(Exception):                   # best effort: the store's host may be gone too
         store = _get_default_store()
         if code == EXIT_DEVICE:
@@ -1509,7 +1553,6 @@ def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Mo
     if dist.world == 1:
         return model
     if cfg.parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     _vectorise_scalars(model)
@@ -1568,7 +1611,6 @@ def safe_dcp() -> tuple[type, type]:
     restricted unpickler, and the non-tensor entries (the optimizer's param_groups), which DCP's planner loads
     with weights_only=False, checked with weights_only=True first. Built on first use: importing
     torch.distributed.checkpoint takes about a second."""
-    import io
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -2017,6 +2059,20 @@ TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_
                  "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
 
 
+def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
+    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
+    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
+    return GPU_PEAK_BF16_FLOPS.get(name)
+
+
 # ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto), the time and cost of a matrix
 
 GiB = 2 ** 30
@@ -2261,6 +2317,13 @@ def _activation_terms(cfg: Config, micro: int, fit: dict, full: dict, term) -> N
          "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
 
 
+def check_batch_split(cfg: Config, world: int, micro: int | None = None) -> None:
+    """--batch-size splits evenly over the processes and, given a micro-batch, into whole micro-batches on each."""
+    if cfg.batch_size % (world * (micro or 1)):
+        into = f"{world} process(es)" if micro is None else f"--micro-batch-size {micro} x {world} process(es)"
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {into}")
+
+
 def divisors_descending(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
@@ -2325,6 +2388,65 @@ def print_memory_plan(plan: MemoryPlan) -> None:
           "compare mem_peak_gb in metrics.jsonl")
     print(f"  {'total':<{width}}{plan.total / GiB:7.2f} GiB  of {plan.card / GiB:.1f} GiB: {verdict}")
 
+
+def parameter_summary(params: dict) -> str:
+    """count_parameters' counts in words, as --estimate and a run's log show them."""
+    return (f"{params['total']:,} parameters ({params['embedding']:,} embedding, {params['non_embedding']:,} "
+            f"non-embedding, {params['streams']:,} in the residual connections)")
+
+
+def print_estimate(cfg: Config) -> None:
+    """Model size, work per token and the memory plan of one GPU: the model is built on the meta device and the
+    activations are measured on tiny copies on the CPU, so nothing of the real size is allocated."""
+    params = count_parameters(cfg)
+    print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {parameter_summary(params)}")
+    flops = flops_per_token(cfg, params["non_embedding"])
+    print(f"{flops:.4g} training FLOPs per token; "
+          f"{cfg.tokens_per_step:,} tokens per step; {cfg.steps * cfg.tokens_per_step:,} tokens in "
+          f"{cfg.steps:,} steps")
+    world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    micro, auto_line = _estimate_micro_batch(cfg, world)
+    strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
+    print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
+          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}:")
+    print_memory_plan(memory_plan(cfg, micro, world))
+    if cfg.residual != "baseline":
+        fit = activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters,
+                                 cfg.dtype != "fp32", False)["streams"]
+        streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
+        print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
+              f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
+    print(auto_line)
+    _print_time_estimate(cfg, world, flops)
+
+
+def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
+    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
+    check_batch_split(cfg, world)
+    try:
+        auto, _ = auto_micro_batch(cfg, world)
+        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
+                     "of the card)")
+    except ConfigError as error:
+        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
+    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
+    check_batch_split(cfg, world, micro)
+    return micro, auto_line
+
+
+def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    peak = gpu_peak_flops(name or ASSUMED_GPU)
+    if not peak:
+        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
+        return
+    tokens_per_s = ASSUMED_MFU * peak * world / flops
+    print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
+          f"{tokens_per_s:,.0f} tokens/s, {cfg.tokens_per_step / tokens_per_s:.2f} s per step, "
+          f"{cfg.steps * cfg.tokens_per_step / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
+
+
 # ---- end of the planner
 
 
@@ -2333,8 +2455,7 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
     'auto' on CUDA: the largest micro-batch the memory plan fits on this GPU (build_trainer then confirms it with
     one real step); on the CPU: the per-process batch capped at CPU_AUTO_MICRO."""
     if cfg.micro_batch_size == "auto":
-        if cfg.batch_size % world:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
+        check_batch_split(cfg, world)
         if torch.cuda.is_available():
             micro, plan = auto_micro_batch(cfg, world)
             why = (f"planned {plan.total / GiB:.1f} of {plan.card / GiB:.1f} GiB, at most {1 - AUTO_MARGIN:.0%} "
@@ -2347,9 +2468,7 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
             print(f"micro-batch auto: {micro} ({why})", flush=True)
     else:
         micro = int(cfg.micro_batch_size)
-    if cfg.batch_size % (micro * world):
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
-                          f"{world} process(es)")
+    check_batch_split(cfg, world, micro)
     # the streams each process reads from (ranks share streams when the world size does not divide them)
     read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
     if cfg.data_workers > read:
@@ -2357,20 +2476,6 @@ def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
                           "process(es) reads (a loader process owns whole streams); lower --data-workers, or raise "
                           "--data-streams and --batch-size")
     return micro, cfg.batch_size // (micro * world)
-
-
-def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
-    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
-    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
-    return GPU_PEAK_BF16_FLOPS.get(name)
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -2427,18 +2532,20 @@ def check_resumable(run_dir: Path, cfg: Config) -> dict:
                               f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
     changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
     if changes and not cfg.allow_changed_settings:
-        listed = ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
-        raise ConfigError(f"{run_dir} was trained with other settings ({listed}); rerun with its settings, choose "
+        raise ConfigError(f"{run_dir} was trained with other settings ({listed(changes)}); rerun with its settings, choose "
                           "another --run-name, or pass --allow-changed-settings to continue under the new ones")
     return changes
+
+
+def listed(changes: dict) -> str:
+    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
 
 
 def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
     """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
     if not changes:
         return
-    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): "
-             + ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items()))
+    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {listed(changes)}")
     if log.enabled:
         with open(run_dir / "settings_changes.jsonl", "a") as f:
             f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
@@ -2455,15 +2562,14 @@ def git_commit() -> str:
 
 
 def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, params: dict) -> dict:
-    import datasets
-    import tiktoken
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
             "device_name": device_name(dist.device),
             "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
             "attention": "flash" if use_flash else "sdpa",
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "datasets": datasets.__version__, "tiktoken": tiktoken.__version__},
+                         "datasets": importlib.metadata.version("datasets"),
+                                     "tiktoken": importlib.metadata.version("tiktoken")},
             "git_commit": git_commit()}
 
 
@@ -2526,7 +2632,7 @@ class Trainer:
     dist: Dist
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    batches: RankBatches | Prefetcher | LoaderProcesses
+    loader: Loader
     val: tuple[torch.Tensor, torch.Tensor]
     micro: int
     accum: int
@@ -2548,7 +2654,7 @@ class Trainer:
         """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only."""
         device, loss_sum, step = self.dist.device, torch.zeros((), device=self.dist.device), self.step + 1
         for micro_step in range(self.accum):
-            x, y = (t.to(device, non_blocking=True) for t in self.batches.next_batch())
+            x, y = (t.to(device, non_blocking=True) for t in self.loader.next_batch())
             last = micro_step == self.accum - 1
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(last)
@@ -2611,7 +2717,7 @@ class Trainer:
     def save(self) -> None:
         """Every rank: its data-loader and RNG state. Model and optimizer: rank 0 writes them whole
         (one process, DDP), or every rank writes its shards with torch.distributed.checkpoint (FSDP)."""
-        files = {f"rank{self.dist.rank}.pt": {"data": self.batches.state_dict(), "rng": rng_state()}}
+        files = {f"rank{self.dist.rank}.pt": {"data": self.loader.state_dict(), "rng": rng_state()}}
         sharded = None
         if is_sharded(self.model):
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -2623,8 +2729,8 @@ class Trainer:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
         write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded)
         self.log.live["last_checkpoint_step"] = self.step
-        if self.batches.skipped:
-            self.log.info(f"data: {self.batches.skipped} malformed or empty lines skipped so far")
+        if self.loader.skipped:
+            self.log.info(f"data: {self.loader.skipped} malformed or empty lines skipped so far")
 
     def restore(self) -> None:
         """Called after wrapping: FSDP loads its shards in place, resharded to this world size."""
@@ -2662,7 +2768,7 @@ class Trainer:
 
     def _load_data_and_rng(self, files: dict) -> None:
         ranks = [state for name, state in sorted(files.items()) if name.startswith("rank")]
-        self.batches.load_state_dict([state["data"] for state in ranks])
+        self.loader.load_state_dict([state["data"] for state in ranks])
         if len(ranks) != self.dist.world:
             self.log.info(f"data: the checkpoint was written by {len(ranks)} process(es), this run has "
                           f"{self.dist.world}; every data stream continues where it stopped, so the batches are "
@@ -2672,7 +2778,7 @@ class Trainer:
             set_rng_state(own["rng"])
 
     def record(self, loss: float, norm: float, lr: float, seconds: float, data_wait: float) -> dict:
-        tokens_per_s = self.cfg.batch_size * self.cfg.seq_len / seconds
+        tokens_per_s = self.cfg.tokens_per_step / seconds
         mem = torch.cuda.max_memory_allocated(self.dist.device) / 1e9 if self.dist.device.type == "cuda" else None
         mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world) if self.peak_flops else None
         return {"step": self.step, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": norm,
@@ -2695,13 +2801,13 @@ class Trainer:
         if self.step == 0:
             self.log.metrics({"step": 0, "time": time.time(), **self.probe(with_layers=True)})
         while self.step < self.cfg.steps:
-            started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.batches.waited
+            started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.loader.waited
             loss, norm, stopping = self.optimizer_step(stop)
             self.step += 1
-            self.tokens += self.cfg.batch_size * self.cfg.seq_len
+            self.tokens += self.cfg.tokens_per_step
             seconds = time.perf_counter() - started
             measured = self.measurements()
-            record = self.record(loss, norm, lr, seconds, self.batches.waited - waited) | measured
+            record = self.record(loss, norm, lr, seconds, self.loader.waited - waited) | measured
             self.log.metrics(record)
             if self.wandb_run is not None and (measured or self.step % self.cfg.log_every == 0):
                 # not every step: W&B allows a run about 2 requests a second, and a matrix shares one project
@@ -2824,8 +2930,9 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
                                   fused=dist.device.type == "cuda")
     micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
     batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
+    loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
     params = count_parameters(cfg)
-    trainer = Trainer(cfg, dist, wrapped, optimizer, batches, val,
+    trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val,
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir,
                       gpu_peak_flops(device_name(dist.device)),
                       flops_per_token(cfg, params["non_embedding"]), faults=Faults(dist.rank))
@@ -2841,19 +2948,17 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
 
 def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
     cfg, log = trainer.cfg, trainer.log
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
              f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
              f"({record['dtype']}, {record['attention']} attention)")
-    log.info(f"parameters: {params['total']:,} ({params['non_embedding']:,} non-embedding, "
-             f"{params['streams']:,} in the residual connections)")
-    log.info(f"tokens per step: {tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
+    log.info(f"model: {parameter_summary(params)}")
+    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
              f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
-    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * tokens_per_step:,} tokens, "
+    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
              f"{trainer.flops_per_token:.3g} FLOPs per token")
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
     shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({len(set(trainer.batches.owners))} read by this process"
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({len(set(trainer.loader.batches.owners))} read by this process"
              f"{shared}, {loader} each), data seed {cfg.data_seed}")
     log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
 
@@ -2868,7 +2973,6 @@ def held_out_source(data: DataFiles, val_data: str) -> str:
 def train(cfg: Config) -> None:
     dist = setup_distributed()
     trainer = build_trainer(cfg, dist)
-    trainer.batches = start_loader(trainer.batches, cfg, dist.device.type == "cuda")
     log, stop = trainer.log, StopRequest()
     # a fresh start logs its own step-0 probe again, so nothing of an earlier attempt is kept
     log.open_metrics(keep_through_step=trainer.step if trainer.step else -1)
@@ -2894,7 +2998,7 @@ def train(cfg: Config) -> None:
             log.status("failed", trainer.step, code, status)
         raise RunFailed(code, reason) from error
     finally:
-        trainer.batches.close()
+        trainer.loader.close()
     log.status("completed", trainer.step, EXIT_OK)
     log.info(f"completed {trainer.step} steps; run folder {trainer.run_dir}")
     if trainer.wandb_run is not None:
@@ -2902,7 +3006,7 @@ def train(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# main: one line and an exit code for every expected failure (design.md's table)
+# main: one line and an exit code for every expected failure (the codes: EXIT_* above, docs/reliability.md)
 
 def failure(error: BaseException, dist: Dist, micro: int | None = None) -> tuple[int, str, bool]:
     """The one classification of a failure into (exit code, reason, whether it is this rank's own): a RunFailed
@@ -2933,63 +3037,6 @@ def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]
     if isinstance(error, OSError):          # the file system refused: full, quota, read-only, permission
         return 1, f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
     return 1, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def print_estimate(cfg: Config) -> None:
-    """Model size, work per token and the memory plan of one GPU: the model is built on the meta device and the
-    activations are measured on tiny copies on the CPU, so nothing of the real size is allocated."""
-    params = count_parameters(cfg)
-    print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {params['total']:,} parameters "
-          f"({params['embedding']:,} embedding, {params['non_embedding']:,} non-embedding, "
-          f"{params['streams']:,} in the residual connections)")
-    flops = flops_per_token(cfg, params["non_embedding"])
-    print(f"{flops:.4g} training FLOPs per token; "
-          f"{cfg.batch_size * cfg.seq_len:,} tokens per step; {cfg.steps * cfg.batch_size * cfg.seq_len:,} tokens in "
-          f"{cfg.steps:,} steps")
-    world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    micro, auto_line = _estimate_micro_batch(cfg, world)
-    strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
-    print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
-          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}:")
-    print_memory_plan(memory_plan(cfg, micro, world))
-    if cfg.residual != "baseline":
-        fit = activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters,
-                                 cfg.dtype != "fp32", False)["streams"]
-        streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
-        print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
-              f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
-    print(auto_line)
-    _print_time_estimate(cfg, world, flops)
-
-
-def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
-    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
-    if cfg.batch_size % world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {world} process(es)")
-    try:
-        auto, _ = auto_micro_batch(cfg, world)
-        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
-                     "of the card)")
-    except ConfigError as error:
-        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
-    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
-    if cfg.batch_size % (micro * world):
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by --micro-batch-size {micro} x "
-                          f"{world} process(es)")
-    return micro, auto_line
-
-
-def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    peak = gpu_peak_flops(name or ASSUMED_GPU)
-    if not peak:
-        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
-        return
-    tokens_per_s = ASSUMED_MFU * peak * world / flops
-    print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
-          f"{tokens_per_s:,.0f} tokens/s, {cfg.batch_size * cfg.seq_len / tokens_per_s:.2f} s per step, "
-          f"{cfg.steps * cfg.batch_size * cfg.seq_len / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ def measure(data: str, streams: int, seconds: float, micro: int, workers: int) -
                           "--micro-batch-size", str(micro)])
     loader = T.RankBatches(files.train, T.GPT2Tokenizer(), cfg, rank=0, world=1, micro=micro,
                            skip_held_out=files.held_out_slice)
-    loader = T.start_loader(loader, dataclasses.replace(cfg, data_workers=workers), pin_memory=False)
+    loader = T.make_loader(loader, dataclasses.replace(cfg, data_workers=workers), pin_memory=False)
     for _ in range(streams):                       # warm-up: every stream opened and its buffer filled
         loader.next_batch()
     started, cpu_started, batches = time.perf_counter(), time.process_time(), 0

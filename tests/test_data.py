@@ -80,13 +80,12 @@ def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_p
     expected = [reference.next_batch() for _ in range(80)]
     seen, state = [], None
     for segment in range(4):
-        batches = fresh()
-        if state is not None:
-            batches.load_state_dict([state])
         if kind == "thread":
-            loader = T.Prefetcher(batches, depth=4, timeout=30)
+            loader = T.Prefetcher(fresh(), depth=4, timeout=30)
         else:
-            loader = T.LoaderProcesses(batches, workers=2, timeout=30)
+            loader = T.LoaderProcesses(fresh(), workers=2, timeout=30)
+        if state is not None:
+            loader.load_state_dict([state])                  # before the first batch, as a resume does
         seen += [loader.next_batch() for _ in range(20)]     # whole steps: checkpoints are taken between steps
         time.sleep(0.05)                                     # let the loader read ahead of what was consumed
         state = loader.state_dict()

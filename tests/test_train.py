@@ -347,7 +347,7 @@ def test_any_world_size_that_divides_the_batch_reads_the_single_process_batches(
             for rank in ranks:
                 rank.load_state_dict([single.state_dict()])
     cfg = T.parse_config(["--preset", "tiny", "--batch-size", "12", "--data-streams", "4", "--data-workers", "1"])
-    loader = T.start_loader(ranks[-1], cfg, pin_memory=False)
+    loader = T.make_loader(ranks[-1], cfg, pin_memory=False)
     try:
         assert torch.equal(loader.next_batch()[0], single.next_batch()[0][world - 1::world])
     finally:
