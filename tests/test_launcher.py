@@ -95,11 +95,17 @@ def wait_for(predicate, timeout=60.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sigterm_when(proc, predicate, what, timeout=60.0):
-    """SIGTERM to the launcher once `predicate` holds; its output after it exits."""
+def start(tmp_path, *args, env, **popen):
+    """The launcher in the background on pretend GPUs, its output together."""
+    return subprocess.Popen(["bash", str(SCRIPT), "--out", str(tmp_path / "runs"), "--stagger", "0", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, **popen)
+
+
+def interrupt_when(proc, predicate, what, interrupt=None, timeout=60.0):
+    """`interrupt()` (default: SIGTERM to the launcher) once `predicate` holds; the launcher's output after it exits."""
     try:
         wait_for(predicate, timeout=timeout, what=what)
-        proc.send_signal(signal.SIGTERM)
+        (interrupt or (lambda: proc.send_signal(signal.SIGTERM)))()
         return proc.communicate(timeout=timeout)[0]
     finally:
         if proc.poll() is None:
@@ -178,9 +184,7 @@ def test_matrix_split_over_two_nodes_runs_each_job_once(tmp_path):
     job of the queue, with its own lock and matrix log, and together they run the whole matrix once."""
     out = tmp_path / "runs"
     matrix = ["--methods", "baseline,hc,mhc", "--depths", "2,3", "--seeds", "1", "--gpus", "0,1", "--nodes", "2"]
-    nodes = [subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", *matrix, "--node-rank", str(i)],
-                              env=launcher_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=ROOT) for i in (0, 1)]
+    nodes = [start(tmp_path, *matrix, "--node-rank", str(i), env=launcher_env(tmp_path)) for i in (0, 1)]
     outputs = [node.communicate(timeout=120)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     ran = [[run for _, run, _ in launches(out, log=f"matrix.node{i}.log")] for i in (0, 1)]
@@ -355,14 +359,11 @@ def test_gpu_failing_two_jobs_is_quarantined_even_when_its_probe_passes(tmp_path
 
 def test_sigterm_stops_the_jobs_and_the_next_invocation_resumes(tmp_path):
     out = tmp_path / "runs"
-    args = ["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc,mhc",
-            "--depths", "2", "--seeds", "1", "--gpus", "0,1"]
     # 400 steps of 0.1 s: the jobs cannot finish before the signal, even on a loaded machine
-    env = launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1)
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT)
-    output = sigterm_when(proc, lambda: all(status(out, r)["step"] >= 3 for r in ("hc_d2_s1", "mhc_d2_s1")),
-                          "both jobs to make progress")
+    proc = start(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1",
+                 env=launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1))
+    output = interrupt_when(proc, lambda: all(status(out, r)["step"] >= 3 for r in ("hc_d2_s1", "mhc_d2_s1")),
+                            "both jobs to make progress")
     assert proc.returncode == 143, output
     for run in ("hc_d2_s1", "mhc_d2_s1"):
         assert status(out, run)["state"] == "interrupted"
@@ -381,38 +382,26 @@ def test_sigterm_stops_the_jobs_and_the_next_invocation_resumes(tmp_path):
 def test_ctrl_c_reaches_the_whole_foreground_group_and_the_launcher_stops_the_jobs_in_order(tmp_path):
     """A terminal's Ctrl-C goes to the launcher's process group (bash, matrix.py, a sleep): matrix.py must not die
     of it, and the jobs, each in a group of its own, get SIGTERM from the launcher and checkpoint."""
-    out = tmp_path / "runs"
-    env = launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1)
-    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc,mhc",
-                             "--depths", "2", "--seeds", "1", "--gpus", "0,1"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
-    try:
-        wait_for(lambda: all(status(out, r)["step"] >= 3 for r in ("hc_d2_s1", "mhc_d2_s1")), what="progress")
-        os.killpg(proc.pid, signal.SIGINT)
-        output = proc.communicate(timeout=60)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, runs = tmp_path / "runs", ("hc_d2_s1", "mhc_d2_s1")
+    proc = start(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1",
+                 env=launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1), start_new_session=True)
+    output = interrupt_when(proc, lambda: all(status(out, r)["step"] >= 3 for r in runs), "progress",
+                            lambda: os.killpg(proc.pid, signal.SIGINT))
     assert proc.returncode == 130, output
     assert "STOP SIGINT received: sending SIGTERM to 2 job(s)" in output
-    assert all(status(out, r)["state"] == "interrupted" for r in ("hc_d2_s1", "mhc_d2_s1"))
+    assert all(status(out, r)["state"] == "interrupted" for r in runs)
 
 
 def test_if_matrix_py_dies_the_launcher_stops_the_jobs_with_a_checkpoint(tmp_path):
     out = tmp_path / "runs"
-    env = launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1)
-    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc",
-                             "--depths", "2", "--seeds", "1", "--gpus", "0"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    try:
-        wait_for(lambda: status(out, "hc_d2_s1")["step"] >= 3, what="progress")
-        brain = subprocess.run(["pgrep", "-f", f"matrix.py --requests 3 --replies 4 --out {out}"],
+    proc = start(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0",
+                 env=launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1))
+
+    def kill_matrix_py():
+        found = subprocess.run(["pgrep", "-f", f"matrix.py --requests 3 --replies 4 --out {out}"],
                                capture_output=True, text=True).stdout.split()
-        os.kill(int(brain[0]), signal.SIGKILL)
-        output = proc.communicate(timeout=60)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        os.kill(int(found[0]), signal.SIGKILL)
+    output = interrupt_when(proc, lambda: status(out, "hc_d2_s1")["step"] >= 3, "progress", kill_matrix_py)
     assert proc.returncode == 137, output
     assert "matrix.py exited (137) with 1 job(s) running; stopping them" in output
     assert status(out, "hc_d2_s1")["state"] == "interrupted"
@@ -420,11 +409,8 @@ def test_if_matrix_py_dies_the_launcher_stops_the_jobs_with_a_checkpoint(tmp_pat
 
 def test_a_killed_trainer_is_requeued_and_resumes(tmp_path):
     out, run = tmp_path / "runs", "hc_d2_s1"
-    args = ["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc", "--depths", "2",
-            "--seeds", "1", "--gpus", "0"]
-    env = launcher_env(tmp_path, FAKE_STEPS=40, FAKE_STEP_SLEEP=0.05)
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT)
+    proc = start(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0",
+                 env=launcher_env(tmp_path, FAKE_STEPS=40, FAKE_STEP_SLEEP=0.05))
     pid_file = out / run / "fake.pid"
     try:
         wait_for(lambda: status(out, run)["step"] >= 3, what="the first start to make progress")
@@ -649,10 +635,9 @@ def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes
     del env["RUN_EXPERIMENTS_TRAINER"]
     args = ["--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--steps", "150", "--gpus", "0,1",
             "--", "--preset", "tiny", "--data-workers", "2"]
-    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    output = sigterm_when(proc, lambda: all(len((out / run / "metrics.jsonl").read_text().splitlines()) > 5
-                                            for run in runs), "both trainers to make progress", timeout=120)
+    proc = start(tmp_path, *args, env=env)
+    output = interrupt_when(proc, lambda: all(len((out / run / "metrics.jsonl").read_text().splitlines()) > 5
+                                              for run in runs), "both trainers to make progress", timeout=120)
     assert proc.returncode == 143, output
     stopped_at = {}
     for run in runs:
