@@ -429,9 +429,9 @@ def _token_dots(a, b):
 
 def _mixed_slabs(H, slabs):
     """(n, ..., C) with slab i = sum_j H[i, j] * slabs[j], for per-token weights H (n, m, ...) and slabs (m, ..., C):
-    m scaled adds of contiguous (..., C) slabs, all n destinations at once. This is the per-token (n x m) @
-    (m x C) product without a matmul per token (2048 of them at 2.5-3 ms, against ~1.9 ms here; benchmarks.md).
-    The result is a new stream-major tensor, whatever the layout of the slabs."""
+    m scaled adds of contiguous (..., C) slabs, all n destinations at once: the per-token (n x m) @ (m x C) product
+    without one tiny matmul per token, which the CPU runs at ~6 GFLOP/s (benchmarks.md). The result is a new
+    stream-major tensor, whatever the layout of the slabs."""
     # H contiguous (a small copy at most) puts the destination axis first in the product's inferred layout, in eager
     # and in torch.compile's functionalised graph alike (an out= argument would hold in eager only)
     H = H.contiguous()
