@@ -430,56 +430,79 @@ class PreNorm(nn.Module):
 
 
 def stream_update(x, H_pre, H_post, H_res, sublayer):
-    """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C)."""
-    # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way.
-    n, C = x.shape[-2:]
+    """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C), stored stream-major
+    (GPT.forward), H_pre and H_post (..., n), H_res (..., n, n), of any strides."""
+    # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way. The Functions
+    # take every operand with the stream (and matrix) axes first: x as n slabs of (..., C), H_res as n x n of (...,)
     with _autocast_off(x):
-        u, streams = _StreamRead.apply(H_pre.to(x.dtype).reshape(-1, n), x.reshape(-1, n, C))
-    y = sublayer(u.view(*x.shape[:-2], C))
+        u, streams = _StreamRead.apply(H_pre.to(x.dtype).movedim(-1, 0), x.movedim(-2, 0))
+    y = sublayer(u)
     with _autocast_off(x):
-        return _StreamWrite.apply(H_res.to(x.dtype).reshape(-1, n, n), streams, H_post.to(x.dtype).reshape(-1, n),
-                                  y.to(x.dtype).reshape(-1, C)).view(x.shape)
+        return _StreamWrite.apply(H_res.to(x.dtype).movedim((-2, -1), (0, 1)), streams,
+                                  H_post.to(x.dtype).movedim(-1, 0), y.to(x.dtype)).movedim(0, -2)
+
+
+def _token_dots(a, b):
+    """(..., p, q): per token, the dot products over C of a's p slabs (p, ..., C) with b's q slabs (q, ..., C).
+    One batched matmul over the tokens, (p x C) @ (C x q) each, read straight from the stream-major slabs."""
+    p, q, C = a.shape[0], b.shape[0], a.shape[-1]
+    tokens = a.shape[1:-1]
+    return torch.bmm(a.reshape(p, -1, C).transpose(0, 1), b.reshape(q, -1, C).permute(1, 2, 0)).view(*tokens, p, q)
+
+
+def _mixed_slabs(H, slabs):
+    """(n, ..., C) with slab i = sum_j H[i, j] * slabs[j], for per-token weights H (n, m, ...) and slabs (m, ..., C):
+    m scaled adds of contiguous (..., C) slabs, all n destinations at once: the per-token (n x m) @ (m x C) product
+    without one tiny matmul per token, which the CPU runs at ~6 GFLOP/s (benchmarks.md). The result is a new
+    stream-major tensor, whatever the layout of the slabs."""
+    # H contiguous (a small copy at most) puts the destination axis first in the product's inferred layout, in eager
+    # and in torch.compile's functionalised graph alike (an out= argument would hold in eager only)
+    H = H.contiguous()
+    out = H[:, 0].unsqueeze(-1) * slabs[0]
+    for j in range(1, slabs.shape[0]):
+        out.addcmul_(H[:, j].unsqueeze(-1), slabs[j])
+    return out
 
 
 class _StreamRead(torch.autograd.Function):
-    """u = H_pre @ x per token, for H_pre (N, n) and the streams x (N, n, C); x is passed through as a second
-    output for _StreamWrite to read. The backward is written out for two reasons: autograd forms the gradient
-    of x as an (n x 1) @ (1 x C) product per token, 2.5x slower on the CPU than a broadcast multiply; and
-    receiving the write's gradient of x through the passed-through output lets this term be added into it in
-    place, where autograd would add the two into a new n x C tensor per token (benchmarks.md)."""
+    """u = sum_j H_pre[j] x[j] per token, for H_pre (n, ...) and the stream slabs x (n, ..., C); x is passed through
+    as a second output for _StreamWrite to read. The backward is written out so that this term of x's gradient is
+    added in place into the one the write created, where autograd would add the two into a new n x C tensor
+    per token (benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, H_pre, streams):
         ctx.save_for_backward(H_pre, streams)
         # passed through as a detached alias (same storage, no copy): returning the input itself makes autograd
         # wrap it as a view, which torch.compile's tracing of the Function rejects
-        return torch.bmm(H_pre.unsqueeze(1), streams).squeeze(1), streams.detach()
+        return _mixed_slabs(H_pre.unsqueeze(0), streams)[0], streams.detach()
 
     @staticmethod
     def backward(ctx, grad_u, grad_streams):
         H_pre, streams = ctx.saved_tensors
         # grad_streams is _StreamWrite's own new tensor (or autograd's materialised zeros): nothing else holds it
-        grad_x = grad_streams.addcmul_(H_pre.unsqueeze(-1), grad_u.unsqueeze(1))
-        return torch.bmm(grad_u.unsqueeze(1), streams.transpose(1, 2)).squeeze(1), grad_x
+        grad_x = grad_streams.addcmul_(H_pre.unsqueeze(-1), grad_u)
+        return _token_dots(grad_u.unsqueeze(0), streams).squeeze(-2).movedim(-1, 0), grad_x
 
 
 class _StreamWrite(torch.autograd.Function):
-    """x_next = H_res @ x + H_post^T y per token, for H_res (N, n, n), x (N, n, C), H_post (N, n), y (N, C), as
-    batched matmuls whose backward is matmuls too (the broadcast form reduces over the stream axis through
-    x-sized temporaries). H_post^T y is accumulated in place (no x-sized outer product). The backward is
-    autograd's, written out to guarantee what _StreamRead relies on: x's gradient is a new tensor of its own."""
+    """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y per token, for H_res (n, n, ...), the stream slabs
+    x (n, ..., C), H_post (n, ...), y (..., C); the result is stream-major. The backward is written out (scaled
+    adds of slabs for x and y, per-token dot products for the coefficients) and guarantees what _StreamRead
+    relies on: x's gradient is a new tensor of its own."""
 
     @staticmethod
     def forward(ctx, H_res, streams, H_post, y):
         ctx.save_for_backward(H_res, streams, H_post, y)
-        return torch.bmm(H_res, streams).baddbmm_(H_post.unsqueeze(-1), y.unsqueeze(1))
+        return _mixed_slabs(H_res, streams).addcmul_(H_post.unsqueeze(-1), y)
 
     @staticmethod
     def backward(ctx, grad):
         H_res, streams, H_post, y = ctx.saved_tensors
-        return (torch.bmm(grad, streams.transpose(1, 2)), torch.bmm(H_res.transpose(1, 2), grad),
-                torch.bmm(y.unsqueeze(1), grad.transpose(1, 2)).squeeze(1),
-                torch.bmm(H_post.unsqueeze(1), grad).squeeze(1))
+        # x's gradient (n slabs) and y's (one more) in one pass over grad; the slabs do not overlap
+        grad_x_y = _mixed_slabs(torch.cat([H_res.transpose(0, 1), H_post.unsqueeze(0)]), grad)
+        return (_token_dots(grad, streams).movedim((-2, -1), (0, 1)), grad_x_y[:-1],
+                _token_dots(grad, y.unsqueeze(0)).squeeze(-1).movedim(-1, 0), grad_x_y[-1])
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
@@ -496,7 +519,8 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     balanced = logits.movedim((-2, -1), (0, 1)).contiguous()
     balanced = balanced - balanced.logsumexp(0, keepdim=True)
     balanced = balanced - balanced.logsumexp(1, keepdim=True)
-    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1).movedim((0, 1), (-2, -1)).contiguous()
+    # returned as a view of that layout: the stream update reads H_res with the matrix axes first as well
+    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1).movedim((0, 1), (-2, -1))
 
 
 class _SinkhornNormalisations(torch.autograd.Function):
@@ -598,27 +622,29 @@ class HyperConnection(_StreamMixing):
 
 
 class _NormalizedProjection(torch.autograd.Function):
-    """(z, x) with z = layer_norm(x) @ W^T (no affine; per stream, over the last axis, in W's dtype), forward as
-    F.layer_norm then F.linear; x is passed through (see _StreamMixing). The backward is written out: with
-    xhat centred, the norm's backward collapses into the projection's, dx = rstd * (dz @ W_c) - xhat * rstd *
-    (dz . z) / C with W_c = W minus its row means: one thin matmul and one multiply-add per token, both
-    accumulated into x's incoming gradient, where autograd runs the linear's matmul and the norm's backward
-    kernel, each writing an n x C tensor per token, and adds them up in two more."""
+    """(z, x) with z = layer_norm(x) @ W^T (no affine; per stream, over the last axis, in W's dtype) for x (..., n, C),
+    forward as F.layer_norm then F.linear on the stream-major slabs (z comes back as (..., n, k) in that layout); x is
+    passed through (see _StreamMixing). The backward is written out: with xhat centred, the norm's backward
+    collapses into the projection's, dx = rstd * (dz @ W_c) - xhat * rstd * (dz . z) / C with W_c = W minus its
+    row means: one thin matmul and one multiply-add per token, both accumulated into x's incoming gradient,
+    where autograd runs the linear's matmul and the norm's backward kernel, each writing an n x C tensor per
+    token, and adds them up in two more."""
 
     @staticmethod
     def forward(ctx, x, W, eps):
-        xhat, _, rstd = torch.native_layer_norm(x.to(W.dtype), x.shape[-1:], None, None, eps)
+        xhat, _, rstd = torch.native_layer_norm(x.movedim(-2, 0).to(W.dtype), x.shape[-1:], None, None, eps)
         z = F.linear(xhat, W)
         ctx.save_for_backward(xhat, rstd, W, z)
-        return z, x.detach()                    # passed through as in _StreamRead
+        return z.movedim(0, -2), x.detach()     # passed through as in _StreamRead
 
     @staticmethod
     def backward(ctx, grad, grad_x):
         xhat, rstd, W, z = ctx.saved_tensors
+        grad = grad.movedim(-2, 0)
         scaled = grad * rstd
-        grad_x = _add_projection_grad(grad_x, scaled, W - W.mean(-1, keepdim=True), xhat,
+        grad_x = _add_projection_grad(grad_x.movedim(-2, 0), scaled, W - W.mean(-1, keepdim=True), xhat,
                                       (scaled * z).sum(-1, keepdim=True) / -xhat.shape[-1])
-        return grad_x, grad.flatten(0, -2).t() @ xhat.flatten(0, -2), None
+        return grad_x.movedim(0, -2), grad.flatten(0, -2).t() @ xhat.flatten(0, -2), None
 
 
 def _add_projection_grad(grad_x, g, W, v, coef):
@@ -659,38 +685,49 @@ class ManifoldHyperConnection(_StreamMixing):
     def streams_and_coefficients(self, x):
         n = self.n
         with _autocast_off(x):
-            z, v = _RMSScaledProjection.apply(x.flatten(-2), self.phi.weight.float(), self.eps)
+            z, x = _RMSScaledProjection.apply(x, self.phi.weight.float(), self.eps)
             z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
             H_pre = torch.sigmoid(self.a_pre.float() * z_pre + self.b_pre.float())
             H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
             res_logits = self.a_res.float() * z_res.unflatten(-1, (n, n)) + self.b_res.float()
             H_res = sinkhorn(res_logits, self.iters)
-        return v.view(x.shape), H_pre, H_post, H_res, res_logits
+        return x, H_pre, H_post, H_res, res_logits
 
 
 class _RMSScaledProjection(torch.autograd.Function):
-    """(z, v) with z = (v @ phi^T) / sqrt(mean(v^2) + eps) over the last axis, in phi's dtype; v is passed through (see
-    _StreamMixing). The backward is written out: the RMS term's gradient, a per-token multiple of v, and the
-    projection's are added in place into v's incoming gradient, where autograd writes five nC-sized tensors
-    per token (the projection's, the norm's three, their sum) and a sixth to add them to v's."""
+    """(z, x) with z = (v @ phi^T) / sqrt(mean(v^2) + eps), v the flattened streams vec(x) of x (..., n, C), in phi's
+    dtype; x is passed through (see _StreamMixing). v is never formed: its columns are the n stream-major slabs, so
+    v @ phi^T is a sum of n (tokens x C) @ (C x k) products (one batched matmul) and the RMS a sum of per-stream norms.
+    The backward is written out: the RMS term's gradient, a per-token multiple of x, and the projection's are added
+    in place into x's incoming gradient, where autograd writes five nC-sized tensors per token (the projection's,
+    the norm's three, their sum) and a sixth to add them to x's."""
 
     @staticmethod
-    def forward(ctx, v, phi, eps):
-        vf = v.to(phi.dtype)                    # fp32 in the model (the weight is cast to it)
-        raw = vf @ phi.t()
-        # a norm, not vecdot(v, v): that multiplies into an nC-sized temporary first
-        inv_rms = torch.rsqrt(torch.linalg.vector_norm(vf, dim=-1, keepdim=True).square() / v.shape[-1] + eps)
-        ctx.save_for_backward(vf, phi, raw, inv_rms)
-        return raw * inv_rms, v.detach()        # passed through as in _StreamRead
+    def forward(ctx, x, phi, eps):
+        n, C = x.shape[-2:]
+        xs = x.movedim(-2, 0).to(phi.dtype)     # fp32 in the model (the weight is cast to it)
+        phis = phi.view(-1, n, C).transpose(0, 1)                               # (n, k, C): stream j's columns
+        raw = torch.bmm(xs.reshape(n, -1, C), phis.transpose(1, 2)).sum(0).view(*x.shape[:-2], -1)
+        # norms, not vecdot(x, x): that multiplies into an nC-sized temporary first
+        inv_rms = torch.rsqrt(torch.linalg.vector_norm(xs, dim=-1).square().sum(0).unsqueeze(-1) / (n * C) + eps)
+        ctx.save_for_backward(xs, phi, raw, inv_rms)
+        return raw * inv_rms, x.detach()        # passed through as in _StreamRead
 
     @staticmethod
-    def backward(ctx, grad, grad_v):
-        v, phi, raw, inv_rms = ctx.saved_tensors
-        grad_raw = grad * inv_rms
+    def backward(ctx, grad, grad_x):
+        xs, phi, raw, inv_rms = ctx.saved_tensors
+        n, C = xs.shape[0], xs.shape[-1]
+        grad_raw = (grad * inv_rms).reshape(-1, phi.shape[0])                   # (tokens, k)
         # d inv_rms / dv = -inv_rms^3 v / N
-        coef = (grad * raw).sum(-1, keepdim=True) * inv_rms.pow(3) / -v.shape[-1]
-        return (_add_projection_grad(grad_v, grad_raw, phi, v, coef),
-                grad_raw.flatten(0, -2).t() @ v.flatten(0, -2), None)
+        coef = (grad * raw).sum(-1, keepdim=True) * inv_rms.pow(3) / -(n * C)
+        phis = phi.view(-1, n, C).transpose(0, 1)
+        dtype, gx = grad_x.dtype, grad_x.movedim(-2, 0).to(phi.dtype)
+        if not gx.is_contiguous():              # autograd's materialised zeros, or another layout than ours
+            gx = gx.contiguous()
+        gx.view(n, -1, C).baddbmm_(grad_raw.expand(n, *grad_raw.shape), phis).addcmul_(xs.reshape(n, -1, C),
+                                                                                       coef.reshape(1, -1, 1))
+        grad_phi = torch.bmm(grad_raw.t().expand(n, *grad_raw.t().shape), xs.reshape(n, -1, C))
+        return gx.to(dtype).movedim(0, -2), grad_phi.transpose(0, 1).reshape(phi.shape), None
 
 
 CONNECTIONS = {"baseline": lambda cfg, k: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection}
@@ -748,9 +785,11 @@ class GPT(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
         h = (self.wte(idx) + self.wpe(positions)).float()
-        # expand once; materialised, because a stride-0 stream dimension sends the first block's small
-        # batched matmuls down a slow per-token path (about 10x on CPU)
-        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.streams, h.shape[-1]).contiguous()
+        # expand once, into the stream-major layout every connection works in: the state is (B, T, n, C) stored as
+        # (n, B, T, C), so that each stream is one contiguous slab and a per-token mixing is n x n scaled adds of
+        # slabs (stream_update). Materialised: a stride-0 stream axis would make every slab the same memory.
+        # The baseline's single stream keeps the strides its blocks return (torch.compile specialises on them)
+        x = h.expand(self.streams, *h.shape).contiguous().movedim(0, -2) if self.streams > 1 else h.unsqueeze(-2)
         for block in self.blocks:
             if mixing_out is None:
                 x = block(x)
@@ -759,8 +798,8 @@ class GPT(nn.Module):
                 mixing_out.extend(mixing)
         if x.requires_grad and self.streams > 1:
             # the sum's backward hands the last block the same gradient for every stream through a stride-0
-            # view: the same slow path as above, in the backward
-            x.register_hook(torch.Tensor.contiguous)
+            # view; its per-token dot products (_token_dots) want each stream's gradient a slab of its own
+            x.register_hook(lambda grad: grad.movedim(-2, 0).contiguous().movedim(0, -2))
         logits = self.lm_head(self.ln_f(x.sum(dim=-2)))                        # collapse once
         if targets is None:
             return logits

@@ -41,6 +41,18 @@ def test_forward_expands_once_and_collapses_once():
     assert all(inp[-2] == cfg.expansion and out[-2] == cfg.expansion for inp, out in seen)
 
 
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_the_state_stays_stream_major_through_every_block(residual):
+    """(B, T, n, C) stored as (n, B, T, C): each stream one contiguous slab, which the mixing's speed relies on."""
+    model = T.GPT(tiny_config(residual, depth=2))
+    layouts = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, out: layouts.extend(
+            t.movedim(-2, 0).is_contiguous() for t in (args[0], out)))
+    model(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))[1].backward()
+    assert layouts == [True] * 4
+
+
 def test_hc_at_init_equals_the_pre_norm_baseline():
     torch.manual_seed(0)
     base = T.GPT(tiny_config("baseline", depth=3))

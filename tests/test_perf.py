@@ -56,24 +56,30 @@ def test_sinkhorn_backward_passes_gradcheck_with_few_and_many_iterations():
         assert torch.autograd.gradcheck(lambda t: T.sinkhorn(t, iters), (m,))
 
 
-PROJECTIONS = {  # name: (the fast Function, the plain formula, input shape, outputs)
-    # docs/model.md: z = (v @ phi) / sqrt(mean(v^2) + eps)
-    "rms_scaled": (lambda v, w: T._RMSScaledProjection.apply(v, w, 1e-5)[0],
-                   lambda v, w: F.linear(v, w) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5), (2, 5, 32), 24),
+PROJECTIONS = {  # name: (the fast Function, the plain formula, whether it reads the flattened streams, outputs)
+    # docs/model.md: z = (v @ phi) / sqrt(mean(v^2) + eps), v = vec(x)
+    "rms_scaled": (lambda x, w: T._RMSScaledProjection.apply(x, w, 1e-5)[0],
+                   lambda x, w: F.linear(x.flatten(-2), w) * torch.rsqrt(x.flatten(-2).pow(2).mean(-1, keepdim=True)
+                                                                         + 1e-5), True, 24),
     # HC: each stream's LayerNorm (no affine weights), then the dynamic projection
     "normalized": (lambda x, w: T._NormalizedProjection.apply(x, w, 1e-5)[0],
-                   lambda x, w: F.linear(F.layer_norm(x, x.shape[-1:], eps=1e-5), w), (2, 5, 4, 32), 6),
+                   lambda x, w: F.linear(F.layer_norm(x, x.shape[-1:], eps=1e-5), w), False, 6),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("stream_major", [False, True])      # the model's layout, and a plain contiguous one
 @pytest.mark.parametrize("name", PROJECTIONS)
-def test_fused_projections_equal_the_plain_formulas(name, dtype):
-    fast_fn, plain_fn, shape, outputs = PROJECTIONS[name]
+def test_fused_projections_equal_the_plain_formulas(name, stream_major, dtype):
+    fast_fn, plain_fn, flattened, outputs = PROJECTIONS[name]
+    shape = (2, 5, 4, 32)
     generator = torch.Generator().manual_seed(0)
     x0 = (3 * torch.randn(*shape, generator=generator) + 1).to(dtype)     # vectors with a mean of their own
-    w0 = torch.randn(outputs, shape[-1], generator=generator).to(dtype)
-    grad_out = torch.randn(*shape[:-1], outputs, generator=generator).to(dtype)
+    if stream_major:
+        x0 = x0.movedim(-2, 0).contiguous().movedim(0, -2)
+    w0 = torch.randn(outputs, shape[-1] * (shape[-2] if flattened else 1), generator=generator).to(dtype)
+    out_shape = (*shape[:-2], outputs) if flattened else (*shape[:-1], outputs)
+    grad_out = torch.randn(*out_shape, generator=generator).to(dtype)
     results = []
     for fn in (fast_fn, plain_fn):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -83,8 +89,8 @@ def test_fused_projections_equal_the_plain_formulas(name, dtype):
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     for fast, ref in zip(*results):
         torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
-    small = (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),
-             torch.randn(4, 6, dtype=torch.float64, requires_grad=True))
+    small = (torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True),
+             torch.randn(4, 18 if flattened else 6, dtype=torch.float64, requires_grad=True))
     assert torch.autograd.gradcheck(fast_fn, small)
 
 
