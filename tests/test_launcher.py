@@ -384,7 +384,10 @@ def test_ctrl_c_reaches_the_whole_foreground_group_and_the_launcher_stops_the_jo
     of it, and the jobs, each in a group of its own, get SIGTERM from the launcher and checkpoint."""
     out, runs = tmp_path / "runs", ("hc_d2_s1", "mhc_d2_s1")
     proc = start(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1",
-                 env=launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1), start_new_session=True)
+                 env=launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1), start_new_session=True,
+                 # as from a terminal: a test run started in the background inherits SIGINT ignored, and a shell
+                 # that starts with a signal ignored cannot trap it
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     output = interrupt_when(proc, lambda: all(status(out, r)["step"] >= 3 for r in runs), "progress",
                             lambda: os.killpg(proc.pid, signal.SIGINT))
     assert proc.returncode == 130, output
