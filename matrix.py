@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -155,7 +156,8 @@ def build_parser():
         m.add_argument(f"--{mode}", dest="mode", action="append_const", const=mode, help=help_text)
     # the trainer's names, each taking a list (the plural names are the same flags)
     m.add_argument("--residual", "--methods", dest="methods", metavar="LIST",
-                   type=listed("baseline|hc|mhc", "--residual (baseline,hc,mhc)"), help="override the methods, e.g. hc,mhc")
+                   type=listed("baseline|hc|mhc", "--residual (baseline,hc,mhc)"),
+                   help="override the methods, e.g. hc,mhc")
     m.add_argument("--depth", "--depths", dest="depths", metavar="LIST",
                    type=listed(POSITIVE, "--depth (positive integers)"), help="override the depths, e.g. 32,48")
     m.add_argument("--seed", "--seeds", dest="seeds", metavar="LIST",
@@ -792,7 +794,8 @@ def submit_slurm(opt, jobs):
     tasks.write_text("".join(shlex.join(trainer_flags(opt, job)) + "\n" for job in todo))
     seconds, why = task_time(opt, todo)
     array = submit(["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
-                    f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}", f"--job-name=matrix-{opt.out.name}",
+                    f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}",
+                    f"--job-name=matrix-{opt.out.name}",
                     str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)])
     report = submit(["sbatch", "--parsable", f"--dependency=afterany:{array}", f"--job-name=report-{opt.out.name}",
                      str(ROOT / "slurm" / "report.sbatch"), str(opt.out)])
@@ -889,10 +892,11 @@ class Matrix:
         if self.bash.ask("lock", o.out / lock_name(o)) != [["ok"]]:
             raise RunError(f"another launcher, or jobs of a killed one, are still running on {o.out} (see: fuser -v "
                            f"{o.out / lock_name(o)}); stop them or wait, then run this again")
-        data = extra_value(o.extra, "--data")
+        preset = o.preset or extra_value(o.extra, "--preset") or "c4"
+        data = extra_value(o.extra, "--data") or f"preset {preset} default"
         self.log("START", f"{PROG} pid={os.getppid()} mode={o.mode} runs={len(self.jobs)} gpus={' '.join(self.gpus)} "
                           f"gpus_per_run={o.gpus_per_run} stagger={o.stagger:g}s max_retries={o.max_retries} "
-                          f"data={data or 'preset ' + (o.preset or extra_value(o.extra, '--preset') or 'c4') + ' default'}"
+                          f"data={data}"
                           + (f" node={o.node_rank}/{o.nodes}" if o.nodes > 1 else "")
                           + f" extra={shlex.join(o.extra)}")
         # the line report.py --watch reads the matrix from (queue order, slots, price)
@@ -1070,7 +1074,8 @@ class Matrix:
             self.data_retry(job)
         elif code == EXIT_INTERRUPTED:
             self.requeue_or_fail(job, "interrupted (exit 75) but the launcher is not stopping: resuming from its "
-                                      "checkpoint", f"interrupted {self.opt.max_requeues + 1} times; not requeued again")
+                                      "checkpoint",
+                                 f"interrupted {self.opt.max_requeues + 1} times; not requeued again")
         else:
             self.retry_or_fail(job, f"exit {status}: {self.reason(job)}")
 
@@ -1110,8 +1115,7 @@ class Matrix:
 
     def oom_retry(self, job):
         """Halve the micro-batch the run used, keep its global batch; once."""
-        used = self.used_batches(job)
-        micro, batch = used
+        micro, batch = self.used_batches(job)
         if job.oom_retried:
             return self.fail(job, f"out of memory again at micro-batch {micro} (after one halving); pass a smaller -- "
                                   "--micro-batch-size or use --gpus-per-run")
@@ -1121,26 +1125,26 @@ class Matrix:
         if micro <= 1:
             return self.fail(job, "out of memory at micro-batch 1; a GPU cannot hold this run alone: use "
                                   "--gpus-per-run 2 or more")
-        job.oom_retried, job.micro, job.batch = True, micro // 2, batch if isinstance(batch, int) else job.batch
+        batch = batch if isinstance(batch, int) else None
+        job.oom_retried, job.micro, job.batch = True, micro // 2, batch or job.batch
         write_json(self.opt.out / job.name / "launcher.json",
                    {"micro_batch_size": job.micro, "reason": f"halved from {micro} after an out-of-memory exit"})
         self.log("RETRY", f"{job.name} out of memory at micro-batch {micro}: retrying once with micro-batch "
-                          f"{job.micro}, global batch {batch if isinstance(batch, int) else 'unchanged (trainer default)'}")
+                          f"{job.micro}, global batch {batch or 'unchanged (trainer default)'}")
         self.requeue(job)
 
     def used_batches(self, job):
         """(micro-batch, global batch) this attempt used: its config.json, else what the launcher passed, else the
         trainer's default for these flags (the OOM may come before config.json is written)."""
         config = read_json(self.opt.out / job.name / "config.json", newer_than=job.launched_at).get("config", {})
-        given = [config.get(key) for key in ("micro_batch_size", "batch_size")]
-        known = [job.micro or extra_value(self.opt.extra, "--micro-batch-size"),
-                 job.batch or extra_value(self.opt.extra, "--batch-size")]
-        used = [g if isinstance(g, int) else k for g, k in zip(given, known)]
-        if not str(used[0]).isdigit() and real_trainer():
+        passed = {"micro_batch_size": job.micro or extra_value(self.opt.extra, "--micro-batch-size"),
+                  "batch_size": job.batch or extra_value(self.opt.extra, "--batch-size")}
+        used = {key: config[key] if isinstance(config.get(key), int) else passed[key] for key in passed}
+        if not str(used["micro_batch_size"]).isdigit() and real_trainer():
             with contextlib.suppress(TrainerRejects):
                 cfg = trainer_config(trainer_flags(self.opt, job))
-                used = [used[0] or cfg.micro_batch_size, used[1] or cfg.batch_size]
-        return [int(v) if str(v).isdigit() else v for v in used]
+                used = {key: value if str(value).isdigit() else getattr(cfg, key) for key, value in used.items()}
+        return [int(v) if str(v).isdigit() else v for v in used.values()]
 
     def device_error(self, job):
         """Exit 5: probe the job's GPUs; a GPU that fails the probe, or has now failed two different jobs, is
@@ -1157,7 +1161,8 @@ class Matrix:
                 self.quarantine(gpu, f"failed the probe after a device error in {job.name}: "
                                      f"{self.probe_reason(gpu, int(status))}")
             elif len(self.failed_runs[gpu]) >= 2:
-                self.quarantine(gpu, f"passed the probe but failed two different jobs ({' '.join(self.failed_runs[gpu])})")
+                runs = " ".join(self.failed_runs[gpu])
+                self.quarantine(gpu, f"passed the probe but failed two different jobs ({runs})")
             else:
                 self.log("PROBE", f"gpu={gpu} healthy after a device error in {job.name}; kept (a second failing job "
                                   "quarantines it)")
@@ -1232,7 +1237,6 @@ def check_setup(opt):
         return
     if not (ROOT / "train_c4.py").is_file():
         raise RunError(f"{ROOT / 'train_c4.py'} not found")
-    import importlib.util
     if importlib.util.find_spec("torch") is None:
         raise RunError(f"{sys.executable} cannot import torch; run 'bash setup.sh' to create .venv")
 

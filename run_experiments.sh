@@ -32,7 +32,10 @@ else
     echo "$PROG: no .venv found in $ROOT: run 'bash setup.sh' first (using $PY for now)" >&2
 fi
 command -v "$PY" >/dev/null 2>&1 || { echo "$PROG: error: python '$PY' not found; run 'bash setup.sh'" >&2; exit 1; }
-command -v setsid >/dev/null 2>&1 || { echo "$PROG: error: setsid not found (util-linux): it puts each job in its own process group" >&2; exit 1; }
+if ! command -v setsid >/dev/null 2>&1; then
+    echo "$PROG: error: setsid not found (util-linux): it puts each job in its own process group" >&2
+    exit 1
+fi
 
 # ---------------------------------------------------------------------------------------------
 # Time and waiting
@@ -76,7 +79,8 @@ probe_gpu() {   # probe_gpu ID LOGFILE: exit 0 when healthy
         read -ra probe <<<"$RUN_EXPERIMENTS_PROBE"
         "${probe[@]}" "$1" >"$2" 2>&1 </dev/null
     else
-        CUDA_VISIBLE_DEVICES=$1 NVIDIA_TF32_OVERRIDE=0 timeout -k 10 60 "$PY" "$ROOT/matrix.py" --probe-gpu >"$2" 2>&1 </dev/null
+        CUDA_VISIBLE_DEVICES=$1 NVIDIA_TF32_OVERRIDE=0 timeout -k 10 60 "$PY" "$ROOT/matrix.py" --probe-gpu \
+            >"$2" 2>&1 </dev/null
     fi
 }
 
@@ -167,7 +171,8 @@ exec {REQUESTS}<&- {REPLIES}>&-
 exit_status_of "$MATRIX"
 status=$?
 if ((${#RUNNING[@]})); then   # matrix.py died with jobs running: they save a checkpoint and stop
-    echo "$PROG: error: matrix.py exited ($status) with ${#RUNNING[@]} job(s) running; stopping them (each saves a checkpoint); the same command resumes" >&2
+    echo "$PROG: error: matrix.py exited ($status) with ${#RUNNING[@]} job(s) running; stopping them" \
+        "(each saves a checkpoint); the same command resumes" >&2
     signal_jobs TERM
     for pid in "${!RUNNING[@]}"; do exit_status_of "$pid"; done
     ((status)) || status=1

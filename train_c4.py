@@ -721,9 +721,8 @@ class _RMSScaledProjection(torch.autograd.Function):
         # d inv_rms / dv = -inv_rms^3 v / N
         coef = (grad * raw).sum(-1, keepdim=True) * inv_rms.pow(3) / -(n * C)
         phis = phi.view(-1, n, C).transpose(0, 1)
-        dtype, gx = grad_x.dtype, grad_x.movedim(-2, 0).to(phi.dtype)
-        if not gx.is_contiguous():              # autograd's materialised zeros, or another layout than ours
-            gx = gx.contiguous()
+        # accumulated in place when grad_x is already stream-major; autograd's materialised zeros get a copy
+        dtype, gx = grad_x.dtype, grad_x.movedim(-2, 0).to(phi.dtype).contiguous()
         gx.view(n, -1, C).baddbmm_(grad_raw.expand(n, *grad_raw.shape), phis).addcmul_(xs.reshape(n, -1, C),
                                                                                        coef.reshape(1, -1, 1))
         grad_phi = torch.bmm(grad_raw.t().expand(n, *grad_raw.t().shape), xs.reshape(n, -1, C))
@@ -2112,7 +2111,7 @@ def gpu_peak_flops(name: str) -> float | None:
     return GPU_PEAK_BF16_FLOPS.get(name)
 
 
-# ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto), the time and cost of a matrix
+# ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto) and one run's time
 
 GiB = 2 ** 30
 DEFAULT_GPU_MEMORY_GIB = 80.0   # the card planned for when no CUDA device is visible (an H100 80GB shows 79.2)
@@ -2571,12 +2570,13 @@ def check_resumable(run_dir: Path, cfg: Config) -> dict:
                               f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
     changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
     if changes and not cfg.allow_changed_settings:
-        raise ConfigError(f"{run_dir} was trained with other settings ({listed(changes)}); rerun with its settings, choose "
-                          "another --run-name, or pass --allow-changed-settings to continue under the new ones")
+        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
+                          "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
+                          "the new ones")
     return changes
 
 
-def listed(changes: dict) -> str:
+def changes_text(changes: dict) -> str:
     return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
 
 
@@ -2584,7 +2584,7 @@ def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int)
     """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
     if not changes:
         return
-    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {listed(changes)}")
+    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {changes_text(changes)}")
     if log.enabled:
         with open(run_dir / "settings_changes.jsonl", "a") as f:
             f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
@@ -2608,7 +2608,7 @@ def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flas
             "attention": "flash" if use_flash else "sdpa",
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                          "datasets": importlib.metadata.version("datasets"),
-                                     "tiktoken": importlib.metadata.version("tiktoken")},
+                         "tiktoken": importlib.metadata.version("tiktoken")},
             "git_commit": git_commit()}
 
 
@@ -2996,9 +2996,10 @@ def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> N
     log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
              f"{trainer.flops_per_token:.3g} FLOPs per token")
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
+    read = len(set(trainer.loader.batches.owners))
     shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({len(set(trainer.loader.batches.owners))} read by this process"
-             f"{shared}, {loader} each), data seed {cfg.data_seed}")
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
+             f"data seed {cfg.data_seed}")
     log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
 
 
