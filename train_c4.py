@@ -431,15 +431,15 @@ class PreNorm(nn.Module):
 
 def stream_update(x, H_pre, H_post, H_res, sublayer):
     """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C), stored stream-major
-    (GPT.forward), H_pre and H_post (..., n), H_res (..., n, n), of any strides."""
+    (GPT.forward). The coefficients come with their stream (and matrix) axes first, as the connections compute
+    them: H_pre and H_post (n, ...), H_res (n, n, ...) with H_res[i, j] the weight of stream j in stream i."""
     # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way. The Functions
-    # take every operand with the stream (and matrix) axes first: x as n slabs of (..., C), H_res as n x n of (...,)
+    # take x as n slabs of (..., C)
     with _autocast_off(x):
-        u, streams = _StreamRead.apply(H_pre.to(x.dtype).movedim(-1, 0), x.movedim(-2, 0))
+        u, streams = _StreamRead.apply(H_pre.to(x.dtype), x.movedim(-2, 0))
     y = sublayer(u)
     with _autocast_off(x):
-        return _StreamWrite.apply(H_res.to(x.dtype).movedim((-2, -1), (0, 1)), streams,
-                                  H_post.to(x.dtype).movedim(-1, 0), y.to(x.dtype)).movedim(0, -2)
+        return _StreamWrite.apply(H_res.to(x.dtype), streams, H_post.to(x.dtype), y.to(x.dtype)).movedim(0, -2)
 
 
 def _token_dots(a, b):
@@ -457,10 +457,10 @@ def _mixed_slabs(H, slabs):
     stream-major tensor, whatever the layout of the slabs."""
     # H contiguous (a small copy at most) puts the destination axis first in the product's inferred layout, in eager
     # and in torch.compile's functionalised graph alike (an out= argument would hold in eager only)
-    H = H.contiguous()
-    out = H[:, 0].unsqueeze(-1) * slabs[0]
-    for j in range(1, slabs.shape[0]):
-        out.addcmul_(H[:, j].unsqueeze(-1), slabs[j])
+    weights, sources = H.contiguous().unsqueeze(-1).unbind(1), slabs.unbind(0)    # two ops, not two per source
+    out = weights[0] * sources[0]
+    for weight, source in zip(weights[1:], sources[1:]):
+        out.addcmul_(weight, source)
     return out
 
 
@@ -569,17 +569,19 @@ class _StreamMixing(nn.Module):
     """HC and mHC: coefficients from the streams (the subclass's), then the shared stream update.
 
     The subclass's streams_and_coefficients(x) returns x passed through its coefficient projection, then
-    H_pre, H_post, H_res and the logits Sinkhorn projected (None for HC). The stream update reads the
-    passed-through x, so x's whole gradient reaches the projection's backward, which adds its own term in place
-    (see _StreamRead): one n x C gradient per token and sublayer instead of five (benchmarks.md)."""
+    H_pre, H_post, H_res with their stream axes first (stream_update) and the logits Sinkhorn projected (None
+    for HC). The stream update reads the passed-through x, so x's whole gradient reaches the projection's
+    backward, which adds its own term in place (see _StreamRead): one n x C gradient per token and sublayer
+    instead of five (benchmarks.md)."""
 
     def forward(self, x, sublayer):
         x, H_pre, H_post, H_res, res_logits = self.streams_and_coefficients(x)
-        return stream_update(x, H_pre, H_post, H_res, sublayer), (H_res, res_logits)
+        return stream_update(x, H_pre, H_post, H_res, sublayer), (H_res.movedim((0, 1), (-2, -1)), res_logits)
 
     def coefficients(self, x):
-        """H_pre, H_post, H_res, res_logits of the streams x."""
-        return self.streams_and_coefficients(x)[1:]
+        """H_pre (..., n), H_post (..., n), H_res (..., n, n) and res_logits of the streams x (..., n, C)."""
+        _, H_pre, H_post, H_res, res_logits = self.streams_and_coefficients(x)
+        return H_pre.movedim(0, -1), H_post.movedim(0, -1), H_res.movedim((0, 1), (-2, -1)), res_logits
 
 
 class HyperConnection(_StreamMixing):
@@ -610,51 +612,67 @@ class HyperConnection(_StreamMixing):
         self.s_b.fill_(self.scale_init)
 
     def streams_and_coefficients(self, x):
-        n = self.n
         with _autocast_off(x):
-            z, x = _NormalizedProjection.apply(x, self.dynamic.weight.float(), self.eps)
-            d = torch.tanh(z)                                                # (..., n, n + 2)
-            A_m = self.s_a.float() * d[..., 0] + self.A_m_static.float()
-            A_r = self.s_a.float() * d[..., 1:n + 1] + self.A_r_static.float()
-            B = self.s_b.float() * d[..., n + 1] + self.B_static.float()
-        # row i of A_r says where source stream i goes, so the matrix acting as H_res @ x is A_r^T
-        return x, A_m, B, A_r.transpose(-1, -2), None
+            H_pre, H_post, H_res, x = _HCCoefficients.apply(
+                x, self.dynamic.weight.float(), self.A_m_static.float(), self.A_r_static.float(),
+                self.B_static.float(), self.s_a.float(), self.s_b.float(), self.eps)
+        return x, H_pre, H_post, H_res, None
 
 
-class _NormalizedProjection(torch.autograd.Function):
-    """(z, x) with z = layer_norm(x) @ W^T (no affine; per stream, over the last axis, in W's dtype) for x (..., n, C),
-    forward as F.layer_norm then F.linear on the stream-major slabs (z comes back as (..., n, k) in that layout); x is
-    passed through (see _StreamMixing). The backward is written out: with xhat centred, the norm's backward
-    collapses into the projection's, dx = rstd * (dz @ W_c) - xhat * rstd * (dz . z) / C with W_c = W minus its
-    row means: one thin matmul and one multiply-add per token, both accumulated into x's incoming gradient,
-    where autograd runs the linear's matmul and the norm's backward kernel, each writing an n x C tensor per
-    token, and adds them up in two more."""
+class _HCCoefficients(torch.autograd.Function):
+    """(H_pre, H_post, H_res, x) of HC for the streams x (..., n, C), x passed through (see _StreamMixing).
 
-    @staticmethod
-    def forward(ctx, x, W, eps):
-        xhat, _, rstd = torch.native_layer_norm(x.movedim(-2, 0).to(W.dtype), x.shape[-1:], None, None, eps)
-        z = F.linear(xhat, W)
-        ctx.save_for_backward(xhat, rstd, W, z)
-        return z.movedim(0, -2), x.detach()     # passed through as in _StreamRead
+    Per stream i and token: z = layer_norm(x_i) @ W^T (no affine), d = tanh(z), and the k = n + 2 coefficients
+    c = static_i + scale * d: c_0 = A_m[i] (H_pre), c_1..n = A_r[i, :] (column i of H_res = A_r^T), c_n+1 = B[i]
+    (H_post); scale is s_a, except s_b for B. All of it is one Function, computed k-major (k, n, tokens), so that
+    each coefficient comes out as contiguous slabs with the stream axes first, as the stream update reads them;
+    autograd through the small ops cost about 60 kernels per sublayer (benchmarks.md).
+
+    The norm is folded into the projection: [W; 1/C] @ x gives the raw products and the mean in one thin matmul,
+    a vector norm gives mean(x^2), and z = rstd (W x - mean W 1). So the normalised copy of the state is never
+    written. The variance mean(x^2) - mean^2 loses digits when a stream's mean is far above its spread
+    (relative error ~ 1e-7 (mean / spread)^2; tests/test_perf.py checks mean 30x spread against the plain norm).
+    The backward is written out: with g = dz rstd, dW = g^T x - (g . mean) 1^T and
+    dx = g @ (W - row means) - rstd (g . z) (x - mean) / C, accumulated in place into x's incoming gradient."""
 
     @staticmethod
-    def backward(ctx, grad, grad_x):
-        xhat, rstd, W, z = ctx.saved_tensors
-        grad = grad.movedim(-2, 0)
-        scaled = grad * rstd
-        grad_x = _add_projection_grad(grad_x.movedim(-2, 0), scaled, W - W.mean(-1, keepdim=True), xhat,
-                                      (scaled * z).sum(-1, keepdim=True) / -xhat.shape[-1])
-        return grad_x.movedim(0, -2), grad.flatten(0, -2).t() @ xhat.flatten(0, -2), None
+    def forward(ctx, x, W, A_m_static, A_r_static, B_static, s_a, s_b, eps):
+        n, C = x.shape[-2:]
+        tokens = x.shape[:-2]
+        xs = x.movedim(-2, 0).to(W.dtype).reshape(-1, C)                      # (n tokens, C), a view in the model
+        raw = torch.cat([W, W.new_full((1, C), 1 / C)]) @ xs.t()               # (k + 1, n tokens)
+        mean = raw[-1]
+        var = (torch.linalg.vector_norm(xs, dim=-1).square_().div_(C) - mean.square()).clamp_min_(0)
+        rstd = var.add_(eps).rsqrt_()
+        z = raw[:-1].addcmul_(W.sum(-1, keepdim=True), mean, value=-1).mul_(rstd)
+        d = torch.tanh(z)
+        scale = torch.cat([s_a.expand(n + 1), s_b.view(1)]).unsqueeze(-1)       # (k, 1)
+        statics = torch.cat([A_m_static.view(1, n), A_r_static.t(), B_static.view(1, n)]).unsqueeze(-1)
+        coef = torch.addcmul(statics, d.view(n + 2, n, -1), scale.unsqueeze(-1))    # (k, n, tokens)
+        ctx.save_for_backward(xs, W, mean, rstd, z, d, scale)
+        ctx.x_shape = x.shape
+        return (coef[0].view(n, *tokens), coef[n + 1].view(n, *tokens), coef[1:n + 1].view(n, n, *tokens),
+                x.detach())
 
-
-def _add_projection_grad(grad_x, g, W, v, coef):
-    """grad_x + g @ W + coef * v over the last axis, in place: grad_x is the gradient a projection's
-    passed-through output received, the stream update's own new tensor (_StreamRead). Streams of another
-    dtype than the projection's (bf16, outside the precision policy) get a copy in the projection's first."""
-    shape, dtype = grad_x.shape, grad_x.dtype
-    flat = grad_x.to(g.dtype).reshape(-1, shape[-1])
-    flat.addmm_(g.reshape(-1, g.shape[-1]), W).addcmul_(v.reshape(flat.shape), coef.reshape(-1, 1))
-    return flat.view(shape).to(dtype)
+    @staticmethod
+    def backward(ctx, grad_pre, grad_post, grad_res, grad_x):
+        xs, W, mean, rstd, z, d, scale = ctx.saved_tensors
+        n, C = ctx.x_shape[-2:]
+        # the gradients arrive in whatever layout their consumers made: cat copies them into one k-major tensor
+        grad_coef = torch.cat([grad_pre.unsqueeze(0), grad_res, grad_post.unsqueeze(0)]).view(n + 2, -1)
+        grad_statics = grad_coef.view(n + 2, n, -1).sum(-1)                       # (k, n)
+        by_scale = (grad_coef * d).sum(-1)
+        g = grad_coef.mul_(scale).mul_(1 - d.square()).mul_(rstd)               # dz rstd, (k, n tokens)
+        grad_W = (g @ xs).sub_((g @ mean).unsqueeze(-1))
+        # the mean's term of dx joins the matmul as one more row: [g; -a mean] @ [W - row means; 1]
+        a = (g * z).sum(0).mul_(rstd / -C)
+        lhs = torch.cat([g, (a * mean).neg_().unsqueeze(0)])
+        rhs = torch.cat([W - W.mean(-1, keepdim=True), W.new_ones(1, C)])
+        dtype, gx = grad_x.dtype, grad_x.movedim(-2, 0).to(W.dtype).reshape(-1, C)     # a view when stream-major
+        gx.addmm_(lhs.t(), rhs).addcmul_(xs, a.unsqueeze(-1))
+        grad_x = gx.view(n, *ctx.x_shape[:-2], C).movedim(0, -2).to(dtype)
+        return (grad_x, grad_W, grad_statics[0], grad_statics[1:n + 1].t(), grad_statics[n + 1],
+                by_scale[:n + 1].sum(), by_scale[n + 1], None)
 
 
 class ManifoldHyperConnection(_StreamMixing):
@@ -691,7 +709,8 @@ class ManifoldHyperConnection(_StreamMixing):
             H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
             res_logits = self.a_res.float() * z_res.unflatten(-1, (n, n)) + self.b_res.float()
             H_res = sinkhorn(res_logits, self.iters)
-        return x, H_pre, H_post, H_res, res_logits
+        # sinkhorn's result is a view of a matrix-axes-first tensor: back to that layout, no copy
+        return x, H_pre.movedim(-1, 0), H_post.movedim(-1, 0), H_res.movedim((-2, -1), (0, 1)), res_logits
 
 
 class _RMSScaledProjection(torch.autograd.Function):
@@ -814,6 +833,13 @@ def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = Tru
     rest = [p for p in model.parameters() if id(p) not in decay]
     return [{"params": list(decay.values()), "weight_decay": weight_decay},
             {"params": rest, "weight_decay": 0.0}]
+
+
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
+    """AdamW as one fused kernel per step on every device: the for-loop version PyTorch picks on the CPU runs ~10
+    small ops per parameter tensor, and HC and mHC add 6-7 tensors per sublayer (benchmarks.md)."""
+    return torch.optim.AdamW(decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay), lr=cfg.lr,
+                             betas=(0.9, 0.95), fused=True)
 
 
 def count_parameters(cfg: Config) -> dict:
@@ -2965,8 +2991,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg, use_flash).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
-    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                                  fused=dist.device.type == "cuda")
+    optimizer = make_optimizer(model, cfg)
     micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
     batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
     loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")

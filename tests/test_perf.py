@@ -61,9 +61,6 @@ PROJECTIONS = {  # name: (the fast Function, the plain formula, whether it reads
     "rms_scaled": (lambda x, w: T._RMSScaledProjection.apply(x, w, 1e-5)[0],
                    lambda x, w: F.linear(x.flatten(-2), w) * torch.rsqrt(x.flatten(-2).pow(2).mean(-1, keepdim=True)
                                                                          + 1e-5), True, 24),
-    # HC: each stream's LayerNorm (no affine weights), then the dynamic projection
-    "normalized": (lambda x, w: T._NormalizedProjection.apply(x, w, 1e-5)[0],
-                   lambda x, w: F.linear(F.layer_norm(x, x.shape[-1:], eps=1e-5), w), False, 6),
 }
 
 
@@ -109,6 +106,43 @@ def reference_coefficients(conn, x):
             reference_sinkhorn(conn.a_res * z_res.unflatten(-1, (n, n)) + conn.b_res, conn.iters))
 
 
+@pytest.mark.parametrize("stream_major", [False, True])
+@pytest.mark.parametrize("mean", [1.0, 30.0])     # stream means of their own, up to 30x the spread of 1
+def test_hc_coefficients_equal_the_plain_formulas(mean, stream_major):
+    """_HCCoefficients folds each stream's LayerNorm into the projection (variance as mean(x^2) - mean^2):
+    against LayerNorm then the projection, tanh and scales through autograd, outputs and every gradient (fp32, as
+    the model computes its coefficients; gradcheck below covers fp64)."""
+    cfg = tiny_config("hc", width=32, heads=2)
+    connection = T.HyperConnection(cfg, 1)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in connection.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    x0 = (torch.randn(2, 5, cfg.expansion, cfg.width, generator=generator)
+          + mean * torch.randn(2, 5, cfg.expansion, 1, generator=generator).sign())
+    if stream_major:
+        x0 = x0.movedim(-2, 0).contiguous().movedim(0, -2)
+    grads_out = [torch.randn(shape, generator=generator) for shape in ((2, 5, 4), (2, 5, 4), (2, 5, 4, 4))]
+    results = []
+    for fast in (True, False):
+        x = x0.clone().requires_grad_()
+        outputs = connection.coefficients(x)[:3] if fast else reference_coefficients(connection, x)
+        torch.autograd.backward(outputs, grads_out)
+        results.append([o.detach() for o in outputs] + [x.grad] + [p.grad.clone() for p in connection.parameters()])
+        connection.zero_grad()
+    # fp32: the folded variance's rounding grows with (mean / spread)^2, ~1e-7 * 900 at the worst tested here
+    tol = 2e-5 if mean < 10 else 2e-4
+    for fast, ref in zip(*results):
+        torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
+
+
+def test_hc_coefficients_backward_passes_gradcheck():
+    n, C = 3, 5
+    inputs = [torch.randn(shape, dtype=torch.float64, requires_grad=True)
+              for shape in ((2, 3, n, C), (n + 2, C), (n,), (n, n), (n,), (), ())]
+    assert torch.autograd.gradcheck(lambda *a: T._HCCoefficients.apply(*a, 1e-5)[:3], inputs)
+
+
 @pytest.mark.parametrize("residual", ["hc", "mhc"])
 def test_connection_equals_the_plain_formulas(residual):
     """One connection, forward and every gradient, against reference_coefficients + reference_stream_update:
@@ -137,7 +171,7 @@ def test_connection_equals_the_plain_formulas(residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("transposed_res", [False, True])      # HC hands over A_r^T, a non-contiguous view
+@pytest.mark.parametrize("transposed_res", [False, True])      # H_res of any strides (mHC's is a view)
 def test_stream_update_equals_the_einsum_reference(dtype, transposed_res):
     generator = torch.Generator().manual_seed(0)
     B, L, n, C = 2, 5, 4, 8
@@ -148,7 +182,11 @@ def test_stream_update_equals_the_einsum_reference(dtype, transposed_res):
     results = []
     for fn in (T.stream_update, reference_stream_update):
         x, H_pre, H_post, H_res = (t.clone().requires_grad_() for t in tensors)
-        out = fn(x, H_pre, H_post, H_res.transpose(-1, -2) if transposed_res else H_res, sublayer)
+        H_res_used = H_res.transpose(-1, -2) if transposed_res else H_res
+        if fn is T.stream_update:                 # it takes the coefficients with their stream axes first
+            out = fn(x, H_pre.movedim(-1, 0), H_post.movedim(-1, 0), H_res_used.movedim((-2, -1), (0, 1)), sublayer)
+        else:
+            out = fn(x, H_pre, H_post, H_res_used, sublayer)
         out.backward(grad_out)
         results.append([out.detach(), x.grad, H_pre.grad, H_post.grad, H_res.grad]
                        + [p.grad.clone() for p in sublayer.parameters()])
