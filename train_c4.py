@@ -527,26 +527,29 @@ class _SinkhornNormalisations(torch.autograd.Function):
     """iters times: P /= column sums, then P /= row sums, for matrices P (n, n, ...) stored with the matrix axes
     first; forward identical to the plain loop. The backward is written out: through Q = P / s (s: sums over one
     axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4 small kernels per half-step where autograd
-    runs about 8 (the Sinkhorn is hundreds of tiny ops)."""
+    runs about 8 (the Sinkhorn is hundreds of tiny ops). Only the sums and the final P are kept: the backward
+    walks the iterations in reverse and recovers each earlier P as Q * s, so the saved activations are the
+    n^2 + 2n numbers per token and iteration of the sums' shape, not n^2 more per half-step (benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, P, iters):
-        saved = []
+        sums = []
         for _ in range(iters):
             for dim in (0, 1):
-                s = P.sum(dim, keepdim=True)
-                P = P / s
-                saved += [P, s]
-        ctx.save_for_backward(*saved)
+                sums.append(P.sum(dim, keepdim=True))
+                P = P / sums[-1]
+        ctx.save_for_backward(P, *sums)
         return P
 
     @staticmethod
     def backward(ctx, grad):
-        saved = ctx.saved_tensors
+        Q, *sums = ctx.saved_tensors
         grad = grad.contiguous()            # it arrives in the caller's tokens-first layout: every op would keep it
-        for k in reversed(range(len(saved) // 2)):
-            Q, s = saved[2 * k], saved[2 * k + 1]
+        for k in reversed(range(len(sums))):
+            s = sums[k]
             grad = (grad - (grad * Q).sum(k % 2, keepdim=True)) / s
+            if k:
+                Q = Q * s                   # the P this half-step divided: the previous half-step's result
         return grad, None
 
 

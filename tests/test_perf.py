@@ -270,6 +270,16 @@ def test_step_benchmark_runs_in_smoke_mode():
     assert "hc/baseline" in done.stdout and "smoke" in done.stdout
 
 
+def test_op_benchmark_lists_the_stream_work_of_hc_and_mhc():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ops.py"), "--smoke", "--top", "40"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hc, mhc = done.stdout.split("== hc minus baseline")[1].split("== mhc minus baseline")
+    assert "addcmul_" in hc and "tanh" in hc            # the stream mixing and HC's coefficient function
+    assert "logsumexp" in mhc and "div" in mhc          # the Sinkhorn's log-domain pair and its divisions
+
+
 def test_saved_activation_bytes_drop_with_checkpointing():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_step
