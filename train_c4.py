@@ -653,7 +653,7 @@ class _HCCoefficients(torch.autograd.Function):
         statics = torch.cat([A_m_static.view(1, n), A_r_static.t(), B_static.view(1, n)]).unsqueeze(-1)
         coef = torch.addcmul(statics, d.view(n + 2, n, -1), scale.unsqueeze(-1))    # (k, n, tokens)
         ctx.save_for_backward(xs, W, mean, rstd, z, d, scale)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.scale_shapes = x.shape, (s_a.shape, s_b.shape)     # () or, under FSDP, (1,)
         return (coef[0].view(n, *tokens), coef[n + 1].view(n, *tokens), coef[1:n + 1].view(n, n, *tokens),
                 x.detach())
 
@@ -675,7 +675,7 @@ class _HCCoefficients(torch.autograd.Function):
         gx.addmm_(lhs.t(), rhs).addcmul_(xs, a.unsqueeze(-1))
         grad_x = gx.view(n, *ctx.x_shape[:-2], C).movedim(0, -2).to(dtype)
         return (grad_x, grad_W, grad_statics[0], grad_statics[1:n + 1].t(), grad_statics[n + 1],
-                by_scale[:n + 1].sum(), by_scale[n + 1], None)
+                by_scale[:n + 1].sum().view(ctx.scale_shapes[0]), by_scale[n + 1].view(ctx.scale_shapes[1]), None)
 
 
 class ManifoldHyperConnection(_StreamMixing):
