@@ -528,8 +528,8 @@ class _SinkhornNormalisations(torch.autograd.Function):
     first; forward identical to the plain loop. The backward is written out: through Q = P / s (s: sums over one
     axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4 small kernels per half-step where autograd
     runs about 8 (the Sinkhorn is hundreds of tiny ops). Only the sums and the final P are kept: the backward
-    walks the iterations in reverse and recovers each earlier P as Q * s, so the saved activations are the
-    n^2 + 2n numbers per token and iteration of the sums' shape, not n^2 more per half-step (benchmarks.md)."""
+    walks the iterations in reverse and recovers each earlier P as Q * s, so per token and iteration it keeps the
+    2n sums instead of 2n^2 + 2n numbers (benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, P, iters):
@@ -628,8 +628,8 @@ class _HCCoefficients(torch.autograd.Function):
     Per stream i and token: z = layer_norm(x_i) @ W^T (no affine), d = tanh(z), and the k = n + 2 coefficients
     c = static_i + scale * d: c_0 = A_m[i] (H_pre), c_1..n = A_r[i, :] (column i of H_res = A_r^T), c_n+1 = B[i]
     (H_post); scale is s_a, except s_b for B. All of it is one Function, computed k-major (k, n, tokens), so that
-    each coefficient comes out as contiguous slabs with the stream axes first, as the stream update reads them;
-    autograd through the small ops cost about 60 kernels per sublayer (benchmarks.md).
+    each coefficient comes out as contiguous slabs with the stream axes first, as the stream update reads them,
+    and autograd records one node instead of one per small op.
 
     The norm is folded into the projection: [W; 1/C] @ x gives the raw products and the mean in one thin matmul,
     a vector norm gives mean(x^2), and z = rstd (W x - mean W 1). So the normalised copy of the state is never
