@@ -59,7 +59,6 @@ MODES = {   # methods, depths, seeds, steps, trainer preset
     # the demo preset fixes its own model; --depth 4 (its depth) is passed so the run name is exact
     "demo": ("baseline,hc,mhc", "4", "42", None, "demo"),
 }
-METHODS = ("baseline", "hc", "mhc")
 # The trainer flags the launcher sets for each run: the run's identity and where it lives.
 OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps")
 
@@ -261,6 +260,8 @@ def parse_options(argv):
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args, extra = build_parser().parse_args(argv[:split]), argv[split + 1:]
+    if not args.out:                  # before Path(): Path("") is "." and would run the matrix in this folder
+        raise UsageError("--out must not be empty")
     modes = set(args.mode or [])
     if len(modes) > 1:
         raise UsageError("choose one of --full, --quick, --stress, --demo")
@@ -288,8 +289,6 @@ def parse_options(argv):
 
 
 def check_options(opt):
-    if not str(opt.out):
-        raise UsageError("--out must not be empty")
     if opt.slurm and (opt.dry_run or opt.summary or opt.nodes > 1):
         raise UsageError("--slurm submits the whole matrix: not with --dry-run, --summary or --nodes")
     if opt.calibrate and not opt.dry_run:
@@ -639,13 +638,15 @@ def plan_jobs(opt, jobs, calibration, gpu):
                 micros[key, micro] = "none-fits"
         if key not in rates:
             rate = measured_rate(calibration, key, opt.calibrate_steps) if calibration else None
-            if rate is None and peak:
-                numels = T.parameter_numels(cfg)
-                flops = T.flops_per_token(cfg, numels["total"] - numels["wte.weight"] - numels["wpe.weight"])
-            rates[key] = (rate, True) if rate else (T.ASSUMED_MFU * peak * opt.gpus_per_run / flops if peak else None,
-                                                    False)
+            if rate:
+                rates[key] = (rate, True)
+            elif peak:
+                flops = T.flops_per_token(cfg, T.count_parameters(cfg)["non_embedding"])
+                rates[key] = (T.ASSUMED_MFU * peak * opt.gpus_per_run / flops, False)
+            else:
+                rates[key] = (None, False)
         rate = rates[key][0]
-        tokens = max(0, cfg.steps - (job.step or 0)) * cfg.batch_size * cfg.seq_len
+        tokens = max(0, cfg.steps - (job.step or 0)) * cfg.tokens_per_step
         plan[job.name] = (micros[key, micro], tokens / rate if rate else None)
     if calibration:
         warmup = opt.calibrate_steps // 3
@@ -857,19 +858,19 @@ class Log:
             f.write(line + "\n")
 
 
-def last_line(path):
+def tail_lines(path, count):
+    """The last `count` lines of a log, read from its last 64 KiB: a train.log grows with every attempt."""
     try:
-        lines = Path(path).read_text(errors="replace").replace("\r", "").splitlines()
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            text = f.read().decode(errors="replace")
     except OSError:
-        return ""
-    return lines[-1][:300] if lines else ""
+        return []
+    return text.replace("\r", "").splitlines()[-count:]
 
 
-def probe_reason(status, log):
-    """A failed probe's last line, else what its exit status says."""
-    return (last_line(log) or ("timed out, no output" if status == 124 else
-                               f"killed by signal {status - 128}, no output" if status > 128 else
-                               f"exit status {status}, no output"))
+def last_line(path):
+    return "".join(tail_lines(path, 1))[:300]
 
 
 class Matrix:
@@ -919,7 +920,10 @@ class Matrix:
                                   "out --gpus)")
 
     def probe_reason(self, gpu, status):
-        return probe_reason(status, self.probes / f"probe{gpu}.log")
+        """A failed probe's last line, else what its exit status says."""
+        return (last_line(self.probes / f"probe{gpu}.log") or (
+            "timed out, no output" if status == 124 else f"killed by signal {status - 128}, no output" if status > 128
+            else f"exit status {status}, no output"))
 
     def quarantine(self, gpu, reason):
         self.gpu_state[gpu] = "quarantined"
@@ -932,7 +936,7 @@ class Matrix:
     def run(self):
         self.start()
         last_view = time.time()        # the first view a period after the start
-        while self.stopping and self.running or not self.stopping and (self.running or self.queue):
+        while self.running or not self.stopping and self.queue:
             self.handle_signals()
             if self.stopping:
                 if time.time() > self.stop_deadline:
@@ -1064,8 +1068,8 @@ class Matrix:
         elif code == EXIT_BAD_CONFIG:
             self.fail(job, f"bad arguments or config, not retried: {self.reason(job)}")
             train_log = self.opt.out / job.name / "train.log"
-            tail = train_log.read_text(errors="replace").splitlines()[-5:]
-            print(f"---- last lines of {train_log} ----", *tail, sep="\n", file=sys.stderr, flush=True)
+            print(f"---- last lines of {train_log} ----", *tail_lines(train_log, 5), sep="\n", file=sys.stderr,
+                  flush=True)
         elif code == EXIT_OOM:
             self.oom_retry(job)
         elif code == EXIT_DEVICE:

@@ -537,6 +537,7 @@ def test_bad_flags_give_usage_and_exit_2(tmp_path, args):
 @pytest.mark.parametrize("args", [
     ["--methods", ""], ["--seeds", ""], ["--depths", ""], ["--dry-run", "--out", "/proc/nope"],
     ["--dry-run", "--out", "A_FILE"], ["--dry-run", "--out", "A_FILE/under"], ["--out", "A_FILE/under"],
+    ["--dry-run", "--out", ""],
 ])
 def test_empty_lists_and_an_unusable_out_are_refused_before_anything_runs(tmp_path, args):
     (tmp_path / "a-file").write_text("x")
