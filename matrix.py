@@ -361,6 +361,13 @@ class Job:
     launched_at: float = 0.0
 
 
+def write_json(path, obj):
+    """Atomically: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj) + "\n")
+    os.replace(tmp, path)
+
+
 def read_json(path, newer_than=None):
     """A JSON file's content, or {} when missing, unreadable, or older than `newer_than` (left from before)."""
     try:
@@ -1199,13 +1206,6 @@ class Matrix:
             return EXIT_FAILED
         self.log("END", f"all {len(self.jobs)} runs finished (completed or diverged)")
         return EXIT_OK
-
-
-def write_json(path, obj):
-    """Atomically: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj) + "\n")
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------
