@@ -280,6 +280,32 @@ def test_op_benchmark_lists_the_stream_work_of_hc_and_mhc():
     assert "logsumexp" in mhc and "div" in mhc          # the Sinkhorn's log-domain pair and its divisions
 
 
+def test_mixing_benchmark_times_the_trainers_maths():
+    """bench_mixing's pointwise formulas (the ones it compiles) are the trainer's stream update and its gradients,
+    and the script runs end to end."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_mixing
+    n, tokens, C = 3, 5, 8
+    x = torch.randn(n, tokens, C, dtype=torch.float64, requires_grad=True)
+    H_pre, H_post = torch.randn(n, tokens, dtype=torch.float64), torch.randn(n, tokens, dtype=torch.float64)
+    H_res, grad = torch.randn(n, n, tokens, dtype=torch.float64), torch.randn(n, tokens, C, dtype=torch.float64)
+    coefficients = [H.requires_grad_() for H in (H_pre, H_post, H_res)]
+    out = T.stream_update(x.movedim(0, -2), H_pre, H_post, H_res, lambda u: u)
+    expected = torch.autograd.grad(out, (x, *coefficients), grad.movedim(0, -2))
+    with torch.no_grad():
+        u = bench_mixing.read(H_pre, x)
+        assert torch.allclose(bench_mixing.write(H_res, x, H_post, u), out.movedim(-2, 0))
+        grad_x, grad_u, grad_H_res, grad_H_post = bench_mixing.write_backward(grad, H_res, x, H_post, u)
+        grad_x, grad_H_pre = bench_mixing.read_backward(grad_u, H_pre, x, grad_x)
+    for got, want in zip((grad_x, grad_H_pre, grad_H_post, grad_H_res), expected):
+        assert torch.allclose(got, want)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_mixing.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "eager" in done.stdout and "floor" in done.stdout and "overhead per connection" in done.stdout
+
+
 def test_saved_activation_bytes_drop_with_checkpointing():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_step
