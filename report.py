@@ -434,7 +434,8 @@ def summarize(run):
         peak_abs=_peak(np.concatenate([s["amax_fwd_abs"][1], s["amax_bwd_abs"][1]])),
         peak_study=_peak(s["amax_study"][1]),
         peak_converged=_peak(np.concatenate([s["amax_fwd_converged"][1], s["amax_bwd_converged"][1]])),
-        converged_err=_peak(s["sinkhorn_converged_err"][1]), peak_col_err=_peak(s["sinkhorn_col_err"][1]), peak_bwd_bound=_peak(s["sinkhorn_bwd_bound"][1]),
+        converged_err=_peak(s["sinkhorn_converged_err"][1]), peak_col_err=_peak(s["sinkhorn_col_err"][1]),
+        peak_bwd_bound=_peak(s["sinkhorn_bwd_bound"][1]),
         arm=str(settings(run.config).get("preset", "")), data_seed=settings(run.config).get("data_seed"),
         precision=json.dumps(run.config.get("precision"), sort_keys=True) if run.config.get("precision")
         else "unrecorded",
@@ -1220,7 +1221,8 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
         raise ReportError(f"no matrix in {root} (no {log or 'matrix.log'} with a QUEUE line): start one with "
                           "run_experiments.sh")
     statuses = {name: read_json(root / name / "status.json") or {} for name in matrix.runs}
-    counts = {state: sum(s == state for s, _ in matrix.runs.values()) for state in ("done", "running", "queued", "failed")}
+    counts = {state: sum(s == state for s, _ in matrix.runs.values())
+              for state in ("done", "running", "queued", "failed")}
     eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run
     elapsed_h = (now - matrix.started) / 3600
     money = (f"${elapsed_h * gpus * matrix.price:,.0f} spent, ${eta / 3600 * gpus * matrix.price:,.0f} to go "

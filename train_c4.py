@@ -253,7 +253,8 @@ HELP = dict(
     resume="auto: continue from the newest complete checkpoint; never: refuse an existing run",
     parallel="strategy under torchrun", wandb="Weights & Biases mode; beats $WANDB_MODE (auto: $WANDB_MODE when set, "
     "else online with credentials, offline without)",
-    wandb_project="W&B project (default: $WANDB_PROJECT, else hc-mhc-c4)", preset="a named set of defaults; explicit flags win",
+    wandb_project="W&B project (default: $WANDB_PROJECT, else hc-mhc-c4)",
+    preset="a named set of defaults; explicit flags win",
     estimate="print the model size, the memory plan per GPU and the time per step, and stop (train nothing)",
     estimate_world_size="processes the --estimate plan is for (0: $WORLD_SIZE, else 1); with --parallel fsdp "
     "the parameters, gradients and optimizer states are sharded over them",
@@ -298,11 +299,10 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.",
-                                 argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=presets_text() + "\n\npython train_c4.py --consolidate CHECKPOINT OUT.pt writes "
-                                 "one file with the weights of a checkpoint\n(FSDP's sharded ones included), loadable "
-                                 "without a process group.")
+    epilog = (presets_text() + "\n\npython train_c4.py --consolidate CHECKPOINT OUT.pt writes one file with the "
+              "weights of a checkpoint\n(FSDP's sharded ones included), loadable without a process group.")
+    parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.", epilog=epilog,
+                                 argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter)
     fields = {field.name: field for field in dataclasses.fields(Config)}
     for title, names in FLAG_GROUPS.items():
         group = parser.add_argument_group(title)
@@ -1364,8 +1364,8 @@ class Prefetcher:
 
 class _StepShares(torch.utils.data.IterableDataset):
     """What one loader process reads: the windows of its own streams (every workers-th of those the rank's
-    batches read), one optimizer step after another. Its streams' states after each recent step stay in the process, and a
-    thread sends one when the training process asks (at a checkpoint): a state holds the shuffle buffers,
+    batches read), one optimizer step after another. Its streams' states after each recent step stay in the process,
+    and a thread sends one when the training process asks (at a checkpoint): a state holds the shuffle buffers,
     megabytes that would cost the training process more to receive every step than reading the data."""
 
     KEEP = 8            # recent steps whose states are kept: more than a worker can run ahead (prefetch 2)
@@ -2431,7 +2431,7 @@ def confirm_micro_batch(cfg: Config, dist: Dist, model: nn.Module, dtype: torch.
                 raise
             micro = next(d for d in divisors_descending(per_rank) if d <= micro // 2)
         finally:
-            states = idx = loss = None
+            states = idx = loss = None      # released before the next, smaller trial allocates its own
             local.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
     if dist.world > 1:                       # every rank must use the same micro-batch
@@ -2975,7 +2975,8 @@ def check_writable_folder(folder: Path, what: str) -> None:
 
 
 def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
-    """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, the files). A bad setting ends here with one line, before anything is allocated; only --out is created."""
+    """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, the files).
+    A bad setting ends here with one line, before anything is allocated; only --out is created."""
     micro, accum = batch_plan(cfg, dist.world)
     check_memory(cfg, dist, micro)
     data = resolve_data_files(cfg.data, cfg.val_data)
@@ -3091,7 +3092,8 @@ def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]
     if isinstance(error, TrainerError):
         return error.exit_code, str(error)
     if isinstance(error, torch.OutOfMemoryError):
-        return EXIT_OOM, f"out of memory at micro-batch {micro}; retry with --micro-batch-size {max(1, (micro or 2) // 2)}"
+        smaller = max(1, (micro or 2) // 2)
+        return EXIT_OOM, f"out of memory at micro-batch {micro}; retry with --micro-batch-size {smaller}"
     text = str(error)
     if isinstance(error, RuntimeError) and "gloo/transport" in text:
         # a peer closed its connection or did not answer within the time-out: gloo's message, minus its source path
