@@ -358,6 +358,11 @@ class Job:
     not_before: float = 0.0
     avoid: set = field(default_factory=set)     # GPUs it had a device error on
     gpus: str = ""
+
+    @property
+    def skipped_as(self) -> str | None:
+        """'completed' or 'diverged' for a run an earlier invocation finished (its status.json), else None."""
+        return self.state.removeprefix("skipped_") if self.state.startswith("skipped_") else None
     launched_at: float = 0.0
 
 
@@ -487,11 +492,16 @@ def trainer_config(flags):
         raise TrainerRejects(lines[-1] if lines else repr(error)) from None
 
 
+def passed_batches(opt, job):
+    """(micro-batch, global batch) the launcher passes to a job: its own (after an OOM halving) or the user's
+    extra flags; None where it passes none and the trainer decides."""
+    return (job.micro or extra_value(opt.extra, "--micro-batch-size"),
+            job.batch or extra_value(opt.extra, "--batch-size"))
+
+
 def known_batches(opt, job, defaults):
     """(micro-batch, global batch) of a job as far as the launcher knows, as text."""
-    micro = job.micro or extra_value(opt.extra, "--micro-batch-size") or defaults[0]
-    batch = job.batch or extra_value(opt.extra, "--batch-size") or defaults[1]
-    return str(micro), str(batch)
+    return tuple(str(passed or default) for passed, default in zip(passed_batches(opt, job), defaults))
 
 
 def trainer_defaults(opt, job):
@@ -593,7 +603,7 @@ def calibrate(opt, jobs, gpus, folder):
     keys, wave, slots = set(), [], slot_count(opt, gpus)
     steps = str(opt.calibrate_steps)
     for job in jobs + [None]:
-        if job is not None and f"{job.method}_d{job.depth}" not in keys and not job.state.startswith("skipped"):
+        if job is not None and f"{job.method}_d{job.depth}" not in keys and not job.skipped_as:
             key = f"{job.method}_d{job.depth}"
             keys.add(key)
             # last, so that they win: a throw-away run, no W&B, evaluation and checkpoint only at its end
@@ -706,7 +716,7 @@ def job_line(opt, job, slot, micro, batch, seconds):
 
 
 def dry_run(opt, jobs, gpus):
-    todo = [j for j in jobs if not j.state.startswith("skipped")]
+    todo = [j for j in jobs if not j.skipped_as]
     defaults = trainer_defaults(opt, todo[0] if todo else jobs[0])
     plan, lines, gpu = {}, [], "cpu" if gpus == ["cpu"] else (nvidia_smi("name", gpus[0]) or [""])[0]
     if real_trainer():
@@ -728,8 +738,8 @@ def dry_run(opt, jobs, gpus):
     started = dict.fromkeys(range(opt.nodes), 0)
     auto_planned = False
     for job in jobs:
-        if job.state.startswith("skipped"):
-            print(f"{job.name:<17} skip ({job.state.removeprefix('skipped_')})")
+        if job.skipped_as:
+            print(f"{job.name:<17} skip ({job.skipped_as})")
             continue
         slot = slot_label(opt, gpus, started[job.node]) if started[job.node] < slots else None
         started[job.node] += 1
@@ -788,10 +798,10 @@ def task_time(opt, jobs):
 
 
 def submit_slurm(opt, jobs):
-    todo = [j for j in jobs if not j.state.startswith("skipped")]
+    todo = [j for j in jobs if not j.skipped_as]
     for job in jobs:
-        if job.state.startswith("skipped"):
-            print(f"{job.name:<17} skip ({job.state.removeprefix('skipped_')})")
+        if job.skipped_as:
+            print(f"{job.name:<17} skip ({job.skipped_as})")
     if not todo:
         print(f"Nothing to submit: every run in {opt.out} completed or diverged.")
         return EXIT_OK
@@ -911,8 +921,8 @@ class Matrix:
         self.log("QUEUE", f"slots={slot_count(o, self.gpus)} gpus_per_run={o.gpus_per_run} gpus={','.join(self.gpus)} "
                           f"price_per_gpu_hour={o.price:g} runs={','.join(j.name for j in self.jobs)}")
         for job in self.jobs:
-            if job.state.startswith("skipped"):
-                self.log("SKIP", f"{job.name} already {job.state.removeprefix('skipped_')} (status.json)")
+            if job.skipped_as:
+                self.log("SKIP", f"{job.name} already {job.skipped_as} (status.json)")
             else:
                 self.queue.append(job)
         if not self.cpu and self.queue:
@@ -1148,8 +1158,7 @@ class Matrix:
         """(micro-batch, global batch) this attempt used: its config.json, else what the launcher passed, else the
         trainer's default for these flags (the OOM may come before config.json is written)."""
         config = read_json(self.opt.out / job.name / "config.json", newer_than=job.launched_at).get("config", {})
-        passed = {"micro_batch_size": job.micro or extra_value(self.opt.extra, "--micro-batch-size"),
-                  "batch_size": job.batch or extra_value(self.opt.extra, "--batch-size")}
+        passed = dict(zip(("micro_batch_size", "batch_size"), passed_batches(self.opt, job)))
         used = {key: config[key] if isinstance(config.get(key), int) else passed[key] for key in passed}
         if not str(used["micro_batch_size"]).isdigit() and real_trainer():
             with contextlib.suppress(TrainerRejects):
