@@ -439,7 +439,7 @@ def stream_update(x, H_pre, H_post, H_res, sublayer):
         u, streams = _StreamRead.apply(H_pre.to(x.dtype), x.movedim(-2, 0))
     y = sublayer(u)
     with _autocast_off(x):
-        return _StreamWrite.apply(H_res.to(x.dtype), streams, H_post.to(x.dtype), y.to(x.dtype)).movedim(0, -2)
+        return _StreamWrite.apply(H_res.to(x.dtype), streams, H_post.to(x.dtype), y.to(x.dtype))
 
 
 def _token_dots(a, b):
@@ -487,18 +487,21 @@ class _StreamRead(torch.autograd.Function):
 
 class _StreamWrite(torch.autograd.Function):
     """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y per token, for H_res (n, n, ...), the stream slabs
-    x (n, ..., C), H_post (n, ...), y (..., C); the result is stream-major. The backward is written out (scaled
-    adds of slabs for x and y, per-token dot products for the coefficients) and guarantees what _StreamRead
-    relies on: x's gradient is a new tensor of its own."""
+    x (n, ..., C), H_post (n, ...), y (..., C); the result is the state (..., n, C), stored stream-major. The
+    backward is written out (scaled adds of slabs for x and y, per-token dot products for the coefficients) and
+    guarantees what _StreamRead relies on: x's gradient is a new tensor of its own."""
 
     @staticmethod
     def forward(ctx, H_res, streams, H_post, y):
         ctx.save_for_backward(H_res, streams, H_post, y)
-        return _mixed_slabs(H_res, streams).addcmul_(H_post.unsqueeze(-1), y)
+        # returned as a detached alias of the stream-major slabs, not as a view of them: FSDP2 warns of every view
+        # a wrapped module returns (an in-place op on it would skip its all-gather), and nothing else holds them
+        return _mixed_slabs(H_res, streams).addcmul_(H_post.unsqueeze(-1), y).movedim(0, -2).detach()
 
     @staticmethod
     def backward(ctx, grad):
         H_res, streams, H_post, y = ctx.saved_tensors
+        grad = grad.movedim(-2, 0)          # the slabs: stream-major as the next connection's backward made it
         # x's gradient (n slabs) and y's (one more) in one pass over grad; the slabs do not overlap
         grad_x_y = _mixed_slabs(torch.cat([H_res.transpose(0, 1), H_post.unsqueeze(0)]), grad)
         return (_token_dots(grad, streams).movedim((-2, -1), (0, 1)), grad_x_y[:-1],
@@ -579,7 +582,9 @@ class _StreamMixing(nn.Module):
 
     def forward(self, x, sublayer):
         x, H_pre, H_post, H_res, res_logits = self.streams_and_coefficients(x)
-        return stream_update(x, H_pre, H_post, H_res, sublayer), (H_res.movedim((0, 1), (-2, -1)), res_logits)
+        # the record is for measuring, not for training: detached, it is no view FSDP2 would warn of either
+        record = H_res.detach().movedim((0, 1), (-2, -1)), None if res_logits is None else res_logits.detach()
+        return stream_update(x, H_pre, H_post, H_res, sublayer), record
 
     def coefficients(self, x):
         """H_pre (..., n), H_post (..., n), H_res (..., n, n) and res_logits of the streams x (..., n, C)."""
