@@ -232,6 +232,8 @@ def test_ddp_and_fsdp_share_one_precision_policy(tmp_path):
         code, _, stderr = torchrun(tmp_path / parallel, parallel, "--residual", "mhc", "--dtype", "bf16",
                                    "--steps", "6")
         assert code == 0, stderr
+        # FSDP2 warns of each view a wrapped module returns (an in-place op on it would skip the all-gather)
+        assert "returned a view tensor" not in stderr
         run_dir = tmp_path / parallel / "mhc_d2_s42"
         probes[parallel] = [r for r in metrics(run_dir) if "amax_bwd" in r]
         assert json.loads((run_dir / "config.json").read_text())["precision"]["mixing_parameters"] == "fp32"
