@@ -358,12 +358,12 @@ class Job:
     not_before: float = 0.0
     avoid: set = field(default_factory=set)     # GPUs it had a device error on
     gpus: str = ""
+    launched_at: float = 0.0
 
     @property
     def skipped_as(self) -> str | None:
         """'completed' or 'diverged' for a run an earlier invocation finished (its status.json), else None."""
         return self.state.removeprefix("skipped_") if self.state.startswith("skipped_") else None
-    launched_at: float = 0.0
 
 
 def write_json(path, obj):
