@@ -109,8 +109,8 @@ def mixing_times(args, flush) -> dict:
 
 
 def compiled_time(args, flush, x, H_pre, H_post, H_res, grad) -> float:
-    kernels = [torch.compile(f, dynamic=True) for f in (read, write, write_backward, read_backward)]
-    compiled_read, compiled_write, compiled_write_backward, compiled_read_backward = kernels
+    compiled_read, compiled_write, compiled_write_backward, compiled_read_backward = (
+        torch.compile(f, dynamic=True) for f in (read, write, write_backward, read_backward))
 
     def run():
         u = compiled_read(H_pre, x)
@@ -124,8 +124,10 @@ def compiled_time(args, flush, x, H_pre, H_post, H_res, grad) -> float:
 
 def overhead_per_connection(args) -> dict:
     """ms per connection that HC and mHC add to a step at width 64, 8 tokens: dispatch and autograd, not kernels."""
-    setup = argparse.Namespace(depth=4, width=64, heads=1, n=args.n, seq=8, tokenizer="byte", micro_batch=1,
-                               dtype="fp32", probe_sequences=1, activation_checkpointing=False, compile=False)
+    # bench_step's own flags, so that the config is built as every step benchmark builds it
+    setup = bench_step.parse_args(["--depth", "4", "--seq", "8", "--micro-batch", "1", "--n", str(args.n),
+                                   "--probe-sequences", "1"])
+    bench_step.at_width(setup, 64)
     variants = {name: bench_step.Variant(bench_step.config(setup, name), torch.device("cpu"))
                 for name in bench_step.VARIANTS}
     best = dict.fromkeys(variants, float("inf"))
