@@ -72,6 +72,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import contract
+import fused
 from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
                       EXIT_OOM)
 
@@ -134,6 +135,7 @@ class Config:
     mhc_pre_bias: float = 4.0
     norm_eps: float = 1e-5
     attn: str = "auto"
+    kernels: str = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
     dtype: str = "auto"
@@ -206,6 +208,7 @@ PRESETS = {
 }
 
 CHOICES = dict(residual=("baseline", "hc", "mhc"), preset=tuple(PRESETS), attn=("auto", "flash", "sdpa"),
+               kernels=("auto", "reference", "fused"),
                dtype=("auto", "bf16", "fp32"), tokenizer=("gpt2", "byte"), resume=("auto", "never"),
                parallel=("ddp", "fsdp"), wandb=("auto", "online", "offline", "disabled"))
 
@@ -219,6 +222,8 @@ HELP = dict(
     mhc_res_diag="mHC b_res = c * I: the diagonal bias of H_res's logits (c=4: diagonal ~0.95 at init)",
     mhc_pre_bias="mHC b_pre: +c on stream (k mod n), -c elsewhere", norm_eps="epsilon of every LayerNorm",
     attn="attention kernel: flash-attn 2, PyTorch SDPA, or auto (flash when installed on CUDA with bf16)",
+    kernels="HC/mHC residual streams: the papers' formulas with autograd (reference), fused.py's hand-written "
+    "backward passes (fused, the same maths), or auto (fused on the CPU, where it was timed faster; reference on CUDA)",
     activation_checkpointing="recompute each sublayer (and its stream mixing) in the backward pass",
     compile="torch.compile each transformer block", dtype="autocast dtype (auto: bf16 on CUDA, fp32 on CPU)",
     batch_size="global sequences per optimizer step, whatever the number of processes",
@@ -265,7 +270,8 @@ HELP = dict(
 # --help's argument groups: every Config field in exactly one (a test checks it)
 FLAG_GROUPS = {
     "model": ("preset", "residual", "depth", "width", "heads", "expansion", "seq_len", "sinkhorn_iters",
-              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "attn", "dtype"),
+              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "attn", "kernels",
+              "dtype"),
     "optimisation": ("batch_size", "micro_batch_size", "steps", "lr", "warmup", "min_lr_ratio", "weight_decay",
                      "grad_clip", "no_mixing_decay", "seed", "compile", "activation_checkpointing"),
     "data": ("data", "val_data", "tokenizer", "data_seed", "data_streams", "data_workers", "prefetch", "data_timeout",
@@ -377,7 +383,8 @@ def padded_vocab_size(tokenizer: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# model: GPT-2 body with a switchable residual path (plain, HC, mHC) acting on n persistent streams
+# model: GPT-2 body with a switchable residual path (plain, HC, mHC) acting on n persistent streams; each path
+# is its paper's formulas with autograd (docs/model.md), fused.py the same maths with hand-written backward passes
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, use_flash: bool):
@@ -409,9 +416,8 @@ class MLP(nn.Module):
 
 
 class StreamNorm(nn.LayerNorm):
-    """LayerNorm in its input's dtype. Under FSDP its weights arrive in bf16 while the streams it reads are
-    fp32 (precision_policy): the weights are cast to the input, which CUDA's autocast does anyway (layer_norm
-    runs in fp32 there) and CPU's autocast refuses to do."""
+    """LayerNorm in its input's dtype: under FSDP its weights arrive in bf16 while the streams are fp32, and CPU's
+    autocast, unlike CUDA's, does not cast them."""
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(u, self.normalized_shape, self.weight.to(u.dtype), self.bias.to(u.dtype), self.eps)
@@ -429,183 +435,74 @@ class PreNorm(nn.Module):
         return self.inner(self.norm(u))
 
 
-def stream_update(x, H_pre, H_post, H_res, sublayer):
-    """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C), stored stream-major
-    (GPT.forward). The coefficients come with their stream (and matrix) axes first, as the connections compute
-    them: H_pre and H_post (n, ...), H_res (n, n, ...) with H_res[i, j] the weight of stream j in stream i."""
-    # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way. The Functions
-    # take x as n slabs of (..., C)
-    with _autocast_off(x):
-        u, streams = _StreamRead.apply(H_pre.to(x.dtype), x.movedim(-2, 0))
-    y = sublayer(u)
-    with _autocast_off(x):
-        return _StreamWrite.apply(H_res.to(x.dtype), streams, H_post.to(x.dtype), y.to(x.dtype))
-
-
-def _token_dots(a, b):
-    """(..., p, q): per token, the dot products over C of a's p slabs (p, ..., C) with b's q slabs (q, ..., C).
-    One batched matmul over the tokens, (p x C) @ (C x q) each, read straight from the stream-major slabs."""
-    p, q, C = a.shape[0], b.shape[0], a.shape[-1]
-    tokens = a.shape[1:-1]
-    return torch.bmm(a.reshape(p, -1, C).transpose(0, 1), b.reshape(q, -1, C).permute(1, 2, 0)).view(*tokens, p, q)
-
-
-def _mixed_slabs(H, slabs):
-    """(n, ..., C) with slab i = sum_j H[i, j] * slabs[j], for per-token weights H (n, m, ...) and slabs (m, ..., C):
-    m scaled adds of contiguous (..., C) slabs, all n destinations at once: the per-token (n x m) @ (m x C) product
-    without one tiny matmul per token, which the CPU runs at ~6 GFLOP/s (benchmarks.md). The result is a new
-    stream-major tensor, whatever the layout of the slabs."""
-    # H contiguous (a small copy at most) puts the destination axis first in the product's inferred layout, in eager
-    # and in torch.compile's functionalised graph alike (an out= argument would hold in eager only)
-    weights, sources = H.contiguous().unsqueeze(-1).unbind(1), slabs.unbind(0)    # two ops, not two per source
-    out = weights[0] * sources[0]
-    for weight, source in zip(weights[1:], sources[1:]):
-        out.addcmul_(weight, source)
-    return out
-
-
-class _StreamRead(torch.autograd.Function):
-    """u = sum_j H_pre[j] x[j] per token, for H_pre (n, ...) and the stream slabs x (n, ..., C); x is passed through
-    as a second output for _StreamWrite to read. The backward is written out so that this term of x's gradient is
-    added in place into the one the write created, where autograd would add the two into a new n x C tensor
-    per token (benchmarks.md)."""
-
-    @staticmethod
-    def forward(ctx, H_pre, streams):
-        ctx.save_for_backward(H_pre, streams)
-        # passed through as a detached alias (same storage, no copy): returning the input itself makes autograd
-        # wrap it as a view, which torch.compile's tracing of the Function rejects
-        return _mixed_slabs(H_pre.unsqueeze(0), streams)[0], streams.detach()
-
-    @staticmethod
-    def backward(ctx, grad_u, grad_streams):
-        H_pre, streams = ctx.saved_tensors
-        # grad_streams is _StreamWrite's own new tensor (or autograd's materialised zeros): nothing else holds it
-        grad_x = grad_streams.addcmul_(H_pre.unsqueeze(-1), grad_u)
-        return _token_dots(grad_u.unsqueeze(0), streams).squeeze(-2).movedim(-1, 0), grad_x
-
-
-class _StreamWrite(torch.autograd.Function):
-    """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y per token, for H_res (n, n, ...), the stream slabs
-    x (n, ..., C), H_post (n, ...), y (..., C); the result is the state (..., n, C), stored stream-major. The
-    backward is written out (scaled adds of slabs for x and y, per-token dot products for the coefficients) and
-    guarantees what _StreamRead relies on: x's gradient is a new tensor of its own."""
-
-    @staticmethod
-    def forward(ctx, H_res, streams, H_post, y):
-        ctx.save_for_backward(H_res, streams, H_post, y)
-        # returned as a detached alias of the stream-major slabs, not as a view of them: FSDP2 warns of every view
-        # a wrapped module returns (an in-place op on it would skip its all-gather), and nothing else holds them
-        return _mixed_slabs(H_res, streams).addcmul_(H_post.unsqueeze(-1), y).movedim(0, -2).detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        H_res, streams, H_post, y = ctx.saved_tensors
-        grad = grad.movedim(-2, 0)          # the slabs: stream-major as the next connection's backward made it
-        # x's gradient (n slabs) and y's (one more) in one pass over grad; the slabs do not overlap
-        grad_x_y = _mixed_slabs(torch.cat([H_res.transpose(0, 1), H_post.unsqueeze(0)]), grad)
-        return (_token_dots(grad, streams).movedim((-2, -1), (0, 1)), grad_x_y[:-1],
-                _token_dots(grad, y.unsqueeze(0)).squeeze(-1).movedim(-1, 0), grad_x_y[-1])
-
-
-def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """Project exp(logits) onto the doubly stochastic matrices with `iters` column-then-row normalisations;
-    rows are normalised last, so row sums are exact. Computed in at least fp32 (bf16 input is promoted).
-
-    The first pair runs in the log domain (subtracting logsumexps): the same maths as dividing exp(logits) by
-    its sums, but it cannot overflow or divide by zero, and afterwards every row holds an entry >= 1/n and
-    every column one >= 1/n^2. So the remaining pairs, plain divisions on the cheaper linear scale, never
-    meet a zero sum either, whatever the logits' range (+-1e4, a column that would underflow entirely)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    # the work runs with the matrix axes first and the tokens last: each sum over a matrix axis then adds n
-    # contiguous rows of tokens, ~7x faster on the CPU than n-element reductions per token (benchmarks.md)
-    balanced = logits.movedim((-2, -1), (0, 1)).contiguous()
-    balanced = balanced - balanced.logsumexp(0, keepdim=True)
-    balanced = balanced - balanced.logsumexp(1, keepdim=True)
-    # returned as a view of that layout: the stream update reads H_res with the matrix axes first as well
-    return _SinkhornNormalisations.apply(balanced.exp(), iters - 1).movedim((0, 1), (-2, -1))
-
-
-class _SinkhornNormalisations(torch.autograd.Function):
-    """iters times: P /= column sums, then P /= row sums, for matrices P (n, n, ...) stored with the matrix axes
-    first; forward identical to the plain loop. The backward is written out: through Q = P / s (s: sums over one
-    axis), dP = (dQ - sum(dQ * Q)) / s over that axis, which is 4 small kernels per half-step where autograd
-    runs about 8 (the Sinkhorn is hundreds of tiny ops). Only the sums and the final P are kept: the backward
-    walks the iterations in reverse and recovers each earlier P as Q * s, so per token and iteration it keeps the
-    2n sums instead of 2n^2 + 2n numbers (benchmarks.md)."""
-
-    @staticmethod
-    def forward(ctx, P, iters):
-        sums = []
-        for _ in range(iters):
-            for dim in (0, 1):
-                sums.append(P.sum(dim, keepdim=True))
-                P = P / sums[-1]
-        ctx.save_for_backward(P, *sums)
-        return P
-
-    @staticmethod
-    def backward(ctx, grad):
-        Q, *sums = ctx.saved_tensors
-        grad = grad.contiguous()            # it arrives in the caller's tokens-first layout: every op would keep it
-        for k in reversed(range(len(sums))):
-            s = sums[k]
-            grad = (grad - (grad * Q).sum(k % 2, keepdim=True)) / s
-            if k:
-                Q = Q * s                   # the P this half-step divided: the previous half-step's result
-        return grad, None
-
-
 def _autocast_off(x: torch.Tensor):
-    # mixing coefficients are computed in fp32 and the streams mixed in their own dtype, whatever the autocast
+    # the coefficients are computed in fp32 and the streams mixed in their own dtype, whatever the autocast
     return torch.autocast(x.device.type, enabled=False)
 
 
-class PlainResidual(nn.Module):
-    """Baseline: x + F(norm(x)) on a single stream; it has no mixing matrix (reported as gain 1).
+def stream_update(x, H_pre, H_post, H_res, sublayer):
+    """x_next = H_res x + H_post^T F(norm(H_pre x)) per token: x (..., n, C), H_pre, H_post (..., n), H_res (..., n, n)."""
+    with _autocast_off(x):
+        u = torch.einsum("...j,...jc->...c", H_pre, x)
+    y = sublayer(u).to(x.dtype)
+    with _autocast_off(x):
+        return H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)
 
-    Every connection returns the next state and its mixing record for the probe: None here, (H_res, None)
-    for HC, (H_res, the logits Sinkhorn projected) for mHC, so that the probe can measure the projection."""
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """exp(logits) projected onto the doubly stochastic matrices by `iters` column-then-row normalisations, in
+    at least fp32. Rows are normalised last: every row sum is exact, the columns carry the truncation error."""
+    P = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # the first pair in the log domain: the same maths, but it cannot overflow or leave a zero sum (docs/model.md)
+    P = P - P.logsumexp(-2, keepdim=True)
+    return balance((P - P.logsumexp(-1, keepdim=True)).exp(), iters - 1)
+
+
+def balance(P: torch.Tensor, iters: int) -> torch.Tensor:
+    """`iters` Sinkhorn pairs on the linear scale: divide by the column sums, then by the row sums."""
+    for _ in range(iters):
+        P = P / P.sum(-2, keepdim=True)
+        P = P / P.sum(-1, keepdim=True)
+    return P
+
+
+class PlainResidual(nn.Module):
+    """Baseline: x + F(norm(x)) on a single stream. Like every connection it returns the next state and its
+    mixing record for the probe: None here (gain 1), (H_res, None) for HC, (H_res, its logits) for mHC."""
 
     def forward(self, x, sublayer):
         return x + sublayer(x.squeeze(-2)).unsqueeze(-2), None
 
 
 class _StreamMixing(nn.Module):
-    """HC and mHC: coefficients from the streams (the subclass's), then the shared stream update.
-
-    The subclass's streams_and_coefficients(x) returns x passed through its coefficient projection, then
-    H_pre, H_post, H_res with their stream axes first (stream_update) and the logits Sinkhorn projected (None
-    for HC). The stream update reads the passed-through x, so x's whole gradient reaches the projection's
-    backward, which adds its own term in place (see _StreamRead): one n x C gradient per token and sublayer
-    instead of five (benchmarks.md)."""
+    """HC and mHC: per-token coefficients (the subclass's), then the stream update; fused.py's on the fused path."""
 
     def forward(self, x, sublayer):
-        x, H_pre, H_post, H_res, res_logits = self.streams_and_coefficients(x)
-        # the record is for measuring, not for training: detached, it is no view FSDP2 would warn of either
-        record = H_res.detach().movedim((0, 1), (-2, -1)), None if res_logits is None else res_logits.detach()
-        return stream_update(x, H_pre, H_post, H_res, sublayer), record
+        if not self.fused_kernels:
+            H_pre, H_post, H_res, res_logits = self.coefficients(x)
+            return stream_update(x, H_pre, H_post, H_res, sublayer), (H_res.detach(), _detached(res_logits))
+        # fused: the coefficients come stream axes first, and x passed through their projection (fused.py)
+        x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
+        record = H_res.detach().movedim((0, 1), (-2, -1)), _detached(res_logits)
+        return fused.stream_update(x, H_pre, H_post, H_res, sublayer), record
 
-    def coefficients(self, x):
-        """H_pre (..., n), H_post (..., n), H_res (..., n, n) and res_logits of the streams x (..., n, C)."""
-        _, H_pre, H_post, H_res, res_logits = self.streams_and_coefficients(x)
-        return H_pre.movedim(0, -1), H_post.movedim(0, -1), H_res.movedim((0, 1), (-2, -1)), res_logits
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
 
 
 class HyperConnection(_StreamMixing):
     """Dynamic HC (arXiv 2409.19606): per-stream read, mix and write weights, tanh-scaled around static ones."""
+    fused_coefficients = fused.hc_coefficients
 
-    def __init__(self, cfg: Config, sublayer_index: int):
+    def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
         super().__init__()
         n = cfg.expansion
-        self.n, self.eps, self.sublayer_index = n, cfg.norm_eps, sublayer_index
-        # one fused projection for W_m (1 column), W_r (n columns) and W_b (1 column)
-        self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)
-        self.A_m_static = nn.Parameter(torch.zeros(n))
+        self.n, self.eps, self.sublayer_index, self.fused_kernels = n, cfg.norm_eps, sublayer_index, fused_kernels
+        self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)          # W_m | W_r (n columns) | W_b
+        self.A_m_static, self.B_static = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
         self.A_r_static = nn.Parameter(torch.zeros(n, n))
-        self.B_static = nn.Parameter(torch.zeros(n))
-        self.s_a = nn.Parameter(torch.zeros(()))
-        self.s_b = nn.Parameter(torch.zeros(()))
+        self.s_a, self.s_b = nn.Parameter(torch.zeros(())), nn.Parameter(torch.zeros(()))
         self.scale_init = cfg.hc_scale_init
         self.reset_mixing()
 
@@ -619,77 +516,27 @@ class HyperConnection(_StreamMixing):
         self.s_a.fill_(self.scale_init)
         self.s_b.fill_(self.scale_init)
 
-    def streams_and_coefficients(self, x):
+    def coefficients(self, x):
+        """H_pre, H_post (..., n), H_res (..., n, n) and no logits, for the streams x (..., n, C)."""
+        n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
         with _autocast_off(x):
-            H_pre, H_post, H_res, x = _HCCoefficients.apply(
-                x, self.dynamic.weight.float(), self.A_m_static.float(), self.A_r_static.float(),
-                self.B_static.float(), self.s_a.float(), self.s_b.float(), self.eps)
-        return x, H_pre, H_post, H_res, None
-
-
-class _HCCoefficients(torch.autograd.Function):
-    """(H_pre, H_post, H_res, x) of HC for the streams x (..., n, C), x passed through (see _StreamMixing).
-
-    Per stream i and token: z = layer_norm(x_i) @ W^T (no affine), d = tanh(z), and the k = n + 2 coefficients
-    c = static_i + scale * d: c_0 = A_m[i] (H_pre), c_1..n = A_r[i, :] (column i of H_res = A_r^T), c_n+1 = B[i]
-    (H_post); scale is s_a, except s_b for B. All of it is one Function, computed k-major (k, n, tokens), so that
-    each coefficient comes out as contiguous slabs with the stream axes first, as the stream update reads them,
-    and autograd records one node instead of one per small op.
-
-    The norm is folded into the projection: [W; 1/C] @ x gives the raw products and the mean in one thin matmul,
-    a vector norm gives mean(x^2), and z = rstd (W x - mean W 1). So the normalised copy of the state is never
-    written. The variance mean(x^2) - mean^2 loses digits when a stream's mean is far above its spread
-    (relative error ~ 1e-7 (mean / spread)^2; tests/test_perf.py checks mean 30x spread against the plain norm).
-    The backward is written out: with g = dz rstd, dW = g^T x - (g . mean) 1^T and
-    dx = g @ (W - row means) - rstd (g . z) (x - mean) / C, accumulated in place into x's incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, x, W, A_m_static, A_r_static, B_static, s_a, s_b, eps):
-        n, C = x.shape[-2:]
-        tokens = x.shape[:-2]
-        xs = x.movedim(-2, 0).to(W.dtype).reshape(-1, C)                      # (n tokens, C), a view in the model
-        raw = torch.cat([W, W.new_full((1, C), 1 / C)]) @ xs.t()               # (k + 1, n tokens)
-        mean = raw[-1]
-        var = (torch.linalg.vector_norm(xs, dim=-1).square_().div_(C) - mean.square()).clamp_min_(0)
-        rstd = var.add_(eps).rsqrt_()
-        z = raw[:-1].addcmul_(W.sum(-1, keepdim=True), mean, value=-1).mul_(rstd)
-        d = torch.tanh(z)
-        scale = torch.cat([s_a.expand(n + 1), s_b.view(1)]).unsqueeze(-1)       # (k, 1)
-        statics = torch.cat([A_m_static.view(1, n), A_r_static.t(), B_static.view(1, n)]).unsqueeze(-1)
-        coef = torch.addcmul(statics, d.view(n + 2, n, -1), scale.unsqueeze(-1))    # (k, n, tokens)
-        ctx.save_for_backward(xs, W, mean, rstd, z, d, scale)
-        ctx.x_shape, ctx.scale_shapes = x.shape, (s_a.shape, s_b.shape)     # () or, under FSDP, (1,)
-        return (coef[0].view(n, *tokens), coef[n + 1].view(n, *tokens), coef[1:n + 1].view(n, n, *tokens),
-                x.detach())
-
-    @staticmethod
-    def backward(ctx, grad_pre, grad_post, grad_res, grad_x):
-        xs, W, mean, rstd, z, d, scale = ctx.saved_tensors
-        n, C = ctx.x_shape[-2:]
-        # the gradients arrive in whatever layout their consumers made: cat copies them into one k-major tensor
-        grad_coef = torch.cat([grad_pre.unsqueeze(0), grad_res, grad_post.unsqueeze(0)]).view(n + 2, -1)
-        grad_statics = grad_coef.view(n + 2, n, -1).sum(-1)                       # (k, n)
-        by_scale = (grad_coef * d).sum(-1)
-        g = grad_coef.mul_(scale).mul_(1 - d.square()).mul_(rstd)               # dz rstd, (k, n tokens)
-        grad_W = (g @ xs).sub_((g @ mean).unsqueeze(-1))
-        # the mean's term of dx joins the matmul as one more row: [g; -a mean] @ [W - row means; 1]
-        a = (g * z).sum(0).mul_(rstd / -C)
-        lhs = torch.cat([g, (a * mean).neg_().unsqueeze(0)])
-        rhs = torch.cat([W - W.mean(-1, keepdim=True), W.new_ones(1, C)])
-        dtype, gx = grad_x.dtype, grad_x.movedim(-2, 0).to(W.dtype).reshape(-1, C)     # a view when stream-major
-        gx.addmm_(lhs.t(), rhs).addcmul_(xs, a.unsqueeze(-1))
-        grad_x = gx.view(n, *ctx.x_shape[:-2], C).movedim(0, -2).to(dtype)
-        return (grad_x, grad_W, grad_statics[0], grad_statics[1:n + 1].t(), grad_statics[n + 1],
-                by_scale[:n + 1].sum().view(ctx.scale_shapes[0]), by_scale[n + 1].view(ctx.scale_shapes[1]), None)
+            xb = F.layer_norm(x.to(dtype), x.shape[-1:], eps=self.eps)         # each stream's own norm, no affine
+            d = torch.tanh(F.linear(xb, self.dynamic.weight.to(dtype)))         # (..., n, n + 2)
+            A_m = self.s_a * d[..., 0] + self.A_m_static
+            A_r = self.s_a * d[..., 1:n + 1] + self.A_r_static
+            B = self.s_b * d[..., n + 1] + self.B_static
+        # row i of A_r says where stream i goes: the matrix that acts on x is its transpose
+        return A_m, B, A_r.transpose(-1, -2), None
 
 
 class ManifoldHyperConnection(_StreamMixing):
     """mHC (arXiv 2512.24880): coefficients from the whole flattened state, H_res doubly stochastic."""
+    fused_coefficients = fused.mhc_coefficients
 
-    def __init__(self, cfg: Config, sublayer_index: int):
+    def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
         super().__init__()
         n = cfg.expansion
-        self.n, self.iters, self.eps = n, cfg.sinkhorn_iters, cfg.norm_eps
+        self.n, self.iters, self.eps, self.fused_kernels = n, cfg.sinkhorn_iters, cfg.norm_eps, fused_kernels
         self.sublayer_index, self.cfg_init = sublayer_index, (cfg.mhc_gate_init, cfg.mhc_pre_bias, cfg.mhc_res_diag)
         self.phi = nn.Linear(n * cfg.width, n * n + 2 * n, bias=False)    # [z_pre | z_post | z_res]
         self.a_pre, self.a_post, self.a_res = (nn.Parameter(torch.zeros(())) for _ in range(3))
@@ -708,71 +555,37 @@ class ManifoldHyperConnection(_StreamMixing):
         self.b_post.zero_()
         self.b_res.copy_(res_diag * torch.eye(self.n))
 
-    def streams_and_coefficients(self, x):
-        n = self.n
+    def coefficients(self, x):
+        """H_pre, H_post (..., n), H_res (..., n, n) and the logits Sinkhorn projected, for the streams x (..., n, C)."""
+        n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
         with _autocast_off(x):
-            z, x = _RMSScaledProjection.apply(x, self.phi.weight.float(), self.eps)
+            v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
+            z = F.linear(v, self.phi.weight.to(dtype)) * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
             z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
-            H_pre = torch.sigmoid(self.a_pre.float() * z_pre + self.b_pre.float())
-            H_post = 2 * torch.sigmoid(self.a_post.float() * z_post + self.b_post.float())
-            res_logits = self.a_res.float() * z_res.unflatten(-1, (n, n)) + self.b_res.float()
-            H_res = sinkhorn(res_logits, self.iters)
-        # sinkhorn's result is a view of a matrix-axes-first tensor: back to that layout, no copy
-        return x, H_pre.movedim(-1, 0), H_post.movedim(-1, 0), H_res.movedim((-2, -1), (0, 1)), res_logits
+            H_pre = torch.sigmoid(self.a_pre * z_pre + self.b_pre)
+            H_post = 2 * torch.sigmoid(self.a_post * z_post + self.b_post)
+            res_logits = self.a_res * z_res.unflatten(-1, (n, n)) + self.b_res
+            return H_pre, H_post, sinkhorn(res_logits, self.iters), res_logits
 
 
-class _RMSScaledProjection(torch.autograd.Function):
-    """(z, x) with z = (v @ phi^T) / sqrt(mean(v^2) + eps), v the flattened streams vec(x) of x (..., n, C), in phi's
-    dtype; x is passed through (see _StreamMixing). v is never formed: its columns are the n stream-major slabs, so
-    v @ phi^T is a sum of n (tokens x C) @ (C x k) products (one batched matmul) and the RMS a sum of per-stream norms.
-    The backward is written out: the RMS term's gradient, a per-token multiple of x, and the projection's are added
-    in place into x's incoming gradient, where autograd writes five nC-sized tensors per token (the projection's,
-    the norm's three, their sum) and a sixth to add them to x's."""
-
-    @staticmethod
-    def forward(ctx, x, phi, eps):
-        n, C = x.shape[-2:]
-        xs = x.movedim(-2, 0).to(phi.dtype)     # fp32 in the model (the weight is cast to it)
-        phis = phi.view(-1, n, C).transpose(0, 1)                               # (n, k, C): stream j's columns
-        raw = torch.bmm(xs.reshape(n, -1, C), phis.transpose(1, 2)).sum(0).view(*x.shape[:-2], -1)
-        # norms, not vecdot(x, x): that multiplies into an nC-sized temporary first
-        inv_rms = torch.rsqrt(torch.linalg.vector_norm(xs, dim=-1).square().sum(0).unsqueeze(-1) / (n * C) + eps)
-        ctx.save_for_backward(xs, phi, raw, inv_rms)
-        return raw * inv_rms, x.detach()        # passed through as in _StreamRead
-
-    @staticmethod
-    def backward(ctx, grad, grad_x):
-        xs, phi, raw, inv_rms = ctx.saved_tensors
-        n, C = xs.shape[0], xs.shape[-1]
-        grad_raw = (grad * inv_rms).reshape(-1, phi.shape[0])                   # (tokens, k)
-        # d inv_rms / dv = -inv_rms^3 v / N
-        coef = (grad * raw).sum(-1, keepdim=True) * inv_rms.pow(3) / -(n * C)
-        phis = phi.view(-1, n, C).transpose(0, 1)
-        # accumulated in place when grad_x is already stream-major; autograd's materialised zeros get a copy
-        dtype, gx = grad_x.dtype, grad_x.movedim(-2, 0).to(phi.dtype).contiguous()
-        gx.view(n, -1, C).baddbmm_(grad_raw.expand(n, *grad_raw.shape), phis).addcmul_(xs.reshape(n, -1, C),
-                                                                                       coef.reshape(1, -1, 1))
-        grad_phi = torch.bmm(grad_raw.t().expand(n, *grad_raw.t().shape), xs.reshape(n, -1, C))
-        return gx.to(dtype).movedim(0, -2), grad_phi.transpose(0, 1).reshape(phi.shape), None
-
-
-CONNECTIONS = {"baseline": lambda cfg, k: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection}
+CONNECTIONS = {"baseline": lambda cfg, k, fused_kernels: PlainResidual(), "hc": HyperConnection,
+               "mhc": ManifoldHyperConnection}
 
 
 class Block(nn.Module):
     """Maps the residual state (B, T, n, C) to (B, T, n, C): the streams persist across blocks."""
 
-    def __init__(self, cfg: Config, index: int, use_flash: bool):
+    def __init__(self, cfg: Config, index: int, use_flash: bool, fused_kernels: bool = False):
         super().__init__()
         self.attn = PreNorm(cfg, CausalSelfAttention(cfg, use_flash))
         self.mlp = PreNorm(cfg, MLP(cfg))
-        self.attn_conn = CONNECTIONS[cfg.residual](cfg, 2 * index)
-        self.mlp_conn = CONNECTIONS[cfg.residual](cfg, 2 * index + 1)
+        self.attn_conn = CONNECTIONS[cfg.residual](cfg, 2 * index, fused_kernels)
+        self.mlp_conn = CONNECTIONS[cfg.residual](cfg, 2 * index + 1, fused_kernels)
         self.activation_checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, return_mixing: bool = False):
-        # the mixing records are returned, not appended to a caller's list: a list argument makes torch.compile guard on
-        # its length, i.e. one graph per block index in the probe, past dynamo's limit of 8 at depth > 6
+        # the records are returned, not appended to a caller's list: a list argument makes torch.compile guard on
+        # its length, one graph per block index in the probe, past dynamo's limit of 8 at depth > 6
         mixing = []
         for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -785,12 +598,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: Config, use_flash: bool = False):
+    """fused_kernels: fused.py's path for HC and mHC (use_fused_kernels decides it for a run)."""
+
+    def __init__(self, cfg: Config, use_flash: bool = False, fused_kernels: bool = False):
         super().__init__()
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
+        self.fused_kernels = fused_kernels
         self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg, i, use_flash) for i in range(cfg.depth))
+        self.blocks = nn.ModuleList(Block(cfg, i, use_flash, fused_kernels) for i in range(cfg.depth))
         self.ln_f = StreamNorm(cfg.width, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.width, self.wte.num_embeddings, bias=False)
         self.lm_head.weight = self.wte.weight
@@ -811,20 +627,21 @@ class GPT(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
         h = (self.wte(idx) + self.wpe(positions)).float()
-        # expand once, into the stream-major layout every connection works in: the state is (B, T, n, C) stored as
-        # (n, B, T, C), so that each stream is one contiguous slab and a per-token mixing is n x n scaled adds of
-        # slabs (stream_update). Materialised: a stride-0 stream axis would make every slab the same memory.
-        # The baseline's single stream keeps the strides its blocks return (torch.compile specialises on them)
-        x = h.expand(self.streams, *h.shape).contiguous().movedim(0, -2) if self.streams > 1 else h.unsqueeze(-2)
+        # expand once: the embedding copied into every stream, in the layout every block returns (torch.compile
+        # specialises on strides); fused.py's is stream-major, (n, B, T, C) seen as (B, T, n, C), to mix whole slabs
+        if self.fused_kernels and self.streams > 1:
+            x = h.expand(self.streams, *h.shape).contiguous().movedim(0, -2)
+        else:
+            x = h.unsqueeze(-2).repeat(1, 1, self.streams, 1)
         for block in self.blocks:
             if mixing_out is None:
                 x = block(x)
             else:
                 x, mixing = block(x, return_mixing=True)
                 mixing_out.extend(mixing)
-        if x.requires_grad and self.streams > 1:
-            # the sum's backward hands the last block the same gradient for every stream through a stride-0
-            # view; its per-token dot products (_token_dots) want each stream's gradient a slab of its own
+        if x.requires_grad and self.streams > 1 and self.fused_kernels:
+            # the sum's backward hands every stream the same gradient through a stride-0 view; fused.py's per-token
+            # dot products want each stream's gradient a slab of its own
             x.register_hook(lambda grad: grad.movedim(-2, 0).contiguous().movedim(0, -2))
         logits = self.lm_head(self.ln_f(x.sum(dim=-2)))                        # collapse once
         if targets is None:
@@ -832,10 +649,14 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
+def use_fused_kernels(cfg: Config, device: torch.device) -> bool:
+    # auto: fused.py only where docs/benchmarks.md times it faster than the formulas (the CPU; no GPU timing yet)
+    return cfg.kernels == "fused" or (cfg.kernels == "auto" and device.type == "cpu")
+
+
 def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = True) -> list[dict]:
-    """Weight decay on weight matrices of linears and embeddings only: never on norms, biases,
-    HC static matrices and scales, or mHC gates and biases (those are raw Parameters, not layers).
-    The dynamic mixing weights (the linears inside the connections) only with `decay_mixing`."""
+    """Weight decay on the weight matrices of linears and embeddings only, never on norms, biases, HC's statics
+    and scales or mHC's gates and biases; on the dynamic mixing weights (the connections' linears) if decay_mixing."""
     decay = {id(m.weight): m.weight for name, m in model.named_modules()
              if isinstance(m, (nn.Linear, nn.Embedding)) and (decay_mixing or "_conn." not in name)}
     rest = [p for p in model.parameters() if id(p) not in decay]
@@ -844,8 +665,7 @@ def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = Tru
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW as one fused kernel per step on every device: the for-loop version PyTorch picks on the CPU runs ~10
-    small ops per parameter tensor, and HC and mHC add 6-7 tensors per sublayer (benchmarks.md)."""
+    # fused: the for-loop AdamW PyTorch picks on the CPU runs ~10 small ops per parameter tensor (benchmarks.md)
     return torch.optim.AdamW(decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay), lr=cfg.lr,
                              betas=(0.9, 0.95), fused=True)
 
@@ -883,17 +703,15 @@ def composites(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def study_gains(H: torch.Tensor) -> torch.Tensor:
-    """The public 1.7B study's reading, for comparison with its figures: each sublayer's H averaged over the
-    tokens, multiplied in increasing layer order (H_1 H_2 ... H_k, the reverse of the forward composite), and
-    the larger of the largest absolute row sum and the largest absolute column sum; one value per k."""
-    mean = H.mean(dim=1)
-    products = list(itertools.accumulate(mean, torch.matmul))
+    """The public 1.7B study's reading, one value per k: H averaged over the tokens, multiplied as H_1 ... H_k, the
+    larger of the largest absolute row and column sums (docs/model.md)."""
+    products = list(itertools.accumulate(H.mean(dim=1), torch.matmul))
     return torch.stack([torch.maximum(Q.abs().sum(-1).amax(), Q.abs().sum(-2).amax()) for Q in products])
 
 
 def gain_metrics(H: torch.Tensor) -> dict:
-    """Every probe metric from the per-token mixing matrices H (L sublayers, tokens, n, n); per-token
-    gains are averaged over tokens, then the max (or min) over sublayers is taken."""
+    """Every probe metric of the per-token H (L sublayers, tokens, n, n): gains averaged over the tokens, then the
+    max (or min) over the sublayers."""
     H = H.double()
     P, S = composites(H)
     scalars = torch.stack([row_gain(P).mean(-1).max(), col_gain(S).mean(-1).max(),
@@ -908,55 +726,43 @@ def gain_metrics(H: torch.Tensor) -> dict:
             "layer_gain_fwd": layer_fwd, "layer_gain_bwd": layer_bwd}
 
 
-def unit_gain_metrics(sublayers: int) -> dict:
-    """The plain residual has H_res = 1 by definition."""
-    ones = torch.ones(sublayers, 1, 1, 1)
-    return gain_metrics(ones)
-
-
 def stochastic_errors(H: torch.Tensor) -> torch.Tensor:
-    """How far each sublayer's H (L, tokens, n, n) is from doubly stochastic: (2, L) of max |row sum - 1| and
-    max |column sum - 1| over the tokens."""
+    """(2, L): max |row sum - 1| and max |column sum - 1| over the tokens of each sublayer's H (L, tokens, n, n)."""
     return torch.stack([(H.sum(-1) - 1).abs().amax((1, 2)), (H.sum(-2) - 1).abs().amax((1, 2))])
 
 
 @torch.no_grad()
 def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int = 20_000) -> tuple[torch.Tensor, int]:
-    """The probe's reference projection: the same logits, in fp64, iterated until every row and column sum is
-    within `tol` of 1 (or `max_iters`); returns it and the iterations the slowest matrix took. Nearly
-    permutation matrices can need thousands of iterations while most converge in tens, so each round of 20
-    works only on the matrices still off; every check is one host synchronisation."""
-    P = sinkhorn(logits.double(), 1)
-    # (n, n, matrices): the matrix axes first, as _SinkhornNormalisations works
-    matrices, done = P.reshape(-1, *P.shape[-2:]).movedim(0, -1).contiguous(), 1
-    todo = torch.arange(matrices.shape[-1], device=P.device)
+    """The same logits projected in fp64 until every row and column sum is within `tol` of 1 (or `max_iters`), and
+    the iterations the slowest matrix took. Each round of 20 works only on the matrices still off: nearly
+    permutation matrices need thousands, most tens; every check is one host synchronisation."""
+    n = logits.shape[-1]
+    # stored (n, n, matrices): each sum over a matrix axis adds n contiguous rows of matrices
+    stored = logits.double().reshape(-1, n, n).movedim(0, -1).contiguous()
+    matrices, done = sinkhorn(stored.movedim(-1, 0), 1).movedim(0, -1), 1
+    todo = torch.arange(matrices.shape[-1], device=logits.device)
     while done < max_iters:
         off = matrices[..., todo]
         todo = todo[torch.maximum((off.sum(1) - 1).abs().amax(0), (off.sum(0) - 1).abs().amax(0)) > tol]
         if not len(todo):
             break
-        matrices[..., todo] = _SinkhornNormalisations.apply(matrices[..., todo], 20)
+        matrices[..., todo] = balance(matrices[..., todo].movedim(-1, 0), 20).movedim(0, -1)
         done += 20
-    return matrices.movedim(-1, 0).reshape(P.shape), done
+    return matrices.movedim(-1, 0).reshape(logits.shape), done
 
 
 def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:
-    """mHC: the truncation error of the H_res the model used (per sublayer and the max), and the composite
-    gains of the same logits projected to convergence, which is what the doubly stochastic manifold
-    guarantees. The difference between the "as used" and the converged gains is Sinkhorn truncation."""
+    """mHC: the Sinkhorn truncation error of the H_res used, and the gains of the same logits projected to
+    convergence (what the manifold guarantees); their difference is truncation, not amplification."""
     converged, iters = sinkhorn_converged(logits)
     exact = gain_metrics(converged)
-    # one device-to-host copy for the per-sublayer errors; their maxima are taken on the host
     layer_row, layer_col = stochastic_errors(H.double()).tolist()
-    row_err, col_err = max(layer_row), max(layer_col)
-    left = stochastic_errors(converged).max().item()
-    # non-negative H whose column sums are within e_k of 1: no column sum of a suffix product exceeds
-    # prod(1 + e_k), so an as-used amax_bwd under this bound can be truncation alone
+    # non-negative H with column sums within e_k of 1: no suffix product's column sum exceeds prod(1 + e_k)
     bound = math.prod(1 + e for e in layer_col)
-    return {"sinkhorn_row_err": row_err, "sinkhorn_col_err": col_err, "layer_sinkhorn_row_err": layer_row,
+    return {"sinkhorn_row_err": max(layer_row), "sinkhorn_col_err": max(layer_col), "layer_sinkhorn_row_err": layer_row,
             "layer_sinkhorn_col_err": layer_col, "sinkhorn_bwd_bound": bound, "amax_fwd_converged": exact["amax_fwd"],
             "amax_bwd_converged": exact["amax_bwd"], "amax_study_converged": exact["amax_study"],
-            "sinkhorn_converged_iters": iters, "sinkhorn_converged_err": left}
+            "sinkhorn_converged_iters": iters, "sinkhorn_converged_err": stochastic_errors(converged).max().item()}
 
 
 LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd", "layer_sinkhorn_row_err", "layer_sinkhorn_col_err")
@@ -973,8 +779,8 @@ def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, w
             model(probe_idx, mixing_out=mixing)
     finally:
         model.train(was_training)
-    if mixing[0] is None:
-        metrics = unit_gain_metrics(len(mixing))
+    if mixing[0] is None:                          # the plain residual: H_res = 1 by definition
+        metrics = gain_metrics(torch.ones(len(mixing), 1, 1, 1))
     else:
         n = mixing[0][0].shape[-1]
         H = torch.stack([h.float().reshape(-1, n, n) for h, _ in mixing])
@@ -2634,12 +2440,13 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, params: dict) -> dict:
+def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, fused_kernels: bool,
+               params: dict) -> dict:
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
             "device_name": device_name(dist.device),
             "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
-            "attention": "flash" if use_flash else "sdpa",
+            "attention": "flash" if use_flash else "sdpa", "kernels": "fused" if fused_kernels else "reference",
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                          "datasets": importlib.metadata.version("datasets"),
                          "tiktoken": importlib.metadata.version("tiktoken")},
@@ -2998,7 +2805,8 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     tokenizer = make_tokenizer(cfg.tokenizer)
     val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg, use_flash).to(dist.device)
+    fused_kernels = use_fused_kernels(cfg, dist.device)
+    model = GPT(cfg, use_flash, fused_kernels).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = make_optimizer(model, cfg)
     micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
@@ -3011,7 +2819,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
                       flops_per_token(cfg, params["non_embedding"]), faults=Faults(dist.rank))
     trainer.restore()
     record_setting_changes(run_dir, changes, trainer.log, trainer.step)
-    record = run_record(cfg, micro, dist, dtype, use_flash, params)
+    record = run_record(cfg, micro, dist, dtype, use_flash, fused_kernels, params)
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
