@@ -15,6 +15,17 @@ def _autocast_off(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
+def expand(h, n):
+    """The embedding h (..., C) copied into n streams, stored stream-major: (n, ..., C) seen as (..., n, C)."""
+    return h.expand(n, *h.shape).contiguous().movedim(0, -2)
+
+
+def stream_major(grad):
+    """The gradient of the collapse (a sum over the streams) reaches the last block as one stride-0 view;
+    the per-token dot products (_token_dots) want each stream's gradient a slab of its own."""
+    return grad.movedim(-2, 0).contiguous().movedim(0, -2)
+
+
 def hc_coefficients(conn, x):
     """HC's streams_and_coefficients (train_c4.HyperConnection): x passed through, then H_pre, H_post, H_res with
     their stream axes first (stream_update) and no logits. In fp32 (fp64 for an fp64 state)."""

@@ -416,23 +416,18 @@ class MLP(nn.Module):
 
 
 class StreamNorm(nn.LayerNorm):
-    """LayerNorm in its input's dtype: under FSDP its weights arrive in bf16 while the streams are fp32, and CPU's
-    autocast, unlike CUDA's, does not cast them."""
+    """LayerNorm in its input's dtype: FSDP gathers its weights in bf16, CPU's autocast does not cast them."""
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(u, self.normalized_shape, self.weight.to(u.dtype), self.bias.to(u.dtype), self.eps)
 
 
-class PreNorm(nn.Module):
+class PreNorm(nn.Sequential):
     """F(norm(u)): the block's own pre-norm sublayer, identical for all three residual paths."""
 
     def __init__(self, cfg: Config, inner: nn.Module):
         super().__init__()
-        self.norm = StreamNorm(cfg.width, eps=cfg.norm_eps)
-        self.inner = inner
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return self.inner(self.norm(u))
+        self.norm, self.inner = StreamNorm(cfg.width, eps=cfg.norm_eps), inner        # applied in this order
 
 
 def _autocast_off(x: torch.Tensor):
@@ -441,7 +436,8 @@ def _autocast_off(x: torch.Tensor):
 
 
 def stream_update(x, H_pre, H_post, H_res, sublayer):
-    """x_next = H_res x + H_post^T F(norm(H_pre x)) per token: x (..., n, C), H_pre, H_post (..., n), H_res (..., n, n)."""
+    """x_next = H_res x + H_post^T F(norm(H_pre x)) per token, x (..., n, C), H_pre and H_post (..., n), H_res
+    (..., n, n); sublayer is F(norm(.))."""
     with _autocast_off(x):
         u = torch.einsum("...j,...jc->...c", H_pre, x)
     y = sublayer(u).to(x.dtype)
@@ -450,8 +446,7 @@ def stream_update(x, H_pre, H_post, H_res, sublayer):
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """exp(logits) projected onto the doubly stochastic matrices by `iters` column-then-row normalisations, in
-    at least fp32. Rows are normalised last: every row sum is exact, the columns carry the truncation error."""
+    """exp(logits) made doubly stochastic by `iters` column-then-row normalisations, in fp32 or wider."""
     P = logits.to(torch.promote_types(logits.dtype, torch.float32))
     # the first pair in the log domain: the same maths, but it cannot overflow or leave a zero sum (docs/model.md)
     P = P - P.logsumexp(-2, keepdim=True)
@@ -467,8 +462,7 @@ def balance(P: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 class PlainResidual(nn.Module):
-    """Baseline: x + F(norm(x)) on a single stream. Like every connection it returns the next state and its
-    mixing record for the probe: None here (gain 1), (H_res, None) for HC, (H_res, its logits) for mHC."""
+    """Baseline: x + F(norm(x)) on one stream; its mixing record (H_res, logits or None for HC) is None: gain 1."""
 
     def forward(self, x, sublayer):
         return x + sublayer(x.squeeze(-2)).unsqueeze(-2), None
@@ -478,17 +472,13 @@ class _StreamMixing(nn.Module):
     """HC and mHC: per-token coefficients (the subclass's), then the stream update; fused.py's on the fused path."""
 
     def forward(self, x, sublayer):
-        if not self.fused_kernels:
+        if self.fused_kernels:          # fused.py: the coefficients stream axes first, x passed through their maths
+            x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
+            x, H_res = fused.stream_update(x, H_pre, H_post, H_res, sublayer), H_res.detach().movedim((0, 1), (-2, -1))
+        else:
             H_pre, H_post, H_res, res_logits = self.coefficients(x)
-            return stream_update(x, H_pre, H_post, H_res, sublayer), (H_res.detach(), _detached(res_logits))
-        # fused: the coefficients come stream axes first, and x passed through their projection (fused.py)
-        x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
-        record = H_res.detach().movedim((0, 1), (-2, -1)), _detached(res_logits)
-        return fused.stream_update(x, H_pre, H_post, H_res, sublayer), record
-
-
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
+            x = stream_update(x, H_pre, H_post, H_res, sublayer)
+        return x, (H_res.detach(), None if res_logits is None else res_logits.detach())     # the probe's, detached
 
 
 class HyperConnection(_StreamMixing):
@@ -497,24 +487,15 @@ class HyperConnection(_StreamMixing):
 
     def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
         super().__init__()
-        n = cfg.expansion
-        self.n, self.eps, self.sublayer_index, self.fused_kernels = n, cfg.norm_eps, sublayer_index, fused_kernels
-        self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)          # W_m | W_r (n columns) | W_b
-        self.A_m_static, self.B_static = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
-        self.A_r_static = nn.Parameter(torch.zeros(n, n))
-        self.s_a, self.s_b = nn.Parameter(torch.zeros(())), nn.Parameter(torch.zeros(()))
-        self.scale_init = cfg.hc_scale_init
-        self.reset_mixing()
-
-    @torch.no_grad()
-    def reset_mixing(self):
+        n = self.n = cfg.expansion
+        self.eps, self.fused_kernels = cfg.norm_eps, fused_kernels
         # the HC paper's init, under which HC computes exactly a pre-norm transformer
-        self.dynamic.weight.zero_()
-        self.A_m_static.copy_(F.one_hot(torch.tensor(self.sublayer_index % self.n), self.n).float())
-        self.A_r_static.copy_(torch.eye(self.n))
-        self.B_static.fill_(1.0)
-        self.s_a.fill_(self.scale_init)
-        self.s_b.fill_(self.scale_init)
+        self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)          # W_m | W_r (n columns) | W_b
+        nn.init.zeros_(self.dynamic.weight)
+        self.A_m_static = nn.Parameter(F.one_hot(torch.tensor(sublayer_index % n), n).float())
+        self.A_r_static = nn.Parameter(torch.eye(n))
+        self.B_static = nn.Parameter(torch.ones(n))
+        self.s_a, self.s_b = (nn.Parameter(torch.tensor(cfg.hc_scale_init)) for _ in range(2))
 
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and no logits, for the streams x (..., n, C)."""
@@ -535,28 +516,19 @@ class ManifoldHyperConnection(_StreamMixing):
 
     def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
         super().__init__()
-        n = cfg.expansion
-        self.n, self.iters, self.eps, self.fused_kernels = n, cfg.sinkhorn_iters, cfg.norm_eps, fused_kernels
-        self.sublayer_index, self.cfg_init = sublayer_index, (cfg.mhc_gate_init, cfg.mhc_pre_bias, cfg.mhc_res_diag)
+        n = self.n = cfg.expansion
+        self.iters, self.eps, self.fused_kernels = cfg.sinkhorn_iters, cfg.norm_eps, fused_kernels
         self.phi = nn.Linear(n * cfg.width, n * n + 2 * n, bias=False)    # [z_pre | z_post | z_res]
-        self.a_pre, self.a_post, self.a_res = (nn.Parameter(torch.zeros(())) for _ in range(3))
-        self.b_pre, self.b_post = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
-        self.b_res = nn.Parameter(torch.zeros(n, n))
-        self.reset_mixing()
-
-    @torch.no_grad()
-    def reset_mixing(self):
-        gate, pre_bias, res_diag = self.cfg_init
-        self.phi.weight.zero_()
-        for a in (self.a_pre, self.a_post, self.a_res):
-            a.fill_(gate)
-        own = F.one_hot(torch.tensor(self.sublayer_index % self.n), self.n).bool()
-        self.b_pre.copy_(torch.where(own, pre_bias, -pre_bias))
-        self.b_post.zero_()
-        self.b_res.copy_(res_diag * torch.eye(self.n))
+        nn.init.zeros_(self.phi.weight)
+        self.a_pre, self.a_post, self.a_res = (nn.Parameter(torch.tensor(cfg.mhc_gate_init)) for _ in range(3))
+        # the paper gives no bias init (docs/model.md): read mostly stream k mod n, write 1, H_res near I
+        own = F.one_hot(torch.tensor(sublayer_index % n), n).bool()
+        self.b_pre = nn.Parameter(torch.where(own, cfg.mhc_pre_bias, -cfg.mhc_pre_bias))
+        self.b_post = nn.Parameter(torch.zeros(n))
+        self.b_res = nn.Parameter(cfg.mhc_res_diag * torch.eye(n))
 
     def coefficients(self, x):
-        """H_pre, H_post (..., n), H_res (..., n, n) and the logits Sinkhorn projected, for the streams x (..., n, C)."""
+        """H_pre, H_post (..., n), H_res (..., n, n) and the logits projected, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
         with _autocast_off(x):
             v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
@@ -584,8 +556,7 @@ class Block(nn.Module):
         self.activation_checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, return_mixing: bool = False):
-        # the records are returned, not appended to a caller's list: a list argument makes torch.compile guard on
-        # its length, one graph per block index in the probe, past dynamo's limit of 8 at depth > 6
+        # returned, not appended to a caller's list: torch.compile would guard on its length, a graph per block
         mixing = []
         for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -619,30 +590,25 @@ class GPT(nn.Module):
                 # GPT-2: residual output projections scaled by 1/sqrt(number of residual additions)
                 std = 0.02 / math.sqrt(2 * depth) if name.endswith("inner.proj") else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-        for module in self.modules():
-            if hasattr(module, "reset_mixing"):
-                module.reset_mixing()
+                if "_conn." in name:            # the dynamic mixing weights start at 0 (drawn all the same, so
+                    module.weight.zero_()       # that a seed gives the body the weights it always gave)
 
     def forward(self, idx, targets=None, mixing_out: list | None = None):
         positions = torch.arange(idx.shape[1], device=idx.device)
         # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
         h = (self.wte(idx) + self.wpe(positions)).float()
-        # expand once: the embedding copied into every stream, in the layout every block returns (torch.compile
-        # specialises on strides); fused.py's is stream-major, (n, B, T, C) seen as (B, T, n, C), to mix whole slabs
-        if self.fused_kernels and self.streams > 1:
-            x = h.expand(self.streams, *h.shape).contiguous().movedim(0, -2)
-        else:
-            x = h.unsqueeze(-2).repeat(1, 1, self.streams, 1)
+        # expand once, the embedding copied into every stream, in the layout the blocks return (torch.compile
+        # specialises on strides): fused.py's is stream-major
+        fused_streams = self.fused_kernels and self.streams > 1
+        x = fused.expand(h, self.streams) if fused_streams else h.unsqueeze(-2).repeat(1, 1, self.streams, 1)
         for block in self.blocks:
             if mixing_out is None:
                 x = block(x)
             else:
                 x, mixing = block(x, return_mixing=True)
                 mixing_out.extend(mixing)
-        if x.requires_grad and self.streams > 1 and self.fused_kernels:
-            # the sum's backward hands every stream the same gradient through a stride-0 view; fused.py's per-token
-            # dot products want each stream's gradient a slab of its own
-            x.register_hook(lambda grad: grad.movedim(-2, 0).contiguous().movedim(0, -2))
+        if x.requires_grad and fused_streams:
+            x.register_hook(fused.stream_major)          # the collapse's gradient comes as one stride-0 view
         logits = self.lm_head(self.ln_f(x.sum(dim=-2)))                        # collapse once
         if targets is None:
             return logits
@@ -655,8 +621,7 @@ def use_fused_kernels(cfg: Config, device: torch.device) -> bool:
 
 
 def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = True) -> list[dict]:
-    """Weight decay on the weight matrices of linears and embeddings only, never on norms, biases, HC's statics
-    and scales or mHC's gates and biases; on the dynamic mixing weights (the connections' linears) if decay_mixing."""
+    """Weight decay on the weights of linears and embeddings only; the connections' (dynamic mixing) if decay_mixing."""
     decay = {id(m.weight): m.weight for name, m in model.named_modules()
              if isinstance(m, (nn.Linear, nn.Embedding)) and (decay_mixing or "_conn." not in name)}
     rest = [p for p in model.parameters() if id(p) not in decay]
@@ -683,13 +648,11 @@ def count_parameters(cfg: Config) -> dict:
 # ----------------------------------------------------------------------------------------------
 # instability metrics: gains of the mixing matrices H_res (acting as x_next = H_res @ x), per token
 
-def row_gain(M):
-    """g_fwd: the largest absolute row sum."""
+def row_gain(M):                    # g_fwd: the largest absolute row sum
     return M.sum(dim=-1).abs().amax(dim=-1)
 
 
-def col_gain(M):
-    """g_bwd: the largest absolute column sum."""
+def col_gain(M):                    # g_bwd: the largest absolute column sum
     return M.sum(dim=-2).abs().amax(dim=-1)
 
 
@@ -710,8 +673,7 @@ def study_gains(H: torch.Tensor) -> torch.Tensor:
 
 
 def gain_metrics(H: torch.Tensor) -> dict:
-    """Every probe metric of the per-token H (L sublayers, tokens, n, n): gains averaged over the tokens, then the
-    max (or min) over the sublayers."""
+    """Every probe metric of H (L sublayers, tokens, n, n): per-token gains averaged, then the max (min) over L."""
     H = H.double()
     P, S = composites(H)
     scalars = torch.stack([row_gain(P).mean(-1).max(), col_gain(S).mean(-1).max(),
@@ -733,9 +695,8 @@ def stochastic_errors(H: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int = 20_000) -> tuple[torch.Tensor, int]:
-    """The same logits projected in fp64 until every row and column sum is within `tol` of 1 (or `max_iters`), and
-    the iterations the slowest matrix took. Each round of 20 works only on the matrices still off: nearly
-    permutation matrices need thousands, most tens; every check is one host synchronisation."""
+    """The logits projected in fp64 until every row and column sum is within `tol` of 1, and the iterations that
+    took; each round of 20 only on the matrices still off (a few need thousands, most tens: docs/model.md)."""
     n = logits.shape[-1]
     # stored (n, n, matrices): each sum over a matrix axis adds n contiguous rows of matrices
     stored = logits.double().reshape(-1, n, n).movedim(0, -1).contiguous()
@@ -752,8 +713,7 @@ def sinkhorn_converged(logits: torch.Tensor, tol: float = 1e-6, max_iters: int =
 
 
 def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:
-    """mHC: the Sinkhorn truncation error of the H_res used, and the gains of the same logits projected to
-    convergence (what the manifold guarantees); their difference is truncation, not amplification."""
+    """mHC: the truncation error of the H_res used, and the gains of its logits projected to convergence."""
     converged, iters = sinkhorn_converged(logits)
     exact = gain_metrics(converged)
     layer_row, layer_col = stochastic_errors(H.double()).tolist()

@@ -24,9 +24,10 @@ for residual in sys.argv[1:]:
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         results.append((loss.detach(), grads))
     (loss_ref, grads_ref), (loss_fused, grads_fused) = results
-    worst[residual] = {"loss": (loss_ref - loss_fused).abs().item(), "grad": max(
-        ((grads_ref[n] - grads_fused[n]).abs().max().item() / (1 + grads_ref[n].abs().max().item()) for n in grads_ref)),
-        "parameters": len(grads_ref)}
+    grad_errors = [(grads_ref[n] - grads_fused[n]).abs().max().item() / (1 + grads_ref[n].abs().max().item())
+                   for n in grads_ref]
+    worst[residual] = {"loss": (loss_ref - loss_fused).abs().item(), "grad": max(grad_errors),
+                       "parameters": len(grads_ref)}
 if dist.is_main:
     print(json.dumps(worst))
 T.end_distributed()
