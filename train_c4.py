@@ -430,18 +430,13 @@ class PreNorm(nn.Sequential):
         self.norm, self.inner = StreamNorm(cfg.width, eps=cfg.norm_eps), inner        # applied in this order
 
 
-def _autocast_off(x: torch.Tensor):
-    # the coefficients are computed in fp32 and the streams mixed in their own dtype, whatever the autocast
-    return torch.autocast(x.device.type, enabled=False)
-
-
 def stream_update(x, H_pre, H_post, H_res, sublayer):
     """x_next = H_res x + H_post^T F(norm(H_pre x)) per token, x (..., n, C), H_pre and H_post (..., n), H_res
-    (..., n, n); sublayer is F(norm(.))."""
-    with _autocast_off(x):
+    (..., n, n); sublayer is F(norm(.)). Autocast is off: the streams are mixed in fp32, never rounded to bf16."""
+    with torch.autocast(x.device.type, enabled=False):
         u = torch.einsum("...j,...jc->...c", H_pre, x)
     y = sublayer(u).to(x.dtype)
-    with _autocast_off(x):
+    with torch.autocast(x.device.type, enabled=False):
         return H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)
 
 
@@ -500,7 +495,7 @@ class HyperConnection(_StreamMixing):
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and no logits, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
-        with _autocast_off(x):
+        with torch.autocast(x.device.type, enabled=False):             # the coefficients in fp32 (or fp64)
             xb = F.layer_norm(x.to(dtype), x.shape[-1:], eps=self.eps)         # each stream's own norm, no affine
             d = torch.tanh(F.linear(xb, self.dynamic.weight.to(dtype)))         # (..., n, n + 2)
             A_m = self.s_a * d[..., 0] + self.A_m_static
@@ -530,7 +525,7 @@ class ManifoldHyperConnection(_StreamMixing):
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and the logits projected, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
-        with _autocast_off(x):
+        with torch.autocast(x.device.type, enabled=False):
             v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
             z = F.linear(v, self.phi.weight.to(dtype)) * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
             z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
@@ -540,10 +535,6 @@ class ManifoldHyperConnection(_StreamMixing):
             return H_pre, H_post, sinkhorn(res_logits, self.iters), res_logits
 
 
-CONNECTIONS = {"baseline": lambda cfg, k, fused_kernels: PlainResidual(), "hc": HyperConnection,
-               "mhc": ManifoldHyperConnection}
-
-
 class Block(nn.Module):
     """Maps the residual state (B, T, n, C) to (B, T, n, C): the streams persist across blocks."""
 
@@ -551,8 +542,10 @@ class Block(nn.Module):
         super().__init__()
         self.attn = PreNorm(cfg, CausalSelfAttention(cfg, use_flash))
         self.mlp = PreNorm(cfg, MLP(cfg))
-        self.attn_conn = CONNECTIONS[cfg.residual](cfg, 2 * index, fused_kernels)
-        self.mlp_conn = CONNECTIONS[cfg.residual](cfg, 2 * index + 1, fused_kernels)
+        connection = {"baseline": lambda *_: PlainResidual(), "hc": HyperConnection,
+                      "mhc": ManifoldHyperConnection}[cfg.residual]
+        self.attn_conn = connection(cfg, 2 * index, fused_kernels)
+        self.mlp_conn = connection(cfg, 2 * index + 1, fused_kernels)
         self.activation_checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, return_mixing: bool = False):
@@ -594,9 +587,8 @@ class GPT(nn.Module):
                     module.weight.zero_()       # that a seed gives the body the weights it always gave)
 
     def forward(self, idx, targets=None, mixing_out: list | None = None):
-        positions = torch.arange(idx.shape[1], device=idx.device)
         # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
-        h = (self.wte(idx) + self.wpe(positions)).float()
+        h = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))).float()
         # expand once, the embedding copied into every stream, in the layout the blocks return (torch.compile
         # specialises on strides): fused.py's is stream-major
         fused_streams = self.fused_kernels and self.streams > 1
@@ -731,10 +723,9 @@ LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd", "layer_sinkhorn_row_err", "lay
 @torch.no_grad()
 def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, with_layers: bool) -> dict:
     """Run the fixed probe batch and measure the gains. No RNG, no autograd state; the mode is restored."""
-    was_training = model.training
+    was_training, mixing = model.training, []
     model.eval()
     try:
-        mixing: list = []
         with autocast_ctx():
             model(probe_idx, mixing_out=mixing)
     finally:
