@@ -2,7 +2,7 @@
 `--kernels fused` (train_c4.use_fused_kernels) and proven equal to the readable formulas of train_c4.py in
 forward and every gradient (tests/test_kernels.py).
 
-The state (..., n, C) is stored stream-major, a view of (n, ..., C) (train_c4.GPT.forward), so that each stream
+The state (..., n, C) is stored stream-major, a view of (n, ..., C) (expand, below), so that each stream
 is one contiguous slab: a per-token mixing becomes n x n scaled adds of slabs instead of one tiny matmul per
 token, and each backward adds its term of x's gradient in place. Why each piece exists and what it saved, as
 measured on a 2-core CPU: docs/benchmarks.md; the derivations of the backward passes: docs/model.md.
@@ -27,8 +27,10 @@ def stream_major(grad):
 
 
 def hc_coefficients(conn, x):
-    """HC's streams_and_coefficients (train_c4.HyperConnection): x passed through, then H_pre, H_post, H_res with
-    their stream axes first (stream_update) and no logits. In fp32 (fp64 for an fp64 state)."""
+    """HC's coefficients (train_c4.HyperConnection): x, then H_pre, H_post, H_res with their stream axes first
+    (stream_update) and no logits; fp32 (fp64 for an fp64 state). x is passed through the Function, so that its whole
+    gradient reaches the Function's backward, which adds its own term in place: one n x C gradient per token and
+    sublayer instead of five (docs/benchmarks.md)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     with _autocast_off(x):
         H_pre, H_post, H_res, x = _HCCoefficients.apply(
@@ -38,8 +40,8 @@ def hc_coefficients(conn, x):
 
 
 def mhc_coefficients(conn, x):
-    """mHC's streams_and_coefficients (train_c4.ManifoldHyperConnection), as hc_coefficients, with the logits
-    Sinkhorn projected (tokens first) for the probe."""
+    """mHC's coefficients (train_c4.ManifoldHyperConnection), as hc_coefficients, and the logits Sinkhorn projected
+    (tokens first) for the probe."""
     n, dtype = conn.n, torch.promote_types(x.dtype, torch.float32)
     with _autocast_off(x):
         z, x = _RMSScaledProjection.apply(x, conn.phi.weight.to(dtype), conn.eps)
@@ -54,7 +56,7 @@ def mhc_coefficients(conn, x):
 
 def stream_update(x, H_pre, H_post, H_res, sublayer):
     """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C), stored stream-major
-    (GPT.forward). The coefficients come with their stream (and matrix) axes first, as the connections compute
+    (expand). The coefficients come with their stream (and matrix) axes first, as the connections compute
     them: H_pre and H_post (n, ...), H_res (n, n, ...) with H_res[i, j] the weight of stream j in stream i."""
     # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way. The Functions
     # take x as n slabs of (..., C)
@@ -180,7 +182,7 @@ class _SinkhornNormalisations(torch.autograd.Function):
 
 
 class _HCCoefficients(torch.autograd.Function):
-    """(H_pre, H_post, H_res, x) of HC for the streams x (..., n, C), x passed through (see _StreamMixing).
+    """(H_pre, H_post, H_res, x) of HC for the streams x (..., n, C), x passed through (see hc_coefficients).
 
     Per stream i and token: z = layer_norm(x_i) @ W^T (no affine), d = tanh(z), and the k = n + 2 coefficients
     c = static_i + scale * d: c_0 = A_m[i] (H_pre), c_1..n = A_r[i, :] (column i of H_res = A_r^T), c_n+1 = B[i]
@@ -191,7 +193,7 @@ class _HCCoefficients(torch.autograd.Function):
     The norm is folded into the projection: [W; 1/C] @ x gives the raw products and the mean in one thin matmul,
     a vector norm gives mean(x^2), and z = rstd (W x - mean W 1). So the normalised copy of the state is never
     written. The variance mean(x^2) - mean^2 loses digits when a stream's mean is far above its spread
-    (relative error ~ 1e-7 (mean / spread)^2; tests/test_perf.py checks mean 30x spread against the plain norm).
+    (relative error ~ 1e-7 (mean / spread)^2; tests/test_kernels.py checks a mean 30x the spread against the formulas).
     The backward is written out: with g = dz rstd, dW = g^T x - (g . mean) 1^T and
     dx = g @ (W - row means) - rstd (g . z) (x - mean) / C, accumulated in place into x's incoming gradient."""
 
@@ -237,7 +239,7 @@ class _HCCoefficients(torch.autograd.Function):
 
 class _RMSScaledProjection(torch.autograd.Function):
     """(z, x) with z = (v @ phi^T) / sqrt(mean(v^2) + eps), v the flattened streams vec(x) of x (..., n, C), in phi's
-    dtype; x is passed through (see _StreamMixing). v is never formed: its columns are the n stream-major slabs, so
+    dtype; x is passed through (see hc_coefficients). v is never formed: its columns are the n stream-major slabs, so
     v @ phi^T is a sum of n (tokens x C) @ (C x k) products (one batched matmul) and the RMS a sum of per-stream norms.
     The backward is written out: the RMS term's gradient, a per-token multiple of x, and the projection's are added
     in place into x's incoming gradient, where autograd writes five nC-sized tensors per token (the projection's,
