@@ -487,6 +487,19 @@ def memory_floor(cfg: Config, vocab: int, micro: int, world: int) -> float:
     return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
 
 
+def check_memory(cfg: Config, vocab: int, micro: int, world: int, device: torch.device) -> None:
+    """memory_floor against this GPU's memory or this machine's: a run that cannot fit ends before it allocates."""
+    if device.type == "cuda":
+        available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(device)})"
+    else:
+        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    need = memory_floor(cfg, vocab, micro, world)
+    if need > available:
+        raise PlanError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more than "
+                        f"the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "
+                        "--micro-batch-size or --eval-batches (--estimate shows the plan)")
+
+
 # ----------------------------------------------------------------------------------------------
 # the time of a run, as a range (low, high): training steps, evaluation, probes, checkpoint writes, start-up
 

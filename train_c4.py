@@ -18,11 +18,10 @@ Sections, in file order:
                         and the Loader that reads them ahead: a thread or loader processes
   distributed           torchrun's process group, DDP / FSDP2 wrapping, a failing rank's reason
   checkpointing         write, seal, verify and safely load checkpoints; --consolidate
-  logging               train.log, metrics.jsonl, status.json, W&B
-  training loop         GPU peaks, FLOPs per token; the planner (memory plan, --micro-batch-size auto,
-                        --estimate); the batch split, lr schedule, precision, resume checks,
-                        config.json's record, signals, fault hooks, Trainer, progress, preflight checks,
-                        build_trainer, train
+  logging               train.log, metrics.jsonl, status.json, W&B, config.json's record, progress
+  training loop         the batch split, lr schedule, precision, resume checks, signals, Trainer, preflight
+                        checks (and the launcher's, --plan-jobs), build_trainer, train; the planner
+                        (memory plan, --micro-batch-size auto, --estimate, time) is plan.py beside it
   main                  the one classification of a failure into a line and an exit code; main
 """
 
@@ -1952,6 +1951,35 @@ def _saved_model_state(folder: Path, sharded: bool) -> dict:
     return wrapped["model"]
 
 
+def check_writable_folder(folder: Path, what: str) -> None:
+    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
+    one-line config error (exit 2) instead of a failure at the first write."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
+
+
+def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
+    parser = _OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
+                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
+                                 "process group: torch.load(OUT, weights_only=True) -> GPT.load_state_dict.")
+    parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
+                        help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
+                        "complete checkpoint), and the .pt file to write")
+    source, out = map(Path, parser.parse_args(argv).consolidate)
+    if not source.is_dir():
+        raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
+    if out.is_dir():
+        raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
+    check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
+    return source, out
+
+
 # ----------------------------------------------------------------------------------------------
 # logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
 
@@ -2102,6 +2130,128 @@ def wandb_record(record: dict) -> dict:
     return flat
 
 
+def precision_policy(dtype: torch.dtype) -> dict:
+    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:
+    fp32, so that a gain is never a bf16 rounding artefact). Recorded in config.json; the report marks a table
+    whose runs differ in it."""
+    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": "fp32",
+            "mixing_parameters": "fp32", "coefficients": "fp32", "probe": "fp32 H_res, fp64 products"}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, params: dict) -> dict:
+    return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
+            "params": params, "world_size": dist.world, "device": dist.device.type,
+            "device_name": device_name(dist.device),
+            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
+            "attention": "flash" if use_flash else "sdpa",
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "datasets": importlib.metadata.version("datasets"),
+                         "tiktoken": importlib.metadata.version("tiktoken")},
+            "git_commit": git_commit()}
+
+
+def changes_text(changes: dict) -> str:
+    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
+
+
+def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
+    """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
+    if not changes:
+        return
+    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {changes_text(changes)}")
+    if log.enabled:
+        with open(run_dir / "settings_changes.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
+
+
+def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
+    cfg, log = trainer.cfg, trainer.log
+    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
+             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
+             f"({record['dtype']}, {record['attention']} attention)")
+    log.info(f"model: {parameter_summary(params)}")
+    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
+             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
+    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
+             f"{trainer.flops_per_token:.3g} FLOPs per token")
+    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
+    read = len(set(trainer.loader.batches.owners))
+    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
+             f"data seed {cfg.data_seed}")
+    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
+
+
+def held_out_source(data: DataFiles, val_data: str) -> str:
+    if data.held_out_slice:
+        return (f"1 document in {HELD_OUT_EVERY} of the training files (by a hash of its text), never trained on; "
+                "the first of them in file order")
+    return f"{len(data.val)} file(s) " + (f"of --val-data {val_data!r}" if val_data else "named 'validation'")
+
+
+class Progress:
+    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise. Both carry the
+    run's pace (tokens/s, MFU, memory, ETA); status.json shows the same, rewritten at every log step."""
+
+    LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "mem_peak_gb",
+                 "val_loss", "amax_fwd", "amax_bwd")
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.step_seconds = trainer, None
+        interactive = trainer.dist.is_main and sys.stderr.isatty()
+        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
+        trainer.log.bar = self.bar
+        trainer.log.live["steps"] = trainer.cfg.steps
+
+    def update(self, record: dict) -> None:
+        cfg, log, step = self.trainer.cfg, self.trainer.log, record["step"]
+        # a moving average: the ETA follows the recent pace, not the first step's compilation or an evaluation
+        seconds = record["step_time_s"]
+        self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
+        log.live.update({key: record[key] for key in self.LIVE_KEYS if key in record},
+                        eta_s=self.step_seconds * (cfg.steps - step))
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                 amax=self._amax())
+            self.bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            if self.bar is None:
+                log.info(self.line(record))
+            log.status("running", step)
+
+    def _amax(self) -> str:
+        amax = self.trainer.log.live.get("amax_fwd")
+        return f"{amax:.3g}" if amax is not None else "-"
+
+    def line(self, record: dict) -> str:
+        live = self.trainer.log.live
+        val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+        mfu = f" mfu {live['mfu']:.0%}" if live.get("mfu") is not None else ""
+        mem = f" mem {live['mem_peak_gb']:.1f}GB" if live.get("mem_peak_gb") is not None else ""
+        return (f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} "
+                f"grad_norm {record['grad_norm']:.3g} amax_fwd {self._amax()} tok/s {record['tokens_per_s']:,.0f}"
+                f"{mfu}{mem} eta {timedelta(seconds=round(live['eta_s']))}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.trainer.log.bar = None
+
+
 # ----------------------------------------------------------------------------------------------
 # training loop: AdamW, warm-up + cosine, accumulation, pre-clip gradient norm, eval, probe, checkpoints
 
@@ -2115,13 +2265,11 @@ TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_
                  "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
 
 
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def batch_plan(cfg: Config, world: int, on_gpu: bool, card: float | None = None) -> tuple[int, int, str]:
-    """(micro-batch per device, accumulation steps, why auto chose it) so that every optimizer step sees
-    --batch-size sequences; 'auto' is plan.resolve_micro_batch's (on CUDA, build_trainer confirms it)."""
+def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float | None = None
+               ) -> tuple[int, int, str]:
+    """(micro-batch, accumulation steps, why auto chose it): every optimizer step sees --batch-size sequences;
+    auto is plan.resolve_micro_batch's, for a GPU (default: where CUDA is) or the CPU."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     micro, why = plan.resolve_micro_batch(GPT, cfg, world, on_gpu, card)
     # the streams each process reads from (ranks share streams when the world size does not divide them)
     read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
@@ -2143,14 +2291,6 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
-
-
-def precision_policy(dtype: torch.dtype) -> dict:
-    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:
-    fp32, so that a gain is never a bf16 rounding artefact). Recorded in config.json; the report marks a table
-    whose runs differ in it."""
-    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": "fp32",
-            "mixing_parameters": "fp32", "coefficients": "fp32", "probe": "fp32 H_res, fp64 products"}
 
 
 def use_flash_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
@@ -2190,42 +2330,6 @@ def check_resumable(run_dir: Path, cfg: Config) -> dict:
                           "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
                           "the new ones")
     return changes
-
-
-def changes_text(changes: dict) -> str:
-    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
-
-
-def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
-    """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
-    if not changes:
-        return
-    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {changes_text(changes)}")
-    if log.enabled:
-        with open(run_dir / "settings_changes.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, params: dict) -> dict:
-    return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
-            "params": params, "world_size": dist.world, "device": dist.device.type,
-            "device_name": device_name(dist.device),
-            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
-            "attention": "flash" if use_flash else "sdpa",
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "datasets": importlib.metadata.version("datasets"),
-                         "tiktoken": importlib.metadata.version("tiktoken")},
-            "git_commit": git_commit()}
 
 
 class StopRequest:
@@ -2432,90 +2536,34 @@ class Trainer:
         progress.close()
 
 
-class Progress:
-    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise. Both carry the
-    run's pace (tokens/s, MFU, memory, ETA); status.json shows the same, rewritten at every log step."""
-
-    LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "mem_peak_gb",
-                 "val_loss", "amax_fwd", "amax_bwd")
-
-    def __init__(self, trainer: Trainer):
-        self.trainer, self.step_seconds = trainer, None
-        interactive = trainer.dist.is_main and sys.stderr.isatty()
-        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
-        trainer.log.bar = self.bar
-        trainer.log.live["steps"] = trainer.cfg.steps
-
-    def update(self, record: dict) -> None:
-        cfg, log, step = self.trainer.cfg, self.trainer.log, record["step"]
-        # a moving average: the ETA follows the recent pace, not the first step's compilation or an evaluation
-        seconds = record["step_time_s"]
-        self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
-        log.live.update({key: record[key] for key in self.LIVE_KEYS if key in record},
-                        eta_s=self.step_seconds * (cfg.steps - step))
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                 amax=self._amax())
-            self.bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            if self.bar is None:
-                log.info(self.line(record))
-            log.status("running", step)
-
-    def _amax(self) -> str:
-        amax = self.trainer.log.live.get("amax_fwd")
-        return f"{amax:.3g}" if amax is not None else "-"
-
-    def line(self, record: dict) -> str:
-        live = self.trainer.log.live
-        val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
-        mfu = f" mfu {live['mfu']:.0%}" if live.get("mfu") is not None else ""
-        mem = f" mem {live['mem_peak_gb']:.1f}GB" if live.get("mem_peak_gb") is not None else ""
-        return (f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} "
-                f"grad_norm {record['grad_norm']:.3g} amax_fwd {self._amax()} tok/s {record['tokens_per_s']:,.0f}"
-                f"{mfu}{mem} eta {timedelta(seconds=round(live['eta_s']))}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.trainer.log.bar = None
-
-
-def check_memory(cfg: Config, dist: Dist, micro: int) -> None:
-    if dist.device.type == "cuda":
-        available, where = plan.gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(dist.device)})"
-    else:
-        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
-    need = plan.memory_floor(cfg, padded_vocab_size(cfg.tokenizer), micro, dist.world)
-    if need > available:
-        raise ConfigError(f"this run needs at least {need / plan.GiB:,.1f} GiB per process at micro-batch {micro}, "
-                          f"more than the {available / plan.GiB:,.1f} GiB of {where}; lower --depth, --width, "
-                          "--seq-len, --micro-batch-size or --eval-batches (--estimate shows the plan)")
-
-
-def check_writable_folder(folder: Path, what: str) -> None:
-    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
-    one-line config error (exit 2) instead of a failure at the first write."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{what} {folder} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
-
-
 def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, the files).
     A bad setting ends here with one line, before anything is allocated; only --out is created."""
-    micro, accum, why = batch_plan(cfg, dist.world, torch.cuda.is_available())
+    micro, accum, why = batch_plan(cfg, dist.world)
     if why and dist.is_main:
         print(f"micro-batch auto: {micro} ({why})", flush=True)
-    check_memory(cfg, dist, micro)
+    plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, dist.world, dist.device)
     data = resolve_data_files(cfg.data, cfg.val_data)
     check_writable_folder(Path(cfg.out), "--out")
     return micro, accum, data
+
+
+def plan_jobs(request: dict) -> dict:
+    """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
+    job's flags judged by this trainer's own checks, then planned for the launcher's node by plan.job_plan."""
+    gpu, world, answers = request["gpu"] or plan.ASSUMED_GPU, request["world"], []
+    for job in request["jobs"]:
+        try:
+            cfg = parse_config(job["flags"])
+            card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
+            micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
+            if gpu == "cpu":
+                plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, world, torch.device("cpu"))
+            resolve_data_files(cfg.data, cfg.val_data)
+            answers.append(plan.job_plan(GPT, cfg, count_parameters(cfg), micro, world, gpu, card, job))
+        except (TrainerError, plan.PlanError) as error:
+            answers.append({"error": str(error)})
+    return plan.node_answer(gpu, answers)
 
 
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
@@ -2546,31 +2594,6 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
     announce(trainer, params, record, data)
     return trainer
-
-
-def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
-    cfg, log = trainer.cfg, trainer.log
-    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
-             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
-             f"({record['dtype']}, {record['attention']} attention)")
-    log.info(f"model: {parameter_summary(params)}")
-    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
-             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
-    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
-             f"{trainer.flops_per_token:.3g} FLOPs per token")
-    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
-    read = len(set(trainer.loader.batches.owners))
-    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
-             f"data seed {cfg.data_seed}")
-    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
-
-
-def held_out_source(data: DataFiles, val_data: str) -> str:
-    if data.held_out_slice:
-        return (f"1 document in {HELD_OUT_EVERY} of the training files (by a hash of its text), never trained on; "
-                "the first of them in file order")
-    return f"{len(data.val)} file(s) " + (f"of --val-data {val_data!r}" if val_data else "named 'validation'")
 
 
 def train(cfg: Config) -> None:
@@ -2675,44 +2698,6 @@ def main(argv: list[str] | None = None) -> int:
             # (-15) instead of with its own exit code
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return code
-
-
-def plan_jobs(request: dict) -> dict:
-    """`--plan-jobs` (JSON on stdin and stdout, for run_experiments.sh before its first launch and in its dry run):
-    each job's flags judged by this trainer's own checks, as a run would judge them before its first allocation,
-    then planned for the launcher's node by plan.job_plan. Request: {"gpu": nvidia-smi's name, "cpu", or "" (the
-    documented node's), "world": GPUs per run, "card_gib": a GPU's memory or null, "jobs": [{"flags": [...],
-    "done_steps", "tokens_per_s", "check"}]}; answer: plan.node_answer's, with per job plan.job_plan's dict or
-    {"error": the one line a run would print}."""
-    gpu, world, answers = request["gpu"] or plan.ASSUMED_GPU, request["world"], []
-    for job in request["jobs"]:
-        try:
-            cfg = parse_config(job["flags"])
-            card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
-            micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
-            if gpu == "cpu":
-                check_memory(cfg, Dist(0, world, torch.device("cpu")), micro)
-            resolve_data_files(cfg.data, cfg.val_data)
-            answers.append(plan.job_plan(GPT, cfg, count_parameters(cfg), micro, world, gpu, card, job))
-        except (TrainerError, plan.PlanError) as error:
-            answers.append({"error": str(error)})
-    return plan.node_answer(gpu, answers)
-
-
-def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
-    parser = _OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
-                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
-                                 "process group: torch.load(OUT, weights_only=True) -> GPT.load_state_dict.")
-    parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
-                        help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
-                        "complete checkpoint), and the .pt file to write")
-    source, out = map(Path, parser.parse_args(argv).consolidate)
-    if not source.is_dir():
-        raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
-    if out.is_dir():
-        raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
-    check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
-    return source, out
 
 
 if __name__ == "__main__":
