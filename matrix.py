@@ -86,7 +86,8 @@ or could not run (listed at the end); {EXIT_USAGE} bad arguments; {EXIT_SIGINT} 
 {EXIT_SIGTERM} by SIGTERM (jobs saved a checkpoint; the same command resumes the matrix).
 
 Environment: RUN_EXPERIMENTS_TRAINER (trainer command, split on whitespace; the launcher appends each run's
-flags), RUN_EXPERIMENTS_PROBE (GPU health probe; gets the GPU index; exit 0 = healthy),
+flags, and asks it `--plan-jobs` before the first launch, as train_c4.py answers it), RUN_EXPERIMENTS_PROBE
+(GPU health probe; gets the GPU index; exit 0 = healthy),
 RUN_EXPERIMENTS_NVIDIA_SMI (GPU discovery, default nvidia-smi; `false`: no GPU), RUN_EXPERIMENTS_PYTHON,
 RUN_EXPERIMENTS_REPORT (report script, default report.py), RUN_EXPERIMENTS_POLL (seconds between polls, 1),
 RUN_EXPERIMENTS_DATA_BACKOFF (seconds before the first retry after exit {EXIT_DATA}, doubling; 300),
@@ -95,7 +96,8 @@ RUN_EXPERIMENTS_MAX_REQUEUES (10), RUN_EXPERIMENTS_STOP_TIMEOUT (seconds jobs ge
 
 USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo] [--residual L] [--depth L] [--seed L] [--steps N]\n"
          "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
-         "       [--max-retries N] [--out DIR] [--dry-run [--calibrate]] [--summary] [-- train_c4.py flags]")
+         "       [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--gpu-type NAME]] [--summary]\n"
+         "       [-- train_c4.py flags]")
 
 
 class UsageError(Exception):
@@ -188,9 +190,10 @@ def build_parser():
     o = p.add_argument_group("output and modes")
     o.add_argument("--out", default="runs", help="run folders and matrix.log (default runs)")
     o.add_argument("--dry-run", action="store_true",
-                   help="print the plan (every job, node, slot, micro-batch, global batch, time, command), the wall "
-                        "time and the cost; run and write nothing. Times from the FLOP count at 40%% of the GPU's "
-                        "bf16 peak unless --calibrate")
+                   help="print the plan (every job, node, slot, micro-batch, global batch, memory, time, command), "
+                        "the wall time and the cost, as ranges with their assumptions; run and write nothing. For "
+                        "this node's GPUs, else the documented node (8 x H100 SXM); times from the GPU check's "
+                        "result in --out, else the FLOP count, unless --calibrate")
     o.add_argument("--calibrate", action="store_true",
                    help="with --dry-run: first time a few steps of each method x depth on the slots, in a temporary "
                         "folder, and estimate from those")

@@ -218,10 +218,21 @@ def _any_block(name: str) -> str:
     return ".".join(["*"] + name.split(".")[2:]) if name.startswith("blocks.") else name
 
 
-@functools.cache
+def shape_key(cfg: Config) -> Config:
+    """The settings the parameters' shapes depend on, all others at their defaults: building the model, even on the
+    meta device, takes a second at depth 48 (its initialisation runs), so one build serves every seed and schedule."""
+    return type(cfg)(residual=cfg.residual, depth=cfg.depth, width=cfg.width, heads=cfg.heads,
+                     expansion=cfg.expansion, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer)
+
+
 def parameter_numels(gpt: type, cfg: Config) -> dict:
     """numel per parameter name (block parameters summed over the blocks as '*.attn.inner.qkv.weight'...),
     with 'total', 'tensors' and 'block' (one block's), from the model built on the meta device."""
+    return _parameter_numels(gpt, shape_key(cfg))
+
+
+@functools.cache
+def _parameter_numels(gpt: type, cfg: Config) -> dict:
     with torch.device("meta"):
         model = gpt(cfg)
     numels = {"total": 0, "tensors": 0, "block": sum(p.numel() for p in model.blocks[0].parameters())}
@@ -511,7 +522,9 @@ MFU_RANGE = (0.45, 0.30)
 METHOD_COST = {"baseline": (1.0, 1.0), "hc": (1.16, 1.37), "mhc": (1.18, 1.48)}
 MEASURED_SPREAD = (0.9, 1.2)     # around a measured step time: another depth or micro-batch moves it
 CHECKPOINT_GBPS = (2.0, 0.5)     # a checkpoint's files written at local NVMe speed, down to a network disk's
-STARTUP_S = (60.0, 300.0)        # imports, model build, the data streams' first batches, the first step's kernels
+# imports, model build, the data streams' first batches, the first step's kernels: minutes for a 2.5B model on a
+# GPU node (assumed), seconds for the CPU's small presets
+STARTUP_S = {"gpu": (60.0, 300.0), "cpu": (5.0, 30.0)}
 # an evaluation or probe sequence costs a forward: about a third of a training step's forward and backward
 FORWARD_SHARE = 1 / 3
 
@@ -560,8 +573,9 @@ def run_time(cfg: Config, params: dict, world: int, gpu: str, measured: dict | N
     forward_steps = FORWARD_SHARE * (steps // cfg.eval_every * cfg.eval_batches
                                      + steps // cfg.metrics_every * cfg.probe_sequences / cfg.batch_size)
     checkpoint_bytes = steps // cfg.ckpt_every * 12 * params["total"]      # fp32 weights and AdamW's two states
+    startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
     total = tuple((steps + forward_steps) * s + checkpoint_bytes / (gbps * 1e9) + start
-                  for s, gbps, start in zip((low, high), CHECKPOINT_GBPS, STARTUP_S))
+                  for s, gbps, start in zip((low, high), CHECKPOINT_GBPS, startup))
     return RunTime((low, high), total, basis)
 
 
@@ -615,12 +629,13 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
 
 
 def node_answer(gpu: str, jobs: list[dict]) -> dict:
-    """--plan-jobs' answer: the GPU planned for, the assumptions behind every time
-    (printed by the dry run), and the jobs' answers."""
+    """--plan-jobs' answer: the GPU planned for, the assumptions behind every time (printed by the dry run), and
+    the jobs' answers."""
     bases = sorted({job["basis"] for job in jobs if job.get("basis")})
+    startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
     return {"gpu": gpu, "jobs": jobs, "assumptions": [
         "Step times: " + ("; ".join(bases) if bases else "none known for this GPU"),
         f"Each time includes evaluation and probes (forward passes at {FORWARD_SHARE:.2f} of a step per sequence), "
         f"checkpoint writes (fp32 weights and AdamW states at {CHECKPOINT_GBPS[1]:g}-{CHECKPOINT_GBPS[0]:g} GB/s) and "
-        f"start-up ({STARTUP_S[0] / 60:.0f}-{STARTUP_S[1] / 60:.0f} min); low end: the fast assumptions together, "
+        f"start-up ({startup[0]:.0f}-{startup[1]:.0f} s); low end: the fast assumptions together, "
         "high end: the slow ones (docs/planning.md)"]}

@@ -2552,6 +2552,7 @@ def plan_jobs(request: dict) -> dict:
     """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
     job's flags judged by this trainer's own checks, then planned for the launcher's node by plan.job_plan."""
     gpu, world, answers = request["gpu"] or plan.ASSUMED_GPU, request["world"], []
+    parameters = functools.cache(count_parameters)      # one build per model shape, not one per job
     for job in request["jobs"]:
         try:
             cfg = parse_config(job["flags"])
@@ -2560,7 +2561,7 @@ def plan_jobs(request: dict) -> dict:
             if gpu == "cpu":
                 plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, world, torch.device("cpu"))
             resolve_data_files(cfg.data, cfg.val_data)
-            answers.append(plan.job_plan(GPT, cfg, count_parameters(cfg), micro, world, gpu, card, job))
+            answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job))
         except (TrainerError, plan.PlanError) as error:
             answers.append({"error": str(error)})
     return plan.node_answer(gpu, answers)
