@@ -1,6 +1,8 @@
-"""The planner (plan.py, beside train_c4.py): parameter counts, the memory plan against the real tensors and the bytes autograd
-saves, the depth 32 / 48 plans behind the public reproduction's out-of-memory story, --micro-batch-size auto,
-and the launcher's queue-based time and cost estimate."""
+"""The planner (plan.py, beside train_c4.py): parameter counts, the memory plan against the real tensors and the
+bytes autograd saves, the depth 32 / 48 plans behind the public reproduction's out-of-memory story,
+--micro-batch-size auto, and the launcher's plan: the check of every job before the first launch, the time and
+cost ranges of the documented node, the GPU check's timings."""
+import ast
 import json
 import os
 import re
@@ -215,6 +217,18 @@ def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, m
     assert "no estimate, the dense bf16 peak of NVIDIA RTX A6000 is not known" in capsys.readouterr().out
 
 
+def test_the_launcher_never_imports_the_trainer_and_the_planner_not_at_module_level():
+    """matrix.py asks train_c4.py --plan-jobs in a subprocess; plan.py takes the model class from its caller."""
+    def imports(path: Path, top_level_only: bool) -> set:
+        tree = ast.parse(path.read_text())
+        nodes = tree.body if top_level_only else list(ast.walk(tree))
+        return {alias.name for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names} | {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
+    assert "train_c4" not in imports(ROOT / "matrix.py", top_level_only=False)
+    assert "train_c4" not in imports(ROOT / "plan.py", top_level_only=True)
+    assert "plan" in imports(ROOT / "train_c4.py", top_level_only=True)
+
+
 def test_queue_schedule_of_18_jobs_on_8_gpus_by_hand():
     # the --full queue order: seed-major, depth 48 before 32, baseline/hc/mhc; depth 48 takes 3 h, 32 takes 2 h
     hours = [3, 3, 3, 2, 2, 2] * 3
@@ -239,7 +253,8 @@ def hours(line: str) -> tuple[float, float]:
 
 
 def test_dry_run_without_gpus_plans_the_documented_node_per_method_with_ranges(tmp_path):
-    r = launcher(tmp_path, "--dry-run", "--methods", "baseline,mhc", "--seeds", "42,123,456", "--price-per-gpu-hour", "3")
+    r = launcher(tmp_path, "--dry-run", "--methods", "baseline,mhc", "--seeds", "42,123,456",
+                 "--price-per-gpu-hour", "3")
     assert r.returncode == 0, r.stderr
     assert "for the documented node, 8 x NVIDIA H100 80GB HBM3 (no GPU found here" in r.stdout
     lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(("mhc_d", "baseline_d"))}
