@@ -83,7 +83,6 @@ DEFAULT_GPU_MEMORY_GIB = 80.0   # the card planned for when no CUDA device is vi
 CUDA_CONTEXT_BYTES, NCCL_BYTES, FRAGMENTATION = 1.0 * GiB, 1.0 * GiB, 0.05
 AUTO_MARGIN = 0.05      # auto fills at most 95% of the card by the plan: a model of the memory, not a measurement
 CPU_AUTO_MICRO = 8      # auto on the CPU, where there is no device memory to plan against
-ASSUMED_MFU = 0.40      # time estimates without calibration: this share of the GPU's dense bf16 peak
 # grad_fn nodes that only view or cast: followed from a saved tensor, they lead to the parameter that
 # autocast copied to bf16 (memory per model, not per token)
 _VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
@@ -334,6 +333,31 @@ def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict
          "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
 
 
+def memory_floor(cfg: Config, vocab: int, micro: int, world: int) -> float:
+    """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
+    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state and a sublayer
+    output per block and the fp32 log-probabilities with their two backward buffers, and the validation token ids.
+    The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
+    C = cfg.width
+    parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
+    shards = world if world > 1 and cfg.parallel == "fsdp" else 1
+    activations = micro * cfg.seq_len * 4 * (2 * cfg.depth * C + 3 * vocab)
+    return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
+
+
+def check_memory(cfg: Config, vocab: int, micro: int, world: int, device: torch.device) -> None:
+    """memory_floor against this GPU's memory or this machine's: a run that cannot fit ends before it allocates."""
+    if device.type == "cuda":
+        available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(device)})"
+    else:
+        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    need = memory_floor(cfg, vocab, micro, world)
+    if need > available:
+        raise PlanError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more than "
+                        f"the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "
+                        "--micro-batch-size or --eval-batches (--estimate shows the plan)")
+
+
 # ----------------------------------------------------------------------------------------------
 # the micro-batch: auto's search by the plan, and on CUDA its one real trial
 
@@ -484,31 +508,6 @@ def _estimate_micro_batch(gpt: type, cfg: Config, world: int) -> tuple[int, str]
     micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
     check_batch_split(cfg, world, micro)
     return micro, auto_line
-
-
-def memory_floor(cfg: Config, vocab: int, micro: int, world: int) -> float:
-    """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
-    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state and a sublayer
-    output per block and the fp32 log-probabilities with their two backward buffers, and the validation token ids.
-    The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
-    C = cfg.width
-    parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
-    shards = world if world > 1 and cfg.parallel == "fsdp" else 1
-    activations = micro * cfg.seq_len * 4 * (2 * cfg.depth * C + 3 * vocab)
-    return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
-
-
-def check_memory(cfg: Config, vocab: int, micro: int, world: int, device: torch.device) -> None:
-    """memory_floor against this GPU's memory or this machine's: a run that cannot fit ends before it allocates."""
-    if device.type == "cuda":
-        available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(device)})"
-    else:
-        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
-    need = memory_floor(cfg, vocab, micro, world)
-    if need > available:
-        raise PlanError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more than "
-                        f"the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "
-                        "--micro-batch-size or --eval-batches (--estimate shows the plan)")
 
 
 # ----------------------------------------------------------------------------------------------
