@@ -229,6 +229,18 @@ def test_the_launcher_never_imports_the_trainer_and_the_planner_not_at_module_le
     assert "plan" in imports(ROOT / "train_c4.py", top_level_only=True)
 
 
+def test_the_training_loop_reads_in_one_sitting_with_the_planner_beside_it():
+    """design.md's section order; the training loop at most 380 lines, no function of train_c4.py over 40."""
+    source = (ROOT / "train_c4.py").read_text()
+    lines = source.splitlines()
+    loop, main = (lines.index(next(line for line in lines if line.startswith(f"# {name}"))) for name in
+                  ("training loop", "main:"))
+    assert main - loop <= 380
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 40]
+    assert not long
+
+
 def test_queue_schedule_of_18_jobs_on_8_gpus_by_hand():
     # the --full queue order: seed-major, depth 48 before 32, baseline/hc/mhc; depth 48 takes 3 h, 32 takes 2 h
     hours = [3, 3, 3, 2, 2, 2] * 3
