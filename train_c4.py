@@ -18,11 +18,10 @@ Sections, in file order:
                         and the Loader that reads them ahead: a thread or loader processes
   distributed           torchrun's process group, DDP / FSDP2 wrapping, a failing rank's reason
   checkpointing         write, seal, verify and safely load checkpoints; --consolidate
-  logging               train.log, metrics.jsonl, status.json, W&B
-  training loop         GPU peaks, FLOPs per token; the planner (memory plan, --micro-batch-size auto,
-                        --estimate); the batch split, lr schedule, precision, resume checks,
-                        config.json's record, signals, fault hooks, Trainer, progress, preflight checks,
-                        build_trainer, train
+  logging               train.log, metrics.jsonl, status.json, W&B, config.json's record, progress
+  training loop         the batch split, lr schedule, precision, resume checks, signals, Trainer, preflight
+                        checks (and the launcher's, --plan-jobs), build_trainer, train; the planner
+                        (memory plan, --micro-batch-size auto, --estimate, time) is plan.py beside it
   main                  the one classification of a failure into a line and an exit code; main
 """
 
@@ -73,8 +72,10 @@ from tqdm import tqdm
 
 import contract
 import fused
+import plan
 from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
                       EXIT_OOM)
+from plan import flops_per_token, gpu_peak_flops, parameter_summary
 
 # Imported where they are used, on purpose: datasets and torch.distributed's fsdp and checkpoint packages (each
 # about a second, as much as torch itself: `python -X importtime -c 'import train_c4'`), which --help, --estimate
@@ -1707,6 +1708,35 @@ def _saved_model_state(folder: Path, sharded: bool) -> dict:
     return wrapped["model"]
 
 
+def check_writable_folder(folder: Path, what: str) -> None:
+    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
+    one-line config error (exit 2) instead of a failure at the first write."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
+
+
+def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
+    parser = _OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
+                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
+                                 "process group: torch.load(OUT, weights_only=True) -> GPT.load_state_dict.")
+    parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
+                        help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
+                        "complete checkpoint), and the .pt file to write")
+    source, out = map(Path, parser.parse_args(argv).consolidate)
+    if not source.is_dir():
+        raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
+    if out.is_dir():
+        raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
+    check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
+    return source, out
+
+
 # ----------------------------------------------------------------------------------------------
 # logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
 
@@ -1857,27 +1887,132 @@ def wandb_record(record: dict) -> dict:
     return flat
 
 
+def precision_policy(dtype: torch.dtype) -> dict:
+    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:
+    fp32, so that a gain is never a bf16 rounding artefact). Recorded in config.json; the report marks a table
+    whose runs differ in it."""
+    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": "fp32",
+            "mixing_parameters": "fp32", "coefficients": "fp32", "probe": "fp32 H_res, fp64 products"}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, fused_kernels: bool,
+               params: dict) -> dict:
+    return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
+            "params": params, "world_size": dist.world, "device": dist.device.type,
+            "device_name": device_name(dist.device),
+            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
+            "attention": "flash" if use_flash else "sdpa", "kernels": "fused" if fused_kernels else "reference",
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "datasets": importlib.metadata.version("datasets"),
+                         "tiktoken": importlib.metadata.version("tiktoken")},
+            "git_commit": git_commit()}
+
+
+def changes_text(changes: dict) -> str:
+    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
+
+
+def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
+    """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
+    if not changes:
+        return
+    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {changes_text(changes)}")
+    if log.enabled:
+        with open(run_dir / "settings_changes.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
+
+
+def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
+    cfg, log = trainer.cfg, trainer.log
+    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
+             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
+             f"({record['dtype']}, {record['attention']} attention)")
+    log.info(f"model: {parameter_summary(params)}")
+    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
+             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
+    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
+             f"{trainer.flops_per_token:.3g} FLOPs per token")
+    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
+    read = len(set(trainer.loader.batches.owners))
+    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
+             f"data seed {cfg.data_seed}")
+    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
+
+
+def held_out_source(data: DataFiles, val_data: str) -> str:
+    if data.held_out_slice:
+        return (f"1 document in {HELD_OUT_EVERY} of the training files (by a hash of its text), never trained on; "
+                "the first of them in file order")
+    return f"{len(data.val)} file(s) " + (f"of --val-data {val_data!r}" if val_data else "named 'validation'")
+
+
+class Progress:
+    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise. Both carry the
+    run's pace (tokens/s, MFU, memory, ETA); status.json shows the same, rewritten at every log step."""
+
+    LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "mem_peak_gb",
+                 "val_loss", "amax_fwd", "amax_bwd")
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.step_seconds = trainer, None
+        interactive = trainer.dist.is_main and sys.stderr.isatty()
+        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
+        trainer.log.bar = self.bar
+        trainer.log.live["steps"] = trainer.cfg.steps
+
+    def update(self, record: dict) -> None:
+        cfg, log, step = self.trainer.cfg, self.trainer.log, record["step"]
+        # a moving average: the ETA follows the recent pace, not the first step's compilation or an evaluation
+        seconds = record["step_time_s"]
+        self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
+        log.live.update({key: record[key] for key in self.LIVE_KEYS if key in record},
+                        eta_s=self.step_seconds * (cfg.steps - step))
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                 amax=self._amax())
+            self.bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            if self.bar is None:
+                log.info(self.line(record))
+            log.status("running", step)
+
+    def _amax(self) -> str:
+        amax = self.trainer.log.live.get("amax_fwd")
+        return f"{amax:.3g}" if amax is not None else "-"
+
+    def line(self, record: dict) -> str:
+        live = self.trainer.log.live
+        val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+        mfu = f" mfu {live['mfu']:.0%}" if live.get("mfu") is not None else ""
+        mem = f" mem {live['mem_peak_gb']:.1f}GB" if live.get("mem_peak_gb") is not None else ""
+        return (f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} "
+                f"grad_norm {record['grad_norm']:.3g} amax_fwd {self._amax()} tok/s {record['tokens_per_s']:,.0f}"
+                f"{mfu}{mem} eta {timedelta(seconds=round(live['eta_s']))}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.trainer.log.bar = None
+
+
 # ----------------------------------------------------------------------------------------------
 # training loop: AdamW, warm-up + cosine, accumulation, pre-clip gradient norm, eval, probe, checkpoints
 
-# dense bf16 peak of one GPU (NVIDIA's spec sheets: half the figure "with sparsity"), for MFU, keyed by the
-# exact name torch.cuda.get_device_name and nvidia-smi report: the three H100s differ by a third, so a
-# GPU not listed gets mfu = null rather than a neighbour's peak
-GPU_PEAK_BF16_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 989e12,            # H100 SXM
-    "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA H100 NVL": 835e12,
-    "NVIDIA H200": 989e12,                      # H200 SXM
-    "NVIDIA H200 NVL": 835e12,
-    "NVIDIA GH200 480GB": 989e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA B200": 2250e12,
-    "NVIDIA L40S": 362e12,
-}
-ASSUMED_GPU = "NVIDIA H100 80GB HBM3"          # what time estimates assume where no GPU can be asked
 # keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
@@ -1888,423 +2023,19 @@ TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_
                  "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
 
 
-def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
-    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
-    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
-    return GPU_PEAK_BF16_FLOPS.get(name)
-
-
-# ---- planner: the memory one GPU needs (--estimate, --micro-batch-size auto) and one run's time
-
-GiB = 2 ** 30
-DEFAULT_GPU_MEMORY_GIB = 80.0   # the card planned for when no CUDA device is visible (an H100 80GB shows 79.2)
-# Framework overhead per process, assumed (it cannot be measured without a GPU): the CUDA context with the
-# cuBLAS workspaces and the kernels of the first step (0.5-1 GiB on an H100), NCCL's buffers when there are
-# peers, and the caching allocator's fragmentation (reserved minus allocated) as a share of the allocated
-# peak: a few per cent when every step repeats the same shapes
-CUDA_CONTEXT_BYTES, NCCL_BYTES, FRAGMENTATION = 1.0 * GiB, 1.0 * GiB, 0.05
-AUTO_MARGIN = 0.05      # auto fills at most 95% of the card by the plan: a model of the memory, not a measurement
-CPU_AUTO_MICRO = 8      # auto on the CPU, where there is no device memory to plan against
-ASSUMED_MFU = 0.40      # time estimates without calibration: this share of the GPU's dense bf16 peak
-# grad_fn nodes that only view or cast: followed from a saved tensor, they lead to the parameter that
-# autocast copied to bf16 (memory per model, not per token)
-_VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-                 "UnsqueezeBackward0", "ExpandBackward0", "UnsafeViewBackward0"}
-
-
-class _CudaAutocastOnCpu(torch.overrides.TorchFunctionMode):
-    """CPU autocast with CUDA's casting policy where the two differ for this model: on CUDA, layer_norm and
-    sum run in fp32 (a bf16 input is cast, and layer_norm saves the fp32 copy); the CPU keeps bf16."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (torch.is_autocast_enabled("cpu") and args and isinstance(args[0], torch.Tensor)
-                and args[0].dtype == torch.bfloat16):
-            if func is F.layer_norm:
-                args = (args[0].float(), *args[1:])
-            elif func in (torch.sum, torch.Tensor.sum) and kwargs.get("dtype") is None:
-                kwargs = {**kwargs, "dtype": torch.float32}
-        return func(*args, **kwargs)
-
-
-class _SavedTensorCounter:
-    """Saved-tensor and module hooks that add up, by the module being run, the bytes autograd keeps."""
-
-    def __init__(self, model: GPT):
-        self.names = {id(p): name for name, p in model.named_parameters()}
-        self.param_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.seen, self.counts, self.casts, self.where = set(), {}, set(), ["other"]
-
-    def count(self, t: torch.Tensor, label) -> None:
-        storage = t.untyped_storage()
-        if storage.data_ptr() in self.seen or storage.data_ptr() in self.param_storage or storage.nbytes() == 0:
-            return
-        self.seen.add(storage.data_ptr())
-        fn = t.grad_fn
-        while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
-            fn = fn.next_functions[0][0]
-        if id(getattr(fn, "variable", None)) in self.names:
-            self.casts.add(self.names[id(fn.variable)])
-        else:
-            label = "loss" if type(t.grad_fn).__name__ == "LogSoftmaxBackward0" else label
-            self.counts[label] = self.counts.get(label, 0) + storage.nbytes()
-
-    def pack(self, t):
-        self.count(t, self.where[-1])
-        return t
-
-    def enter(self, label, checkpointed=False):
-        def hook(module, args):
-            self.where.append(label)
-            if checkpointed:
-                self.count(args[0], label)       # non-reentrant checkpointing keeps the sublayer's input alive
-        return hook
-
-    def leave(self, module, args, output):
-        self.where.pop()
-
-
-def saved_bytes(model: GPT, idx: torch.Tensor, bf16: bool) -> dict:
-    """The bytes one training forward keeps for the backward pass, by where they were saved: (block, 'attn' or
-    'mlp', 'body' or 'streams'), 'loss' (the log-probabilities) or 'other' (embedding, collapse, head); with
-    activation checkpointing, the sublayer inputs the checkpoints hold. Measured with saved-tensor hooks on the
-    CPU, each storage counted once; parameters are not counted, 'weight_casts' names those autocast copied."""
-    counter, handles = _SavedTensorCounter(model), []
-    for i, block in enumerate(model.blocks):
-        for part in ("attn", "mlp"):
-            conn, body = getattr(block, f"{part}_conn"), getattr(block, part)
-            handles += [conn.register_forward_pre_hook(counter.enter((i, part, "streams"),
-                                                                     block.activation_checkpointing)),
-                        body.register_forward_pre_hook(counter.enter((i, part, "body"))),
-                        conn.register_forward_hook(counter.leave), body.register_forward_hook(counter.leave)]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
-                _CudaAutocastOnCpu() if bf16 else contextlib.nullcontext(), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model(idx, idx)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {**counter.counts, "weight_casts": counter.casts}
-
-
-def _saved_per_token(cfg: Config, width: int, depth: int, bf16: bool, micro: int = 2, seq_len: int = 16) -> dict:
-    small = dataclasses.replace(cfg, width=width, depth=depth, seq_len=seq_len, compile=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = GPT(small)
-        idx = torch.randint(0, model.wte.num_embeddings, (micro, seq_len))
-        saved = saved_bytes(model, idx, bf16)
-    casts = saved.pop("weight_casts")
-    return {"weight_casts": casts, **{k: v / (micro * seq_len) for k, v in saved.items()}}
-
-
-@functools.cache
-def activation_profile(residual: str, expansion: int, heads: int, tokenizer: str, sinkhorn_iters: int,
-                       bf16: bool, checkpointing: bool) -> dict:
-    """Activation bytes per token as (a, b) with bytes = a * width + b, measured on the real GPT on the CPU at
-    widths 2 and 4 x heads (the real head count: per-head terms like attention's logsumexp are exact) and depths
-    2 and 3, with the real vocabulary. Keys: 'block' (the depth difference), its parts 'attention', 'mlp' and
-    'streams' (the n-stream states, mixing coefficients and the sublayer outputs written into the streams),
-    'sublayer' (the larger sublayer: what checkpointing recomputes at once), 'loss' (log-probabilities),
-    'rest' (embedding, expansion, collapse, head); 'weight_casts': the parameters autocast copies to bf16."""
-    cfg = Config(residual=residual, expansion=expansion, heads=heads, tokenizer=tokenizer,
-                 sinkhorn_iters=sinkhorn_iters, activation_checkpointing=checkpointing)
-    widths, rows = (2 * heads, 4 * heads), []
-    for width in widths:
-        d2, d3 = (_saved_per_token(cfg, width, depth, bf16) for depth in (2, 3))
-        total = {name: sum(v for k, v in d.items() if k != "weight_casts") for name, d in (("d2", d2), ("d3", d3))}
-        part = {(p, s): d2.get((1, p, s), 0.0) for p in ("attn", "mlp") for s in ("body", "streams")}
-        row = {"block": total["d3"] - total["d2"], "loss": d2.get("loss", 0.0),
-               "attention": part["attn", "body"], "mlp": part["mlp", "body"],
-               "sublayer": max(part[p, "body"] + part[p, "streams"] for p in ("attn", "mlp"))}
-        row["streams"] = row["block"] - row["attention"] - row["mlp"]
-        row["rest"] = total["d2"] - 2 * row["block"] - row["loss"]
-        rows.append(row)
-    fit = {"weight_casts": frozenset(map(_any_block, d2["weight_casts"] | d3["weight_casts"]))}
-    for key in rows[0]:
-        a = (rows[1][key] - rows[0][key]) / (widths[1] - widths[0])
-        fit[key] = (a, rows[0][key] - a * widths[0])
-    return fit
-
-
-def _any_block(name: str) -> str:
-    """'blocks.7.attn.inner.qkv.weight' -> '*.attn.inner.qkv.weight': the same parameter in every block."""
-    return ".".join(["*"] + name.split(".")[2:]) if name.startswith("blocks.") else name
-
-
-@functools.cache
-def parameter_numels(cfg: Config) -> dict:
-    """numel per parameter name (block parameters summed over the blocks as '*.attn.inner.qkv.weight'...),
-    with 'total', 'tensors' and 'block' (one block's), from the model built on the meta device."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    numels = {"total": 0, "tensors": 0, "block": sum(p.numel() for p in model.blocks[0].parameters())}
-    for name, p in model.named_parameters():
-        numels[_any_block(name)] = numels.get(_any_block(name), 0) + p.numel()
-        numels["total"] += p.numel()
-        numels["tensors"] += 1
-    return numels
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """Bytes per device, term by term (insertion order is print order); `notes` says how each was derived."""
-    micro: int
-    world: int
-    card: float
-    terms: dict
-    notes: dict
-
-    @property
-    def allocated(self) -> float:
-        """What torch.cuda.max_memory_allocated should show (mem_peak_gb in metrics.jsonl, in GB)."""
-        return sum(v for k, v in self.terms.items() if not k.startswith("overhead"))
-
-    @property
-    def total(self) -> float:
-        return sum(self.terms.values())
-
-
-def gpu_memory_bytes(cfg: Config) -> float:
-    if cfg.gpu_memory_gb > 0:
-        return cfg.gpu_memory_gb * GiB
-    if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return DEFAULT_GPU_MEMORY_GIB * GiB
-
-
-def memory_plan(cfg: Config, micro: int, world: int = 1, card: float | None = None) -> MemoryPlan:
-    """The memory one GPU needs to train `cfg` at this micro-batch (dtype auto plans bf16, as on CUDA).
-    Parameter terms are exact; activations are activation_profile scaled to the real width, depth and tokens."""
-    bf16 = cfg.dtype != "fp32"
-    fit, full = (activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters, bf16,
-                                    checkpointing) for checkpointing in (cfg.activation_checkpointing, False))
-    terms, notes = {}, {}
-
-    def term(name: str, value: float, note: str) -> None:
-        terms[name], notes[name] = value, note
-
-    _parameter_terms(cfg, world, full["weight_casts"], term)
-    _activation_terms(cfg, micro, fit, full, term)
-    allocated = sum(terms.values())
-    term("overhead: CUDA context", CUDA_CONTEXT_BYTES + (NCCL_BYTES if world > 1 else 0),
-         "assumed: context, cuBLAS workspaces, kernels" + (", NCCL buffers" if world > 1 else ""))
-    term("overhead: fragmentation", FRAGMENTATION * allocated, f"assumed: {FRAGMENTATION:.0%} of the allocated peak")
-    return MemoryPlan(micro, world, gpu_memory_bytes(cfg) if card is None else card, terms, notes)
-
-
-def _parameter_terms(cfg: Config, world: int, weight_casts: set, term) -> None:
-    """Weights, gradients, AdamW, and the copies DDP, FSDP or autocast add: exact from the parameter counts."""
-    numels = parameter_numels(cfg)
-    P, block, shards = numels["total"], numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
-    sharded = f" / {shards} ranks" if shards > 1 else ""
-    term("weights", 4 * P / shards, f"{P:,} fp32 parameters{sharded}")
-    term("gradients", 4 * P / shards, f"fp32{sharded}")
-    term("optimizer", 8 * P / shards + 4 * numels["tensors"],
-         f"AdamW: 2 fp32 states per parameter{sharded}, a step count per tensor")
-    if world > 1 and cfg.parallel == "ddp":
-        term("ddp buckets", 4 * P, "DDP's all-reduce buckets: a second fp32 copy of the gradients")
-    if shards > 1:
-        unsharded = 2 if cfg.dtype != "fp32" else 4
-        term("fsdp all-gathered", unsharded * (P - (cfg.depth - 2) * block) + (unsharded + 4) * block,
-             "whole parameters of the root and of 2 blocks (running + prefetched), one block's whole gradients")
-    elif cfg.dtype != "fp32":
-        # autocast caches its bf16 copies until the forward ends (checkpointing or not), and the backward keeps them
-        cast = sum(numels[name] for name in weight_casts)
-        term("autocast weight cache", 2 * cast, f"bf16 copies of the {cast:,} matmul weights")
-
-
-def _activation_terms(cfg: Config, micro: int, fit: dict, full: dict, term) -> None:
-    """What the forward saves (`fit`: as configured; `full`: without checkpointing) and the backward's own peak."""
-    C, L, tokens = cfg.width, cfg.depth, micro * cfg.seq_len
-    per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
-    if cfg.activation_checkpointing:
-        term("act: checkpointed inputs", tokens * L * per_token["block"],
-             f"{L} blocks x {micro} x {cfg.seq_len} tokens x {per_token['block'] / 1024:.1f} KiB (stream states held)")
-    else:
-        parts = ", ".join(f"{k} {per_token[k] / 1024:.1f}" for k in ("attention", "mlp", "streams"))
-        term("act: blocks", tokens * L * per_token["block"],
-             f"{L} blocks x {micro} x {cfg.seq_len} tokens x ({parts} KiB)")
-    term("act: embedding, head", tokens * per_token["rest"],
-         "embedding, n-stream expansion, collapse, final norm, head input")
-    loss = tokens * per_token["loss"]
-    term("act: log-probabilities", loss,
-         f"fp32 log_softmax over the {padded_vocab_size(cfg.tokenizer):,}-token vocabulary")
-    # the backward's own peak on top of what is saved: the loss backward holds two more fp32 buffers of the
-    # logits' size (the gradients into and out of log_softmax); with checkpointing, one sublayer is recomputed
-    recompute = tokens * (full["sublayer"][0] * C + full["sublayer"][1]) if cfg.activation_checkpointing else 0.0
-    term("act: backward peak", max(2 * loss, recompute),
-         "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
-
-
-def check_batch_split(cfg: Config, world: int, micro: int | None = None) -> None:
-    """--batch-size splits evenly over the processes and, given a micro-batch, into whole micro-batches on each."""
-    if cfg.batch_size % (world * (micro or 1)):
-        into = f"{world} process(es)" if micro is None else f"--micro-batch-size {micro} x {world} process(es)"
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {into}")
-
-
-def divisors_descending(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
-
-
-def auto_micro_batch(cfg: Config, world: int, card: float | None = None) -> tuple[int, MemoryPlan]:
-    """The largest micro-batch dividing the per-process batch whose plan fills at most 1 - AUTO_MARGIN of the card."""
-    for micro in divisors_descending(cfg.batch_size // world):
-        plan = memory_plan(cfg, micro, world, card)
-        if plan.total <= (1 - AUTO_MARGIN) * plan.card:
-            return micro, plan
-    raise ConfigError(f"micro-batch 1 already needs {plan.total / GiB:.1f} GiB of this {plan.card / GiB:.1f} GiB GPU "
-                      "(see --estimate): use --activation-checkpointing, or --parallel fsdp over more GPUs")
-
-
-def cpu_auto_micro_batch(cfg: Config, world: int) -> int:
-    return next(d for d in divisors_descending(cfg.batch_size // world) if d <= CPU_AUTO_MICRO)
-
-
-def confirm_micro_batch(cfg: Config, dist: Dist, model: nn.Module, dtype: torch.dtype, micro: int,
-                        accum: int) -> tuple[int, int]:
-    """--micro-batch-size auto on CUDA: one real forward and backward at the planned micro-batch, with the memory
-    of AdamW's states (allocated at its first step) set aside; on out-of-memory, the next divisor at most half
-    as large. Not under FSDP, whose collectives would hang the ranks that did not fail: the plan stands there."""
-    if cfg.micro_batch_size != "auto" or dist.device.type != "cuda" or (dist.world > 1 and cfg.parallel == "fsdp"):
-        return micro, accum
-    local, per_rank = unwrap(model), cfg.batch_size // dist.world     # DDP's module: no all-reduce in the trial
-    while True:
-        try:
-            # held, not used: the room AdamW's exp_avg and exp_avg_sq take at the first optimizer step
-            states = torch.empty(8 * sum(p.numel() for p in local.parameters()), dtype=torch.uint8, device=dist.device)
-            idx = torch.zeros(micro, cfg.seq_len, dtype=torch.long, device=dist.device)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                _, loss = local(idx, idx)
-            loss.backward()
-            break
-        except torch.OutOfMemoryError:
-            if micro == 1:
-                raise
-            micro = next(d for d in divisors_descending(per_rank) if d <= micro // 2)
-        finally:
-            states = idx = loss = None      # released before the next, smaller trial allocates its own
-            local.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-    if dist.world > 1:                       # every rank must use the same micro-batch
-        agreed = torch.tensor(micro, device=dist.device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        micro = int(agreed)
-    torch.cuda.reset_peak_memory_stats(dist.device)
-    if dist.is_main:
-        print(f"micro-batch auto: {micro}, confirmed by one forward and backward on {torch.cuda.get_device_name()}",
-              flush=True)
-    return micro, per_rank // micro
-
-
-def print_memory_plan(plan: MemoryPlan) -> None:
-    width = max(map(len, plan.terms)) + 2
-    for key, value in plan.terms.items():
-        print(f"  {key:<{width}}{value / GiB:7.2f} GiB  {plan.notes[key]}")
-    short = plan.total - plan.card
-    verdict = f"does NOT fit, {short / GiB:.1f} GiB short" if short > 0 else f"fits, {-short / GiB:.1f} GiB to spare"
-    print(f"  {'allocated peak':<{width}}{plan.allocated / GiB:7.2f} GiB  = {plan.allocated / 1e9:.1f} GB: "
-          "compare mem_peak_gb in metrics.jsonl")
-    print(f"  {'total':<{width}}{plan.total / GiB:7.2f} GiB  of {plan.card / GiB:.1f} GiB: {verdict}")
-
-
-def parameter_summary(params: dict) -> str:
-    """count_parameters' counts in words, as --estimate and a run's log show them."""
-    return (f"{params['total']:,} parameters ({params['embedding']:,} embedding, {params['non_embedding']:,} "
-            f"non-embedding, {params['streams']:,} in the residual connections)")
-
-
-def print_estimate(cfg: Config) -> None:
-    """Model size, work per token and the memory plan of one GPU: the model is built on the meta device and the
-    activations are measured on tiny copies on the CPU, so nothing of the real size is allocated."""
-    params = count_parameters(cfg)
-    print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {parameter_summary(params)}")
-    flops = flops_per_token(cfg, params["non_embedding"])
-    print(f"{flops:.4g} training FLOPs per token; "
-          f"{cfg.tokens_per_step:,} tokens per step; {cfg.steps * cfg.tokens_per_step:,} tokens in "
-          f"{cfg.steps:,} steps")
-    world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    micro, auto_line = _estimate_micro_batch(cfg, world)
-    strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
-    print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
-          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}:")
-    print_memory_plan(memory_plan(cfg, micro, world))
-    if cfg.residual != "baseline":
-        fit = activation_profile(cfg.residual, cfg.expansion, cfg.heads, cfg.tokenizer, cfg.sinkhorn_iters,
-                                 cfg.dtype != "fp32", False)["streams"]
-        streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
-        print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
-              f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
-    print(auto_line)
-    _print_time_estimate(cfg, world, flops)
-
-
-def _estimate_micro_batch(cfg: Config, world: int) -> tuple[int, str]:
-    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
-    check_batch_split(cfg, world)
-    try:
-        auto, _ = auto_micro_batch(cfg, world)
-        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
-                     "of the card)")
-    except ConfigError as error:
-        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
-    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
-    check_batch_split(cfg, world, micro)
-    return micro, auto_line
-
-
-def _print_time_estimate(cfg: Config, world: int, flops: float) -> None:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    peak = gpu_peak_flops(name or ASSUMED_GPU)
-    if not peak:
-        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
-        return
-    tokens_per_s = ASSUMED_MFU * peak * world / flops
-    print(f"time at {ASSUMED_MFU:.0%} MFU on {world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}: "
-          f"{tokens_per_s:,.0f} tokens/s, {cfg.tokens_per_step / tokens_per_s:.2f} s per step, "
-          f"{cfg.steps * cfg.tokens_per_step / tokens_per_s / 3600:.1f} h for {cfg.steps:,} steps")
-
-
-# ---- end of the planner
-
-
-def batch_plan(cfg: Config, world: int) -> tuple[int, int]:
-    """(micro-batch per device, accumulation steps) so that every optimizer step sees --batch-size sequences.
-    'auto' on CUDA: the largest micro-batch the memory plan fits on this GPU (build_trainer then confirms it with
-    one real step); on the CPU: the per-process batch capped at CPU_AUTO_MICRO."""
-    if cfg.micro_batch_size == "auto":
-        check_batch_split(cfg, world)
-        if torch.cuda.is_available():
-            micro, plan = auto_micro_batch(cfg, world)
-            why = (f"planned {plan.total / GiB:.1f} of {plan.card / GiB:.1f} GiB, at most {1 - AUTO_MARGIN:.0%} "
-                   "of the card; --estimate shows the plan")
-        else:
-            micro = cpu_auto_micro_batch(cfg, world)
-            why = (f"CPU: the per-process batch {cfg.batch_size // world} capped at {CPU_AUTO_MICRO}, "
-                   "no GPU memory to plan against")
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"micro-batch auto: {micro} ({why})", flush=True)
-    else:
-        micro = int(cfg.micro_batch_size)
-    check_batch_split(cfg, world, micro)
+def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float | None = None
+               ) -> tuple[int, int, str]:
+    """(micro-batch, accumulation steps, why auto chose it): every optimizer step sees --batch-size sequences;
+    auto is plan.resolve_micro_batch's, for a GPU (default: where CUDA is) or the CPU."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    micro, why = plan.resolve_micro_batch(GPT, cfg, world, on_gpu, card)
     # the streams each process reads from (ranks share streams when the world size does not divide them)
     read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
     if cfg.data_workers > read:
         raise ConfigError(f"--data-workers {cfg.data_workers} exceeds the {read} data stream(s) each of {world} "
                           "process(es) reads (a loader process owns whole streams); lower --data-workers, or raise "
                           "--data-streams and --batch-size")
-    return micro, cfg.batch_size // (micro * world)
+    return micro, cfg.batch_size // (micro * world), why
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -2318,14 +2049,6 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
-
-
-def precision_policy(dtype: torch.dtype) -> dict:
-    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:
-    fp32, so that a gain is never a bf16 rounding artefact). Recorded in config.json; the report marks a table
-    whose runs differ in it."""
-    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": "fp32",
-            "mixing_parameters": "fp32", "coefficients": "fp32", "probe": "fp32 H_res, fp64 products"}
 
 
 def use_flash_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
@@ -2367,43 +2090,6 @@ def check_resumable(run_dir: Path, cfg: Config) -> dict:
     return changes
 
 
-def changes_text(changes: dict) -> str:
-    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
-
-
-def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
-    """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
-    if not changes:
-        return
-    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {changes_text(changes)}")
-    if log.enabled:
-        with open(run_dir / "settings_changes.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, fused_kernels: bool,
-               params: dict) -> dict:
-    return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
-            "params": params, "world_size": dist.world, "device": dist.device.type,
-            "device_name": device_name(dist.device),
-            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
-            "attention": "flash" if use_flash else "sdpa", "kernels": "fused" if fused_kernels else "reference",
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "datasets": importlib.metadata.version("datasets"),
-                         "tiktoken": importlib.metadata.version("tiktoken")},
-            "git_commit": git_commit()}
-
-
 class StopRequest:
     """SIGTERM/SIGINT only set a flag: the step in flight finishes, then a checkpoint is saved."""
 
@@ -2414,46 +2100,6 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.requested = True
-
-
-class Faults:
-    """The test hooks, in one place and consulted at a few named points of a step (without the variables each
-    point does nothing). TRAIN_C4_INJECT_NAN="WHAT:STEP[:RANK]": at optimizer step STEP (on RANK, default all)
-    WHAT is data, loss or grad (made non-finite), hang or oom. TRAIN_C4_FAIL_DEVICES: device ids that behave
-    as dead GPUs (for the launcher's tests)."""
-
-    def __init__(self, rank: int):
-        what, step, *only = (os.environ.get("TRAIN_C4_INJECT_NAN") or "none:0").split(":")
-        self.what, self.step, self.rank = what, int(step), rank
-        self.active = not only or int(only[0]) == rank
-
-    def due(self, what: str, step: int) -> bool:
-        return self.active and self.what == what and self.step == step
-
-    def at_start(self) -> None:
-        failing = set(filter(None, os.environ.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
-        visible = set(filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")))
-        if failing & visible:
-            raise DeviceFailure(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
-                                "TRAIN_C4_FAIL_DEVICES)")
-
-    def on_input(self, model: GPT, step: int):
-        """Token ids cannot hold a NaN: the data fault makes the embedded batch, the data's first floating-point
-        form, non-finite (the hook's handle removes it on leaving the with-block)."""
-        if not self.due("data", step):
-            return contextlib.nullcontext()
-        return model.wte.register_forward_hook(lambda module, args, out: out * float("nan"))
-
-    def on_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        if self.due("hang", step):          # a stuck rank: the others must time out, not wait forever
-            time.sleep(24 * 3600)
-        if self.due("oom", step):           # one rank fails alone: the others must name it and stop
-            raise torch.OutOfMemoryError("injected by TRAIN_C4_INJECT_NAN")
-        return loss * float("nan") if self.due("loss", step) else loss
-
-    def on_gradients(self, model: nn.Module, step: int) -> None:
-        if self.due("grad", step):
-            next(model.parameters()).grad.fill_(float("inf"))
 
 
 @dataclasses.dataclass
@@ -2476,14 +2122,13 @@ class Trainer:
     tokens: int = 0
     wandb_run: object = None
     steady: bool = False        # past the first step: the short collective time-out applies
-    faults: Faults | None = None
 
     def autocast(self):
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
     def micro_steps(self, stop: StopRequest) -> torch.Tensor:
         """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only."""
-        device, loss_sum, step = self.dist.device, torch.zeros((), device=self.dist.device), self.step + 1
+        device, loss_sum = self.dist.device, torch.zeros((), device=self.dist.device)
         for micro_step in range(self.accum):
             x, y = (t.to(device, non_blocking=True) for t in self.loader.next_batch())
             last = micro_step == self.accum - 1
@@ -2491,12 +2136,10 @@ class Trainer:
                 self.model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                with self.autocast(), self.faults.on_input(unwrap(self.model), step):
+                with self.autocast():
                     _, loss = self.model(x, y)
-                loss = self.faults.on_loss(loss, step)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-        self.faults.on_gradients(self.model, step)
         stop_flag = torch.tensor(float(stop.requested), device=device)
         return all_ranks_sum(self.dist, torch.stack([loss_sum / (self.accum * self.dist.world), stop_flag]))
 
@@ -2651,100 +2294,35 @@ class Trainer:
         progress.close()
 
 
-class Progress:
-    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise. Both carry the
-    run's pace (tokens/s, MFU, memory, ETA); status.json shows the same, rewritten at every log step."""
-
-    LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "mem_peak_gb",
-                 "val_loss", "amax_fwd", "amax_bwd")
-
-    def __init__(self, trainer: Trainer):
-        self.trainer, self.step_seconds = trainer, None
-        interactive = trainer.dist.is_main and sys.stderr.isatty()
-        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
-        trainer.log.bar = self.bar
-        trainer.log.live["steps"] = trainer.cfg.steps
-
-    def update(self, record: dict) -> None:
-        cfg, log, step = self.trainer.cfg, self.trainer.log, record["step"]
-        # a moving average: the ETA follows the recent pace, not the first step's compilation or an evaluation
-        seconds = record["step_time_s"]
-        self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
-        log.live.update({key: record[key] for key in self.LIVE_KEYS if key in record},
-                        eta_s=self.step_seconds * (cfg.steps - step))
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                 amax=self._amax())
-            self.bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            if self.bar is None:
-                log.info(self.line(record))
-            log.status("running", step)
-
-    def _amax(self) -> str:
-        amax = self.trainer.log.live.get("amax_fwd")
-        return f"{amax:.3g}" if amax is not None else "-"
-
-    def line(self, record: dict) -> str:
-        live = self.trainer.log.live
-        val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
-        mfu = f" mfu {live['mfu']:.0%}" if live.get("mfu") is not None else ""
-        mem = f" mem {live['mem_peak_gb']:.1f}GB" if live.get("mem_peak_gb") is not None else ""
-        return (f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} "
-                f"grad_norm {record['grad_norm']:.3g} amax_fwd {self._amax()} tok/s {record['tokens_per_s']:,.0f}"
-                f"{mfu}{mem} eta {timedelta(seconds=round(live['eta_s']))}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.trainer.log.bar = None
-
-
-def memory_floor(cfg: Config, micro: int, world: int) -> float:
-    """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
-    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state and a sublayer
-    output per block and the fp32 log-probabilities with their two backward buffers, and the validation token ids.
-    The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
-    vocab, C = padded_vocab_size(cfg.tokenizer), cfg.width
-    parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
-    shards = world if world > 1 and cfg.parallel == "fsdp" else 1
-    activations = micro * cfg.seq_len * 4 * (2 * cfg.depth * C + 3 * vocab)
-    return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
-
-
-def check_memory(cfg: Config, dist: Dist, micro: int) -> None:
-    if dist.device.type == "cuda":
-        available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(dist.device)})"
-    else:
-        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
-    need = memory_floor(cfg, micro, dist.world)
-    if need > available:
-        raise ConfigError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more "
-                          f"than the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "
-                          "--micro-batch-size or --eval-batches (--estimate shows the plan)")
-
-
-def check_writable_folder(folder: Path, what: str) -> None:
-    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
-    one-line config error (exit 2) instead of a failure at the first write."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{what} {folder} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
-
-
 def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, the files).
     A bad setting ends here with one line, before anything is allocated; only --out is created."""
-    micro, accum = batch_plan(cfg, dist.world)
-    check_memory(cfg, dist, micro)
+    micro, accum, why = batch_plan(cfg, dist.world)
+    if why and dist.is_main:
+        print(f"micro-batch auto: {micro} ({why})", flush=True)
+    plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, dist.world, dist.device)
     data = resolve_data_files(cfg.data, cfg.val_data)
     check_writable_folder(Path(cfg.out), "--out")
     return micro, accum, data
+
+
+def plan_jobs(request: dict) -> dict:
+    """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
+    job's flags judged by this trainer's own checks, then planned for the launcher's node by plan.job_plan."""
+    gpu, world, answers = request["gpu"] or plan.ASSUMED_GPU, request["world"], []
+    parameters = functools.cache(count_parameters)      # one build per model shape, not one per job
+    for job in request["jobs"]:
+        try:
+            cfg = parse_config(job["flags"])
+            card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
+            micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
+            if gpu == "cpu":
+                plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, world, torch.device("cpu"))
+            resolve_data_files(cfg.data, cfg.val_data)
+            answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job))
+        except (TrainerError, plan.PlanError) as error:
+            answers.append({"error": str(error)})
+    return plan.node_answer(gpu, answers)
 
 
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
@@ -2760,14 +2338,14 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     model = GPT(cfg, use_flash, fused_kernels).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = make_optimizer(model, cfg)
-    micro, accum = confirm_micro_batch(cfg, dist, wrapped, dtype, micro, accum)     # auto on CUDA: one real step
+    micro = plan.confirm_micro_batch(cfg, dist, unwrap(wrapped), dtype, micro)     # auto on CUDA: one real step
+    accum = cfg.batch_size // (micro * dist.world)
     batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
     loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
     params = count_parameters(cfg)
     trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val,
                       micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir,
-                      gpu_peak_flops(device_name(dist.device)),
-                      flops_per_token(cfg, params["non_embedding"]), faults=Faults(dist.rank))
+                      gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
     record_setting_changes(run_dir, changes, trainer.log, trainer.step)
     record = run_record(cfg, micro, dist, dtype, use_flash, fused_kernels, params)
@@ -2776,31 +2354,6 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
     announce(trainer, params, record, data)
     return trainer
-
-
-def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
-    cfg, log = trainer.cfg, trainer.log
-    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
-             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
-             f"({record['dtype']}, {record['attention']} attention)")
-    log.info(f"model: {parameter_summary(params)}")
-    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
-             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
-    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
-             f"{trainer.flops_per_token:.3g} FLOPs per token")
-    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
-    read = len(set(trainer.loader.batches.owners))
-    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
-             f"data seed {cfg.data_seed}")
-    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
-
-
-def held_out_source(data: DataFiles, val_data: str) -> str:
-    if data.held_out_slice:
-        return (f"1 document in {HELD_OUT_EVERY} of the training files (by a hash of its text), never trained on; "
-                "the first of them in file order")
-    return f"{len(data.val)} file(s) " + (f"of --val-data {val_data!r}" if val_data else "named 'validation'")
 
 
 def train(cfg: Config) -> None:
@@ -2812,7 +2365,6 @@ def train(cfg: Config) -> None:
     log.count_restart()
     log.status("running", trainer.step)
     try:
-        trainer.faults.at_start()
         trainer.run(stop)
     except Diverged as error:
         log.status("diverged", trainer.step, EXIT_DIVERGED, str(error))
@@ -2853,7 +2405,7 @@ def failure(error: BaseException, dist: Dist, micro: int | None = None) -> tuple
 
 
 def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]:
-    if isinstance(error, TrainerError):
+    if isinstance(error, (TrainerError, plan.PlanError)):
         return error.exit_code, str(error)
     if isinstance(error, torch.OutOfMemoryError):
         smaller = max(1, (micro or 2) // 2)
@@ -2880,9 +2432,12 @@ def main(argv: list[str] | None = None) -> int:
         if "--consolidate" in argv:
             print(consolidate(*consolidate_arguments(argv)))
             return EXIT_OK
+        if argv == ["--plan-jobs"]:
+            print(json.dumps(plan_jobs(json.load(sys.stdin))))
+            return EXIT_OK
         cfg = parse_config(argv)
         if cfg.estimate:
-            print_estimate(cfg)
+            plan.print_estimate(GPT, cfg, count_parameters(cfg))
         else:
             train(cfg)
         end_distributed()
@@ -2903,22 +2458,6 @@ def main(argv: list[str] | None = None) -> int:
             # (-15) instead of with its own exit code
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return code
-
-
-def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
-    parser = _OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
-                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
-                                 "process group: torch.load(OUT, weights_only=True) -> GPT.load_state_dict.")
-    parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
-                        help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
-                        "complete checkpoint), and the .pt file to write")
-    source, out = map(Path, parser.parse_args(argv).consolidate)
-    if not source.is_dir():
-        raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
-    if out.is_dir():
-        raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
-    check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
-    return source, out
 
 
 if __name__ == "__main__":

@@ -55,8 +55,10 @@ def trainer(out: Path, *args: str, env: dict | None = None, wait: bool = True):
 
 def torchrun(out: Path, parallel: str, *args: str, env: dict | None = None, wait: bool = True,
              processes: int = 2):
+    # a fault is injected by tests/fault_trainer.py (train_c4.py with the fault patched in), never by train_c4.py
+    script = "tests/fault_trainer.py" if "TRAIN_C4_INJECT_NAN" in (env or {}) else "train_c4.py"
     return finish(start(out, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={processes}", str(ROOT / "train_c4.py"), *ARGS, "--parallel", parallel,
+                        f"--nproc_per_node={processes}", str(ROOT / script), *ARGS, "--parallel", parallel,
                         "--out", str(out), *args, env=env), wait)
 
 

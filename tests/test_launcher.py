@@ -458,7 +458,7 @@ def test_dry_run_launches_nothing_and_writes_nothing(tmp_path):
         for depth in (32, 48):
             for seed in (42, 123, 456):
                 assert f"{method}_d{depth}_s{seed}" in r.stdout
-    assert r.stdout.count("micro-batch 4, global batch 64") == 18
+    assert r.stdout.count("micro-batch 4, global batch 64") == 18        # the fake trainer's answers
     assert "CUDA_VISIBLE_DEVICES=0 " in r.stdout and "--run-name hc_d48_s42" in r.stdout
     assert "next free slot" in r.stdout
 
@@ -492,9 +492,36 @@ def test_dry_run_of_quick_demo_and_multi_gpu_default_trainer(tmp_path):
     assert r.returncode == 0
     assert "torch.distributed.run --standalone --nproc_per_node=2" in r.stdout
     assert "--parallel fsdp" in r.stdout and "CUDA_VISIBLE_DEVICES=0,1 " in r.stdout
-    if (ROOT / "train_c4.py").exists():   # the plan shows the trainer's own resolved defaults
-        assert re.search(r"micro-batch \d+ \(trainer default\), global batch \d+ \(trainer default\)", r.stdout)
+    # the plan shows the trainer's own resolution of auto, for 2 GPUs under FSDP
+    assert re.search(r"micro-batch \d+ \(auto\), global batch 32, [\d.]+ of 80 GiB", r.stdout)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_job_the_trainer_refuses_stops_the_matrix_before_any_launch(tmp_path):
+    out = tmp_path / "runs"
+    r = launch(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0", "--", "--lrr", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "train_c4.py refuses hc_d2_s1 and 1 more job(s): unrecognized arguments: --lrr 1" in r.stderr
+    assert not (out / "hc_d2_s1").exists() and not (out / "matrix.log").exists()
+
+
+def test_quick_fills_the_node_or_says_why_not(tmp_path):
+    r = launch(tmp_path, "--quick", "--dry-run", "--gpus", "0,1,2,3,4,5,6,7")
+    assert r.returncode == 0, r.stderr
+    assert "--quick: 4 run(s) on 8 GPUs: 2 GPUs per run (FSDP)" in r.stdout
+    assert r.stdout.count("--parallel fsdp") == 4 and "CUDA_VISIBLE_DEVICES=6,7 " in r.stdout
+    r = launch(tmp_path, "--quick", "--dry-run")             # no GPU here: the documented node's 8 GPUs
+    assert r.returncode == 0 and "2 GPUs per run" in r.stdout and "the documented node, 8 x" in r.stdout
+    r = launch(tmp_path, "--quick", "--dry-run", "--gpus", "0,1,2,3,4,5,6,7", "--gpus-per-run", "1")
+    assert "leave 4 of 8 GPUs idle: --gpus-per-run 1 was given" in r.stdout
+
+
+def test_a_calibration_that_cannot_run_says_why_and_exits_non_zero(tmp_path):
+    r = launch(tmp_path, "--demo", "--dry-run", "--calibrate", "--methods", "hc", "--", "--lrr", "1")
+    assert r.returncode == 2 and "refuses hc_d4_s42: unrecognized arguments: --lrr 1" in r.stderr
+    assert "Calibrating" not in r.stdout
+    r = launch(tmp_path, "--demo", "--dry-run", "--calibrate", "--methods", "hc")       # the fake times no step
+    assert r.returncode == 1 and "--calibrate: hc_d4 exited 0 without a timed step" in r.stderr
 
 
 def test_summary_runs_nothing_and_shows_the_report(tmp_path):
@@ -664,11 +691,11 @@ def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes
 def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):
     import matrix
     monkeypatch.setenv("RUN_EXPERIMENTS_NVIDIA_SMI", "false")
-    monkeypatch.setattr(matrix, "real_trainer", lambda: True)
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: ({"a": (4, 3600.0), "b": (2, 7200.0)}, []))
+    answers = {"a": {"seconds": [1800.0, 3600.0]}, "b": {"seconds": [3600.0, 7200.0]}}
+    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": answers})
     opt = matrix.parse_options(["--slurm", "--out", str(tmp_path)])
     assert matrix.task_time(opt, [])[0] == 7200 * 1.25 + 600
     opt = matrix.parse_options(["--slurm", "--slurm-time", "2:30:00", "--out", str(tmp_path)])
     assert matrix.task_time(opt, [])[0] == 9000 and matrix.hms(9000) == "2:30:00"
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: ({"a": (4, None)}, []))
+    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": {"a": {"seconds": None}}})
     assert matrix.task_time(opt, []) == (9000, "no time estimate")

@@ -24,7 +24,9 @@ DETERMINISTIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "
 
 
 def trainer(out, *args, env=None, wait=True):
-    command = [sys.executable, str(ROOT / "train_c4.py"), "--preset", "tiny", "--out", str(out), *args]
+    # a fault is injected by tests/fault_trainer.py (train_c4.py with the fault patched in), never by train_c4.py
+    script = "tests/fault_trainer.py" if "TRAIN_C4_INJECT_NAN" in (env or {}) else "train_c4.py"
+    command = [sys.executable, str(ROOT / script), "--preset", "tiny", "--out", str(out), *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, **(env or {})}, cwd=out)
     if not wait:
