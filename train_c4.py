@@ -204,12 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.", epilog=epilog,
                                  argument_default=argparse.SUPPRESS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = {}                                 # in the order of Config's fields: --help's order
-    for field in dataclasses.fields(Config):
-        facts = field.metadata
-        if facts["group"] not in groups:
-            groups[facts["group"]] = parser.add_argument_group(facts["group"])
-        group = groups[facts["group"]]
+    fields = dataclasses.fields(Config)         # their order is --help's order, groups included
+    groups = {title: parser.add_argument_group(title) for title in dict.fromkeys(f.metadata["group"] for f in fields)}
+    for field in fields:
+        facts, group = field.metadata, groups[field.metadata["group"]]
         if field.type == "bool":
             group.add_argument(_flag(field.name), action="store_true", help=facts["help"])
         else:
@@ -221,9 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> Config:
     """Defaults, then the preset, then explicit flags; every check that can fail before a run starts."""
     explicit = vars(build_parser().parse_args(argv))
-    preset = explicit.get("preset", "c4")
-    values = {**PRESETS[preset], **explicit}
-    cfg = Config(**values)
+    cfg = Config(**{**PRESETS[explicit.get("preset", "c4")], **explicit})
     validate(cfg)
     if not cfg.run_name:
         cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset))
