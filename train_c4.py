@@ -69,7 +69,7 @@ PRESETS = {
 MODEL, OPTIMISATION, DATA, MEASUREMENT, RUN_FOLDER, PARALLELISM, PLANNING = (
     "model", "optimisation", "data", "measurement and logging", "run folder and checkpoints", "parallelism", "planning")
 INT64_MAX = 2 ** 63 - 1                         # torch.manual_seed and tensor sizes take int64
-COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)
+COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)  # the bounds of a count, and of a seed or a count that may be 0
 
 
 def option(default, group: str, allowed: tuple | None, help: str):
@@ -81,6 +81,7 @@ def option(default, group: str, allowed: tuple | None, help: str):
 class Config:
     """Every flag, with its facts: a new flag is one more line here. The bounds, far beyond any real run, keep
     --estimate, the planner and the loader from allocating without end, and initial values far inside float32."""
+    # the defaults are the study's 1.73B model (docs/model.md, "Baseline and the transformer body")
     preset: str = option("c4", MODEL, tuple(PRESETS), "a named set of defaults; explicit flags win")
     residual: str = option("mhc", MODEL, ("baseline", "hc", "mhc"), "residual path: plain pre-norm residual, dynamic "
         "HC, or manifold-constrained HC")
