@@ -6,58 +6,26 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
     torchrun --nproc_per_node=8 train_c4.py --parallel fsdp  # one run over a whole node
 
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
-exit codes and reliability rules in README.md and docs/reliability.md.
-Sections, in file order:
-  config/CLI            the errors that carry the exit codes (contract.py: the codes and the run-name
-                        format the launcher and the report share), Config, presets, --help's groups,
-                        every check of a value
-  model                 the GPT body and the three residual paths (PlainResidual, HyperConnection,
-                        ManifoldHyperConnection)
-  instability metrics   composite gains, the study's recipe, the Sinkhorn truncation, the probe
-  data                  tokenizers, C4 (hub or local), held-out documents, the rank's batches (RankBatches)
-                        and the Loader that reads them ahead: a thread or loader processes
-  distributed           torchrun's process group, DDP / FSDP2 wrapping, a failing rank's reason
-  checkpointing         write, seal, verify and safely load checkpoints; --consolidate
-  logging               train.log, metrics.jsonl, status.json, W&B, config.json's record, progress
-  training loop         the batch split, lr schedule, precision, resume checks, signals, Trainer, preflight
-                        checks (and the launcher's, --plan-jobs), build_trainer, train; the planner
-                        (memory plan, --micro-batch-size auto, --estimate, time) is plan.py beside it
-  main                  the one classification of a failure into a line and an exit code; main
+exit codes and reliability rules in README.md and docs/reliability.md. Sections, in file order: config/CLI,
+model, instability metrics, data, distributed, checkpointing, logging, training loop, main. Beside it:
+fused.py (the model's hand-written speed-ups, --kernels) and plan.py (memory plan, auto micro-batch, --estimate).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import ctypes
-import dataclasses
-import errno
-import functools
-import glob
-import hashlib
-import importlib.metadata
-import io
-import itertools
-import json
-import math
-import multiprocessing
-import os
-import pickle
-import queue
-import random
-import secrets
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import textwrap
-import threading
-import time
-import warnings
+import argparse, contextlib, ctypes, dataclasses, errno, functools, glob, hashlib, importlib.metadata, io
+import itertools, json, math, multiprocessing, os, pickle, queue, random, re, secrets, shutil, signal
+import subprocess, sys, tempfile, textwrap, threading, time, warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
+
+import contract
+from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM,
+                      ConfigError, DataUnavailable, DeviceFailure, Diverged, Interrupted, RunFailed, TrainerError)
+
+if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
 
 import tiktoken
 import torch
@@ -70,224 +38,158 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-import contract
 import fused
 import plan
-from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
-                      EXIT_OOM)
 from plan import flops_per_token, gpu_peak_flops, parameter_summary
 
-# Imported where they are used, on purpose: datasets and torch.distributed's fsdp and checkpoint packages (each
-# about a second, as much as torch itself: `python -X importtime -c 'import train_c4'`), which --help, --estimate
-# and most tests never need; flash_attn, optional and CUDA only; wandb (its own line says why).
+# Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
+# fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
 
 ROOT = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------
-# config/CLI: every setting of a run, resolved once into a frozen Config
+# config/CLI: every setting of a run, resolved once into a frozen Config (the errors: contract.py)
 
-class TrainerError(Exception):
-    """An expected failure: its message is the one line the user sees, exit_code what the launcher reads."""
-    exit_code = 1
+PRESETS = {
+    "c4": {},
+    # a few thousand parameters: the test suite's model
+    "tiny": dict(depth=2, width=16, heads=2, expansion=4, seq_len=32, batch_size=4, micro_batch_size="2", steps=20,
+                 lr=3e-3, warmup=2, data="sample", tokenizer="byte", eval_every=10, eval_batches=2, metrics_every=5,
+                 layer_metrics_every=10, probe_sequences=2, log_every=5, ckpt_every=10, shuffle_buffer=64,
+                 data_streams=2, data_workers=0, wandb="disabled"),
+    # CPU minutes on the bundled Shakespeare: large enough learning rate for HC to drift visibly
+    "demo": dict(depth=4, width=128, heads=4, seq_len=128, batch_size=16, micro_batch_size="16", steps=600, lr=3e-3,
+                 warmup=50, data="sample", tokenizer="byte", eval_every=100, eval_batches=4, metrics_every=20,
+                 layer_metrics_every=100, probe_sequences=4, log_every=20, ckpt_every=200, shuffle_buffer=64,
+                 data_workers=0),
+    # the public 10M-parameter small-scale reproduction (character-level Shakespeare)
+    "part1": dict(depth=6, width=384, heads=6, seq_len=256, batch_size=64, micro_batch_size="16", steps=5000, lr=1e-3,
+                  warmup=100, data="sample", tokenizer="byte", eval_every=250, eval_batches=8, metrics_every=50,
+                  layer_metrics_every=250, log_every=50, ckpt_every=500, shuffle_buffer=64, data_workers=0),
+    # the public 1.7B study's stress arm (run at depths 32, 48 and 64): 3x the learning rate, 3000 steps
+    "stress": dict(lr=3e-4, steps=3000),
+}
+
+# --help's groups, in its order
+MODEL, OPTIMISATION, DATA, MEASUREMENT, RUN_FOLDER, PARALLELISM, PLANNING = (
+    "model", "optimisation", "data", "measurement and logging", "run folder and checkpoints", "parallelism", "planning")
+INT64_MAX = 2 ** 63 - 1                         # torch.manual_seed and tensor sizes take int64
+COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)  # the bounds of a count, and of a seed or a count that may be 0
 
 
-class ConfigError(TrainerError):
-    exit_code = EXIT_BAD_CONFIG
-
-
-class DataUnavailable(TrainerError):
-    exit_code = EXIT_DATA
-
-
-class Diverged(TrainerError):
-    exit_code = EXIT_DIVERGED
-
-
-class Interrupted(TrainerError):
-    exit_code = EXIT_INTERRUPTED
-
-
-class DeviceFailure(TrainerError):
-    exit_code = EXIT_DEVICE
-
-
-class RunFailed(TrainerError):
-    """A failure already classified (by `failure`) and recorded in status.json; the cause is chained."""
-
-    def __init__(self, exit_code: int, reason: str):
-        super().__init__(reason)
-        self.exit_code = exit_code
+def option(default, group: str, allowed: tuple | None, help: str):
+    """A flag's facts: default, --help group and line, what it allows (number: inclusive bounds, name: choices)."""
+    return dataclasses.field(default=default, metadata=dict(group=group, allowed=allowed, help=help))
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    preset: str = "c4"
-    # model (docs/model.md, "Baseline and the transformer body": depth 32 at width 2048 is the 1.73B model)
-    residual: str = "mhc"
-    depth: int = 32
-    width: int = 2048
-    heads: int = 32
-    expansion: int = 4
-    seq_len: int = 1024
-    sinkhorn_iters: int = 20
-    hc_scale_init: float = 0.01
-    mhc_gate_init: float = 0.01
-    mhc_res_diag: float = 4.0
-    mhc_pre_bias: float = 4.0
-    norm_eps: float = 1e-5
-    attn: str = "auto"
-    kernels: str = "auto"
-    activation_checkpointing: bool = False
-    compile: bool = False
-    dtype: str = "auto"
-    # optimisation
-    batch_size: int = 32
-    micro_batch_size: str = "auto"
-    steps: int = 10_000
-    lr: float = 1e-4
-    warmup: int = 500
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    no_mixing_decay: bool = False
-    seed: int = 42
-    allow_changed_settings: bool = False
-    # data
-    data: str = "c4"
-    val_data: str = ""
-    tokenizer: str = "gpt2"
-    data_seed: int = 1234
-    data_streams: int = 8
-    data_workers: int = 1
-    prefetch: int = 4
-    data_timeout: float = 600.0
-    shuffle_buffer: int = 1024
-    # measurement
-    eval_every: int = 500
-    eval_batches: int = 20
-    metrics_every: int = 50
-    layer_metrics_every: int = 500
-    probe_sequences: int = 8
-    log_every: int = 10
-    # run folder and services
-    ckpt_every: int = 1000
-    keep_checkpoints: int = 2
-    out: str = "runs"
-    run_name: str = ""
-    resume: str = "auto"
-    parallel: str = "ddp"
-    wandb: str = "auto"
-    wandb_project: str = ""
-    estimate: bool = False
-    estimate_world_size: int = 0
-    gpu_memory_gb: float = 0.0
+    """Every flag, with its facts: a new flag is one more line here. The bounds, far beyond any real run, keep
+    --estimate, the planner and the loader from allocating without end, and initial values far inside float32."""
+    # the defaults are the study's 1.73B model (docs/model.md, "Baseline and the transformer body")
+    preset: str = option("c4", MODEL, tuple(PRESETS), "a named set of defaults; explicit flags win")
+    residual: str = option("mhc", MODEL, ("baseline", "hc", "mhc"), "residual path: plain pre-norm residual, dynamic "
+        "HC, or manifold-constrained HC")
+    depth: int = option(32, MODEL, (1, 512), "number of transformer blocks (each has an attention and an MLP sublayer)")
+    width: int = option(2048, MODEL, (1, 2 ** 16), "model width C")
+    heads: int = option(32, MODEL, (1, 256), "attention heads (width must divide by it)")
+    expansion: int = option(4, MODEL, (1, 64), "number of residual streams n for HC and mHC")
+    seq_len: int = option(1024, MODEL, (1, 2 ** 16), "context length in tokens")
+    sinkhorn_iters: int = option(20, MODEL, (1, 10_000), "Sinkhorn-Knopp iterations per mHC mixing matrix")
+    hc_scale_init: float = option(0.01, MODEL, (-1e6, 1e6), "initial HC dynamic scales s_a, s_b")
+    mhc_gate_init: float = option(0.01, MODEL, (-1e6, 1e6), "initial mHC gates a_pre, a_post, a_res")
+    mhc_res_diag: float = option(4.0, MODEL, (-1e6, 1e6), "mHC b_res = c * I: the diagonal bias of H_res's logits "
+        "(c=4: diagonal ~0.95 at init)")
+    mhc_pre_bias: float = option(4.0, MODEL, (-1e6, 1e6), "mHC b_pre: +c on stream (k mod n), -c elsewhere")
+    norm_eps: float = option(1e-5, MODEL, (1e-45, 1e300), "epsilon of every LayerNorm")
+    attn: str = option("auto", MODEL, ("auto", "flash", "sdpa"), "attention kernel: flash-attn 2, PyTorch SDPA, or "
+        "auto (flash when installed on CUDA with bf16)")
+    kernels: str = option("auto", MODEL, ("auto", "reference", "fused"), "HC/mHC residual streams: the papers' "
+        "formulas with autograd (reference), fused.py's hand-written backward passes (fused, the same maths), or auto "
+        "(fused on the CPU, where it was timed faster; reference on CUDA)")
+    dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    batch_size: int = option(32, OPTIMISATION, (1, 2 ** 16), "global sequences per optimizer step, whatever the "
+        "number of processes")
+    micro_batch_size: str = option("auto", OPTIMISATION, None, "sequences per device per forward ('auto' picks from "
+        "memory)")
+    steps: int = option(10_000, OPTIMISATION, COUNT, "optimizer steps")
+    lr: float = option(1e-4, OPTIMISATION, (1e-12, 1e3), "peak learning rate")
+    warmup: int = option(500, OPTIMISATION, NATURAL, "linear warm-up steps")
+    min_lr_ratio: float = option(0.1, OPTIMISATION, (0, 1), "cosine decays to lr * this")
+    weight_decay: float = option(0.1, OPTIMISATION, (0, 1e3), "AdamW weight decay (weight matrices only)")
+    grad_clip: float = option(1.0, OPTIMISATION, (0, 1e300), "clip the global gradient norm to this (0 = off); the "
+        "pre-clip norm is logged")
+    no_mixing_decay: bool = option(False, OPTIMISATION, None, "no weight decay on the dynamic mixing weights (HC's "
+        "W_m, W_r, W_b; mHC's phi), which are otherwise decayed like every weight matrix")
+    seed: int = option(42, OPTIMISATION, NATURAL, "model initialisation seed")
+    compile: bool = option(False, OPTIMISATION, None, "torch.compile each transformer block")
+    activation_checkpointing: bool = option(False, OPTIMISATION, None, "recompute each sublayer (and its stream "
+        "mixing) in the backward pass")
+    data: str = option("c4", DATA, None, "'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob of C4-format "
+        ".json/.json.gz files; files with 'validation' in their names are held out, never trained on")
+    val_data: str = option("", DATA, None, "a path/glob of C4-format files for validation and the probe (never "
+        "trained on); without it and without 'validation' files, a fixed slice of the training documents, chosen by a "
+        "hash of their text, is held out instead (docs/data.md)")
+    tokenizer: str = option("gpt2", DATA, ("gpt2", "byte"), "gpt2 BPE (shipped in data/) or UTF-8 bytes")
+    data_seed: int = option(1234, DATA, NATURAL, "document-order seed, independent of --seed")
+    data_streams: int = option(8, DATA, (1, 4096), "disjoint virtual data streams (sequence p of every global batch "
+        "comes from stream p mod this); any number of processes that divides the global batch reads the same data")
+    data_workers: int = option(1, DATA, (0, 4096), "loader processes per rank, each reading and tokenizing its share "
+        "of the rank's streams (0: a background thread of the training process)")
+    prefetch: int = option(4, DATA, (1, 1024), "micro-batches read ahead by the background loader thread (with "
+        "--data-workers 0)")
+    data_timeout: float = option(600.0, DATA, (10, 1e6), "seconds without a batch before the run stops with exit 6 "
+        "instead of hanging")
+    shuffle_buffer: int = option(1024, DATA, (0, 2 ** 20), "documents in the shuffle buffer")
+    eval_every: int = option(500, MEASUREMENT, COUNT, "steps between validation losses")
+    eval_batches: int = option(20, MEASUREMENT, COUNT, "micro-batches in the fixed validation set")
+    metrics_every: int = option(50, MEASUREMENT, COUNT, "steps between instability probes")
+    layer_metrics_every: int = option(500, MEASUREMENT, COUNT, "steps between per-layer gain lists")
+    probe_sequences: int = option(8, MEASUREMENT, COUNT, "held-out sequences in the fixed probe batch")
+    log_every: int = option(10, MEASUREMENT, COUNT, "steps between plain log lines")
+    wandb: str = option("auto", MEASUREMENT, ("auto", "online", "offline", "disabled"), "Weights & Biases mode; beats "
+        "$WANDB_MODE (auto: $WANDB_MODE when set, else online with credentials, offline without)")
+    wandb_project: str = option("", MEASUREMENT, None, "W&B project (default: $WANDB_PROJECT, else hc-mhc-c4)")
+    out: str = option("runs", RUN_FOLDER, None, "folder holding the run folders")
+    run_name: str = option("", RUN_FOLDER, None, "run folder name (default {residual}_d{depth}_s{seed})")
+    resume: str = option("auto", RUN_FOLDER, ("auto", "never"), "auto: continue from the newest complete checkpoint; "
+        "never: refuse an existing run")
+    allow_changed_settings: bool = option(False, RUN_FOLDER, None, "resume a run folder although its training "
+        "settings (lr, steps, batch, schedule, seed, data) differ from this command's; the change is recorded in the "
+        "run folder (settings_changes.jsonl)")
+    ckpt_every: int = option(1000, RUN_FOLDER, COUNT, "steps between checkpoints")
+    keep_checkpoints: int = option(2, RUN_FOLDER, COUNT, "complete checkpoints kept (newest)")
+    parallel: str = option("ddp", PARALLELISM, ("ddp", "fsdp"), "strategy under torchrun")
+    estimate: bool = option(False, PLANNING, None, "print the model size, the memory plan per GPU and the time per "
+        "step, and stop (train nothing)")
+    estimate_world_size: int = option(0, PLANNING, (0, 2 ** 20), "processes the --estimate plan is for (0: "
+        "$WORLD_SIZE, else 1); with --parallel fsdp the parameters, gradients and optimizer states are sharded over "
+        "them")
+    gpu_memory_gb: float = option(0.0, PLANNING, (0, 1e6), "GiB of one GPU for --estimate and --micro-batch-size auto "
+        "(0: the CUDA device's own, else 80)")
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
 
 
-PRESETS = {
-    "c4": {},
-    # a few thousand parameters: the test suite's model
-    "tiny": dict(depth=2, width=16, heads=2, expansion=4, seq_len=32, batch_size=4, micro_batch_size="2",
-                 steps=20, lr=3e-3, warmup=2, data="sample", tokenizer="byte", eval_every=10,
-                 eval_batches=2, metrics_every=5, layer_metrics_every=10, probe_sequences=2,
-                 log_every=5, ckpt_every=10, shuffle_buffer=64, data_streams=2, data_workers=0, wandb="disabled"),
-    # CPU minutes on the bundled Shakespeare: large enough learning rate for HC to drift visibly
-    "demo": dict(depth=4, width=128, heads=4, seq_len=128, batch_size=16, micro_batch_size="16",
-                 steps=600, lr=3e-3, warmup=50, data="sample", tokenizer="byte", eval_every=100,
-                 eval_batches=4, metrics_every=20, layer_metrics_every=100, probe_sequences=4,
-                 log_every=20, ckpt_every=200, shuffle_buffer=64, data_workers=0),
-    # the public 10M-parameter small-scale reproduction (character-level Shakespeare)
-    "part1": dict(depth=6, width=384, heads=6, seq_len=256, batch_size=64, micro_batch_size="16",
-                  steps=5000, lr=1e-3, warmup=100, data="sample", tokenizer="byte", eval_every=250,
-                  eval_batches=8, metrics_every=50, layer_metrics_every=250, log_every=50,
-                  ckpt_every=500, shuffle_buffer=64, data_workers=0),
-    # the public 1.7B study's stress arm (run at depths 32, 48 and 64): 3x the learning rate, 3000 steps
-    "stress": dict(lr=3e-4, steps=3000),
-}
-
-CHOICES = dict(residual=("baseline", "hc", "mhc"), preset=tuple(PRESETS), attn=("auto", "flash", "sdpa"),
-               kernels=("auto", "reference", "fused"),
-               dtype=("auto", "bf16", "fp32"), tokenizer=("gpt2", "byte"), resume=("auto", "never"),
-               parallel=("ddp", "fsdp"), wandb=("auto", "online", "offline", "disabled"))
-
-HELP = dict(
-    residual="residual path: plain pre-norm residual, dynamic HC, or manifold-constrained HC",
-    depth="number of transformer blocks (each has an attention and an MLP sublayer)",
-    width="model width C", heads="attention heads (width must divide by it)",
-    expansion="number of residual streams n for HC and mHC", seq_len="context length in tokens",
-    sinkhorn_iters="Sinkhorn-Knopp iterations per mHC mixing matrix",
-    hc_scale_init="initial HC dynamic scales s_a, s_b", mhc_gate_init="initial mHC gates a_pre, a_post, a_res",
-    mhc_res_diag="mHC b_res = c * I: the diagonal bias of H_res's logits (c=4: diagonal ~0.95 at init)",
-    mhc_pre_bias="mHC b_pre: +c on stream (k mod n), -c elsewhere", norm_eps="epsilon of every LayerNorm",
-    attn="attention kernel: flash-attn 2, PyTorch SDPA, or auto (flash when installed on CUDA with bf16)",
-    kernels="HC/mHC residual streams: the papers' formulas with autograd (reference), fused.py's hand-written "
-    "backward passes (fused, the same maths), or auto (fused on the CPU, where it was timed faster; reference on CUDA)",
-    activation_checkpointing="recompute each sublayer (and its stream mixing) in the backward pass",
-    compile="torch.compile each transformer block", dtype="autocast dtype (auto: bf16 on CUDA, fp32 on CPU)",
-    batch_size="global sequences per optimizer step, whatever the number of processes",
-    micro_batch_size="sequences per device per forward ('auto' picks from memory)",
-    steps="optimizer steps", lr="peak learning rate", warmup="linear warm-up steps",
-    min_lr_ratio="cosine decays to lr * this", weight_decay="AdamW weight decay (weight matrices only)",
-    grad_clip="clip the global gradient norm to this (0 = off); the pre-clip norm is logged",
-    no_mixing_decay="no weight decay on the dynamic mixing weights (HC's W_m, W_r, W_b; mHC's phi), which are "
-    "otherwise decayed like every weight matrix",
-    seed="model initialisation seed",
-    allow_changed_settings="resume a run folder although its training settings (lr, steps, batch, schedule, seed, "
-    "data) differ from this command's; the change is recorded in the run folder (settings_changes.jsonl)",
-    data="'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob "
-    "of C4-format .json/.json.gz files; files with 'validation' in their names are held out, never trained on",
-    val_data="a path/glob of C4-format files for validation and the probe (never trained on); without it and "
-    "without 'validation' files, a fixed slice of the training documents, chosen by a hash of their text, is "
-    "held out instead (docs/data.md)",
-    tokenizer="gpt2 BPE (shipped in data/) or UTF-8 bytes",
-    data_seed="document-order seed, independent of --seed",
-    data_streams="disjoint virtual data streams (sequence p of every global batch comes from stream p mod this); "
-    "any number of processes that divides the global batch reads the same data",
-    data_workers="loader processes per rank, each reading and tokenizing its share of the rank's streams "
-    "(0: a background thread of the training process)",
-    prefetch="micro-batches read ahead by the background loader thread (with --data-workers 0)",
-    data_timeout="seconds without a batch before the run stops with exit 6 instead of hanging",
-    shuffle_buffer="documents in the shuffle buffer",
-    eval_every="steps between validation losses", eval_batches="micro-batches in the fixed validation set",
-    metrics_every="steps between instability probes", layer_metrics_every="steps between per-layer gain lists",
-    probe_sequences="held-out sequences in the fixed probe batch", log_every="steps between plain log lines",
-    ckpt_every="steps between checkpoints", keep_checkpoints="complete checkpoints kept (newest)",
-    out="folder holding the run folders", run_name="run folder name (default {residual}_d{depth}_s{seed})",
-    resume="auto: continue from the newest complete checkpoint; never: refuse an existing run",
-    parallel="strategy under torchrun", wandb="Weights & Biases mode; beats $WANDB_MODE (auto: $WANDB_MODE when set, "
-    "else online with credentials, offline without)",
-    wandb_project="W&B project (default: $WANDB_PROJECT, else hc-mhc-c4)",
-    preset="a named set of defaults; explicit flags win",
-    estimate="print the model size, the memory plan per GPU and the time per step, and stop (train nothing)",
-    estimate_world_size="processes the --estimate plan is for (0: $WORLD_SIZE, else 1); with --parallel fsdp "
-    "the parameters, gradients and optimizer states are sharded over them",
-    gpu_memory_gb="GiB of one GPU for --estimate and --micro-batch-size auto (0: the CUDA device's own, else 80)",
-)
-
-
-# --help's argument groups: every Config field in exactly one (a test checks it)
-FLAG_GROUPS = {
-    "model": ("preset", "residual", "depth", "width", "heads", "expansion", "seq_len", "sinkhorn_iters",
-              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "attn", "kernels",
-              "dtype"),
-    "optimisation": ("batch_size", "micro_batch_size", "steps", "lr", "warmup", "min_lr_ratio", "weight_decay",
-                     "grad_clip", "no_mixing_decay", "seed", "compile", "activation_checkpointing"),
-    "data": ("data", "val_data", "tokenizer", "data_seed", "data_streams", "data_workers", "prefetch", "data_timeout",
-             "shuffle_buffer"),
-    "measurement and logging": ("eval_every", "eval_batches", "metrics_every", "layer_metrics_every",
-                                "probe_sequences", "log_every", "wandb", "wandb_project"),
-    "run folder and checkpoints": ("out", "run_name", "resume", "allow_changed_settings", "ckpt_every",
-                                   "keep_checkpoints"),
-    "parallelism": ("parallel",),
-    "planning": ("estimate", "estimate_world_size", "gpu_memory_gb"),
-}
+CHOICES = {f.name: f.metadata["allowed"] for f in dataclasses.fields(Config) if f.type == "str"}
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _plain(convert, pattern: str):
+    """int() and float() also take '1_0', full-width digits and spaces around the number: plain ASCII only."""
+    def parse(text: str):
+        return convert(text if re.fullmatch(pattern, text) else "")     # convert("") raises ValueError
+    parse.__name__ = convert.__name__           # argparse's message: "invalid int value: '1_0'"
+    return parse
+
+
+PARSE = {"int": _plain(int, r"[+-]?[0-9]+"),
+         "float": _plain(float, r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")}
 
 
 def presets_text() -> str:
@@ -309,73 +211,60 @@ def build_parser() -> argparse.ArgumentParser:
     epilog = (presets_text() + "\n\npython train_c4.py --consolidate CHECKPOINT OUT.pt writes one file with the "
               "weights of a checkpoint\n(FSDP's sharded ones included), loadable without a process group.")
     parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.", epilog=epilog,
-                                 argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    fields = {field.name: field for field in dataclasses.fields(Config)}
-    for title, names in FLAG_GROUPS.items():
-        group = parser.add_argument_group(title)
-        for field in (fields[name] for name in names):
-            flag = _flag(field.name)
-            if field.type == "bool":
-                group.add_argument(flag, action="store_true", help=HELP[field.name])
-            else:
-                kind = {"int": int, "float": float}.get(field.type, str)
-                group.add_argument(flag, type=kind, choices=CHOICES.get(field.name), help=HELP[field.name]
-                                   + f" (default {field.default!r}, or the preset's)")
+                                 argument_default=argparse.SUPPRESS,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    fields = dataclasses.fields(Config)         # their order is --help's order, groups included
+    groups = {title: parser.add_argument_group(title) for title in dict.fromkeys(f.metadata["group"] for f in fields)}
+    for field in fields:
+        facts, group = field.metadata, groups[field.metadata["group"]]
+        if field.type == "bool":
+            group.add_argument(_flag(field.name), action="store_true", help=facts["help"])
+        else:
+            group.add_argument(_flag(field.name), type=PARSE.get(field.type, str), choices=CHOICES.get(field.name),
+                               help=facts["help"] + f" (default {field.default!r}, or the preset's)")
     return parser
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Defaults, then the preset, then explicit flags; every check that can fail before a run starts."""
     explicit = vars(build_parser().parse_args(argv))
-    preset = explicit.get("preset", "c4")
-    values = {**PRESETS[preset], **explicit}
-    cfg = Config(**values)
+    cfg = Config(**{**PRESETS[explicit.get("preset", "c4")], **explicit})
     validate(cfg)
     if not cfg.run_name:
         cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset))
     return cfg
 
 
-# Upper bounds far above any real run. Beyond them the model built on the meta device (--estimate), the planner's
-# CPU measurements (at 4 x --heads), the divisor search or the loader would loop or allocate without end before any
-# memory check could refuse them. Integers are int64 (torch.manual_seed, tensor sizes); --data-timeout also bounds
-# a queue wait and the collective time-out. Magnitudes of the initial values and of lr x weight decay stay far inside
-# float32: near its 3.4e38 a parameter starts as inf (a fake divergence at step 1) or AdamW cannot convert its factor.
-LIMITS = dict(depth=1024, width=65536, heads=512, expansion=64, seq_len=2 ** 20, batch_size=2 ** 20,
-              sinkhorn_iters=10_000, data_streams=4096, prefetch=1024, shuffle_buffer=2 ** 20,
-              estimate_world_size=2 ** 20, data_timeout=1e6, gpu_memory_gb=1e6, lr=1e3, weight_decay=1e3,
-              hc_scale_init=1e6, mhc_gate_init=1e6, mhc_res_diag=1e6, mhc_pre_bias=1e6)
-INT64_MAX = 2 ** 63 - 1
-
-
 def validate(cfg: Config) -> None:
-    """Every numeric setting: finite, within its range; nothing is built or read here."""
-    numbers = [(f.name, getattr(cfg, f.name), f.type) for f in dataclasses.fields(Config) if f.type in ("int", "float")]
-    for name, value, kind in numbers:
-        if kind == "float" and not math.isfinite(value):
-            raise ConfigError(f"{_flag(name)} must be a finite number, got {value}")
-    positive = ("depth", "width", "heads", "expansion", "seq_len", "batch_size", "steps", "sinkhorn_iters",
-                "eval_every", "eval_batches", "metrics_every", "layer_metrics_every", "probe_sequences",
-                "log_every", "ckpt_every", "keep_checkpoints", "data_streams", "prefetch",
-                "data_timeout", "norm_eps")
-    for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{_flag(name)} must be positive, got {getattr(cfg, name)}")
-    for name, value, kind in numbers:
-        if kind == "int" and not 0 <= value <= INT64_MAX:
-            raise ConfigError(f"{_flag(name)} must be an integer in [0, 2**63 - 1], got {value}")
-        if name in LIMITS and abs(value) > LIMITS[name]:
-            raise ConfigError(f"{_flag(name)} {value} is beyond the plausible magnitude {LIMITS[name]:,}")
+    """Refuses, in one line, what cannot run or would be nonsense; nothing is built or read here."""
+    for field in dataclasses.fields(Config):
+        value, allowed = getattr(cfg, field.name), field.metadata["allowed"]
+        if field.type in ("int", "float") and not allowed[0] <= value <= allowed[1]:
+            low, high = ("2**63 - 1" if x == INT64_MAX else f"{x:,}" if isinstance(x, int) else f"{x:g}"
+                         for x in allowed)
+            raise ConfigError(f"{_flag(field.name)} must be from {low} to {high}, got {value}")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
-    if cfg.micro_batch_size != "auto" and not (cfg.micro_batch_size.isdigit() and int(cfg.micro_batch_size) > 0):
+    micro = cfg.micro_batch_size
+    if micro != "auto" and not (re.fullmatch("[0-9]+", micro) and int(micro)):
         raise ConfigError(f"--micro-batch-size must be a positive integer or 'auto', got {cfg.micro_batch_size!r}")
-    if cfg.gpu_memory_gb < 0:
-        raise ConfigError(f"--gpu-memory-gb must be >= 0 (0: the CUDA device's memory), got {cfg.gpu_memory_gb}")
-    if cfg.lr <= 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0 or not 0 <= cfg.min_lr_ratio <= 1:
-        raise ConfigError("--lr must be > 0, --grad-clip and --weight-decay >= 0, --min-lr-ratio in [0, 1]")
-    if os.sep in cfg.run_name or cfg.run_name.startswith("."):
-        raise ConfigError(f"--run-name {cfg.run_name!r} must be a plain folder name")
+    if cfg.probe_sequences > cfg.eval_batches * cfg.batch_size:
+        raise ConfigError(f"--probe-sequences {cfg.probe_sequences} exceeds the {cfg.eval_batches * cfg.batch_size} "
+                          "held-out sequences it is drawn from (--eval-batches x --batch-size)")
+    if not cfg.out.strip():
+        raise ConfigError("--out must name a folder (default runs)")
+    # a run's name becomes a folder and a row of the report's table
+    if cfg.run_name and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,99}", cfg.run_name):
+        raise ConfigError(f"--run-name {cfg.run_name[:100]!r} must be 1 to 100 letters, digits or _.+=- "
+                          "(not starting with . or -)")
+
+
+def odd_settings(cfg: Config) -> list[str]:
+    """What runs but seldom means what was meant: a warning in the run's log, not a refusal."""
+    return [line for odd, line in [
+        (cfg.warmup > cfg.steps, f"--warmup {cfg.warmup} exceeds --steps {cfg.steps}: the lr never reaches --lr"),
+        (cfg.data_streams > cfg.batch_size, f"--data-streams {cfg.data_streams} exceeds --batch-size "
+         f"{cfg.batch_size}: streams {cfg.batch_size} to {cfg.data_streams - 1} are never read")] if odd]
 
 
 def padded_vocab_size(tokenizer: str) -> int:
@@ -1952,6 +1841,8 @@ def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> N
     log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
              f"data seed {cfg.data_seed}")
     log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
+    for line in odd_settings(cfg):
+        log.info(f"warning: {line}")
 
 
 def held_out_source(data: DataFiles, val_data: str) -> str:
@@ -2219,6 +2110,9 @@ class Trainer:
         self._load_model_and_optimizer(folder, files, sharded=marker.get("format") == "sharded")
         self._load_data_and_rng(files)
         self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
+        if self.step > self.cfg.steps:
+            raise ConfigError(f"{self.run_dir} has done {self.step} steps, more than --steps {self.cfg.steps}; "
+                              f"pass --steps {self.step} or more, or choose another --run-name to start over")
         self.log.live["last_checkpoint_step"] = self.step
         self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
 
@@ -2297,6 +2191,9 @@ class Trainer:
 def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     """Every check of a run that needs no model and no data read: (micro-batch, accumulation steps, the files).
     A bad setting ends here with one line, before anything is allocated; only --out is created."""
+    if cfg.parallel == "fsdp" and "WORLD_SIZE" not in os.environ:
+        raise ConfigError("--parallel fsdp shards over torchrun's processes: start it with torchrun (or plan with "
+                          "--estimate --estimate-world-size N)")
     micro, accum, why = batch_plan(cfg, dist.world)
     if why and dist.is_main:
         print(f"micro-batch auto: {micro} ({why})", flush=True)
