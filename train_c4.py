@@ -996,8 +996,7 @@ GPT2_HASHES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0
 C4_HUB = "hf://datasets/allenai/c4/en"
 C4_TRAIN_SHARDS, C4_VALIDATION_SHARDS = 1024, 8
 HUB_RETRIES, HUB_MAX_BACKOFF_S = 6, 60         # about two minutes of retries before exit 6
-# training files without held-out files give up 1 document in this many for validation: about 3,500 of a
-# C4 shard, more than the default eval set (640 sequences of 1,024 tokens) needs, so it reads one shard
+# without held-out files, 1 training document in this many is held out: ~3,500 of a C4 shard, more than eval needs
 HELD_OUT_EVERY = 100
 
 
@@ -1033,16 +1032,16 @@ def make_tokenizer(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class DataFiles:
-    """What a run reads. held_out_slice: no held-out files were found, so `val` is the training files and
-    validation reads only their held-out slice (in_held_out_slice), which training skips."""
+    """What a run reads. held_out_slice: no held-out files exist, so validation reads the training files'
+    held-out slice (in_held_out_slice), which training skips."""
     train: list[str]
     val: list[str]
     held_out_slice: bool
 
 
 def resolve_data_files(data: str, val_data: str = "") -> DataFiles:
-    """Held out: the files of --val-data, else those of --data with "validation" in their names (C4's
-    convention; never trained on, with or without --val-data), else a slice of the training documents."""
+    """Held out: the files of --val-data, else those of --data named "validation" (C4's convention, never trained
+    on), else a slice of the training documents."""
     if data == "c4":
         train = [f"{C4_HUB}/c4-train.{i:05d}-of-{C4_TRAIN_SHARDS:05d}.json.gz" for i in range(C4_TRAIN_SHARDS)]
         val = [f"{C4_HUB}/c4-validation.{i:05d}-of-{C4_VALIDATION_SHARDS:05d}.json.gz"
@@ -1071,9 +1070,7 @@ def local_files(flag: str, value: str) -> list[str]:
 
 
 def in_held_out_slice(text: str) -> bool:
-    """Whether a document is in the held-out slice: 1 in HELD_OUT_EVERY, decided by a hash of its text alone,
-    so the slice is the same for every run, rank, world size and resume, needs no state in a checkpoint, and
-    repeated copies of a document all fall on the same side."""
+    """Decided by a hash of the text alone: the same slice for every run, rank, world size and resume, no state."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % HELD_OUT_EVERY == 0
 
@@ -1088,17 +1085,13 @@ def parse_c4_line(line: str) -> str | None:
 
 
 class DocumentStream:
-    """This rank's documents, in an order fixed by the data seed, resumable exactly.
-
-    Lines are read with `datasets`' streaming text builder (the same path for the hub and local
-    shards) and parsed here, so that one malformed line is skipped instead of failing its shard.
-    Shard order is shuffled per epoch; documents pass through our own shuffle buffer, whose contents
-    and RNG state are part of the saved state (datasets' own shuffle buffer is not resumable)."""
+    """Virtual stream `rank` of `world`: its documents in an order fixed by the seed, resumable exactly. Lines are
+    parsed here, so a malformed line is skipped rather than failing its shard; the shuffle buffer is ours, since
+    datasets' own is not in its state_dict."""
 
     def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int,
                  held_out: bool | None = None):
-        """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order; held_out
-        True reads only the held-out slice's documents (in_held_out_slice), False all but those, None all."""
+        """seed None keeps the file order; held_out True reads only the held-out slice, False all but it, None all."""
         self.files, self.rank, self.world, self.seed, self.buffer_size = files, rank, world, seed, buffer_size
         self.held_out = held_out
         self.remote = any(f.startswith("hf://") for f in files)
@@ -1147,8 +1140,8 @@ class DocumentStream:
             self.epoch, self.position, usable, whole_epoch = self.epoch + 1, None, 0, True
 
     def _wait_or_give_up(self, error: Exception, failures: int) -> None:
-        """Hub errors (429, 5xx, time-outs) are retried with exponential backoff and jitter, so that
-        eight ranks hitting a rate limit together do not retry together; local files are not retried."""
+        """Hub errors are retried with exponential backoff and jitter, so that ranks hitting a rate limit together
+        do not retry together; local files are not retried."""
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if not self.remote:
             raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
@@ -1171,10 +1164,8 @@ class DocumentStream:
 
 
 class TokenWindows:
-    """Packs one document stream, documents separated by the end-of-text token, into seq_len + 1 windows.
-
-    Pending tokens live in a tensor that is replaced, never modified, so a state snapshot is just a
-    reference and an offset: the prefetch thread takes one after every batch."""
+    """Packs a document stream, documents separated by the end-of-text token, into seq_len + 1 windows. The pending
+    tokens' tensor is replaced, never modified, so a state snapshot is a reference and an offset."""
 
     def __init__(self, documents: DocumentStream, tokenizer, seq_len: int, docs_per_encode: int = 64):
         self.documents, self.tokenizer = documents, tokenizer
@@ -1208,42 +1199,33 @@ class TokenWindows:
 
 
 class RankBatches:
-    """This rank's share of every global batch, the same sequences whatever the number of processes.
-
-    The corpus is split into --data-streams disjoint virtual streams. Sequence p of a global batch
-    always comes from stream p mod streams, and rank r takes positions r, r + world, ... So any number
-    of processes that divides the global batch trains on exactly the same sequences at every step, and a
-    checkpoint saved with one world size resumes exactly with another. When the world size does not
-    divide the streams, ranks share a stream: each reads all of its windows of a step (the same state
-    everywhere) and keeps its own positions', skipping the others' (`skips`)."""
+    """This rank's share of every global batch, the same sequences whatever the world size: sequence p of a step is
+    window p // S of virtual stream p mod S (S = --data-streams), and rank r takes positions r, r + world, ..."""
 
     def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int,
                  skip_held_out: bool = False):
-        # what a loader process rebuilds it from
-        self.recipe = (files, tokenizer, cfg, rank, world, micro, skip_held_out)
-        count, held_out = cfg.data_streams, False if skip_held_out else None
-        positions = range(rank, cfg.batch_size, world)
-        self.owners = [p % count for p in positions]
-        self.skips = stream_skips(positions, count, cfg.batch_size)
-        # the streams it reads, and its share of those no position reads (a batch below --data-streams): their
-        # untouched states go into the checkpoint too, for a resume at another world size
-        read = sorted(set(self.owners) | set(range(rank, count, world)))
-        self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer, held_out),
-                                        tokenizer, cfg.seq_len) for v in read}
-        self.micro, self.cursor = micro, 0
+        self.recipe = (files, tokenizer, cfg, rank, world, micro, skip_held_out)   # a loader process rebuilds it
+        self.count, self.batch_size = cfg.data_streams, cfg.batch_size
+        self.positions = range(rank, cfg.batch_size, world)
+        self.owners = [p % self.count for p in self.positions]
+        # streams no position reads (a batch below --data-streams) are kept too: their states go into checkpoints
+        read = sorted(set(self.owners) | set(range(rank, self.count, world)))
+        held_out = False if skip_held_out else None
+        self.streams = {v: TokenWindows(DocumentStream(files, v, self.count, cfg.data_seed, cfg.shuffle_buffer,
+                                                       held_out), tokenizer, cfg.seq_len) for v in read}
+        self.micro, self.cursor, self.step = micro, 0, None
 
-    def window(self, slot: int) -> torch.Tensor:
-        """The window of this rank's `slot`-th position of a step, past the shared stream's other windows."""
-        stream, (before, after) = self.streams[self.owners[slot]], self.skips[slot]
-        if before:
-            stream.take(before)
-        window = stream.take(1)
-        if after:
-            stream.take(after)
-        return window
+    def read_step(self, streams: list[int]) -> tuple[list[int], torch.Tensor]:
+        """This rank's slots of the next step that `streams` own, and their windows. A stream shared with other ranks
+        (the world size does not divide the streams) is read whole, the others' windows dropped."""
+        windows = {v: self.streams[v].take(len(range(v, self.batch_size, self.count))) for v in streams}
+        slots = [slot for slot, v in enumerate(self.owners) if v in windows]
+        return slots, torch.stack([windows[self.owners[s]][self.positions[s] // self.count] for s in slots])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.cat([self.window(slot) for slot in range(self.cursor, self.cursor + self.micro)])
+        if self.cursor == 0:
+            self.step = self.read_step(sorted(set(self.owners)))[1]
+        windows = self.step[self.cursor:self.cursor + self.micro]
         self.cursor = (self.cursor + self.micro) % len(self.owners)
         return windows[:, :-1], windows[:, 1:]
 
@@ -1252,6 +1234,7 @@ class RankBatches:
         return sum(stream.documents.skipped for stream in self.streams.values())
 
     def state_dict(self) -> dict:
+        """Taken between steps (checkpoints are): a step's streams are read when its first micro-batch is."""
         return {"cursor": self.cursor, "streams": {str(v): s.state_dict() for v, s in self.streams.items()}}
 
     def load_state_dict(self, states: list[dict]) -> None:
@@ -1266,48 +1249,28 @@ class RankBatches:
         self.cursor = states[0]["cursor"]
 
 
-def stream_skips(positions: range, streams: int, batch: int) -> list[tuple[int, int]]:
-    """For each of a rank's positions of a step (in order): how many windows of its stream belong to other ranks'
-    positions just before it, and, after the rank's last position of that stream, how many until the step's end.
-    All zeros when the world size divides the streams (every stream is one rank's). Position p is window
-    p // streams of stream p mod streams within the step."""
-    skips, last = [], {}
-    for slot, p in enumerate(positions):
-        v, k = p % streams, p // streams
-        skips.append([k - last.get(v, (-1, None))[0] - 1, 0])
-        last[v] = (k, slot)
-    for v, (k, slot) in last.items():
-        skips[slot][1] = len(range(v, batch, streams)) - 1 - k
-    return [tuple(skip) for skip in skips]
-
-
 def stalled(timeout: float) -> DataUnavailable:
     return DataUnavailable(f"the data loader delivered nothing for {timeout:.0f} s (--data-timeout); "
                            "the data source stalled")
 
 
 class Loader(Protocol):
-    """What the training loop reads its batches from (make_loader: Prefetcher or LoaderProcesses), both reading a
-    RankBatches ahead in the background. Reading starts at the first next_batch, so that a resume can load the saved
-    position first; state_dict is the position right after the last batch consumed, never after one read ahead."""
+    """What the loop reads batches from: RankBatches read ahead by a thread (Prefetcher) or processes (LoaderProcesses).
+    Reading starts at the first next_batch, after a resume's load_state_dict (every rank's states); state_dict is
+    the position after the last batch consumed, never after one read ahead."""
     batches: RankBatches
     waited: float               # seconds next_batch spent waiting for data
     skipped: int                # malformed or empty lines skipped so far
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
-
     def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        """Every rank's saved states (RankBatches.load_state_dict), before the first next_batch."""
-
+    def load_state_dict(self, states: list[dict]) -> None: ...
     def close(self) -> None: ...
 
 
 class Prefetcher:
-    """Builds the next batches in a background thread, so the accelerator does not wait on reading and
-    tokenizing. Each batch travels with the loader state right after it: a checkpoint saves the state
-    of the last batch consumed, not of the ones read ahead. A stall longer than `timeout` raises."""
+    """Reads batches ahead in a thread, so the accelerator does not wait on reading and tokenizing; each batch
+    travels with the loader state right after it. A stall longer than `timeout` raises."""
 
     def __init__(self, batches: RankBatches, depth: int, timeout: float, pin_memory: bool = False):
         self.batches, self.timeout, self.pin_memory = batches, timeout, pin_memory
@@ -1320,23 +1283,19 @@ class Prefetcher:
         self.state = self.batches.state_dict()
 
     def _produce(self) -> None:
-        item = None
-        while not self.stopping.is_set():
-            if item is None:
-                try:
-                    batch = self.batches.next_batch()
-                    if self.pin_memory:                # page-locked: the copy to the GPU runs asynchronously
-                        batch = tuple(t.pin_memory() for t in batch)
-                    item = (batch, self.batches.state_dict(), None)
-                except BaseException as error:             # handed to the consumer, raised there
-                    item = (None, None, error)
-            try:
-                self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                continue
-            if item[2] is not None:
-                return
-            item = None
+        try:
+            while not self.stopping.is_set():
+                batch = self.batches.next_batch()
+                if self.pin_memory:                    # page-locked: the copy to the GPU runs asynchronously
+                    batch = tuple(t.pin_memory() for t in batch)
+                self._put((batch, self.batches.state_dict(), None))
+        except BaseException as error:                 # handed to the consumer, raised there
+            self._put((None, None, error))
+
+    def _put(self, item: tuple) -> None:
+        while not self.stopping.is_set():              # a put that waits forever would block close()
+            with contextlib.suppress(queue.Full):
+                return self.queue.put(item, timeout=0.1)
 
     def close(self) -> None:
         """Stop the thread before the interpreter exits: a thread killed inside torch aborts the process."""
@@ -1368,10 +1327,9 @@ class Prefetcher:
 
 
 class _StepShares(torch.utils.data.IterableDataset):
-    """What one loader process reads: the windows of its own streams (every workers-th of those the rank's
-    batches read), one optimizer step after another. Its streams' states after each recent step stay in the process,
-    and a thread sends one when the training process asks (at a checkpoint): a state holds the shuffle buffers,
-    megabytes that would cost the training process more to receive every step than reading the data."""
+    """One loader process's share: the windows of every workers-th of the rank's streams, step after step. Its
+    streams' recent states stay in the process and are sent on request (at a checkpoint): they hold the shuffle
+    buffers, megabytes that would cost more to receive every step than reading the data."""
 
     KEEP = 8            # recent steps whose states are kept: more than a worker can run ahead (prefetch 2)
 
@@ -1383,12 +1341,11 @@ class _StepShares(torch.utils.data.IterableDataset):
         worker = torch.utils.data.get_worker_info().id
         batches = RankBatches(*self.recipe)
         batches.load_state_dict([self.state])
-        mine = sorted(set(batches.owners))[worker::self.workers]    # a batch below --data-streams reads fewer
-        slots, states = [p for p, v in enumerate(batches.owners) if v in mine], {}
+        mine, states = sorted(set(batches.owners))[worker::self.workers], {}   # a small batch reads fewer streams
         threading.Thread(target=self._answer, args=(worker, states), daemon=True).start()
         try:
             for step in itertools.count():
-                windows = torch.cat([batches.window(p) for p in slots])
+                slots, windows = batches.read_step(mine)
                 states[step] = {str(v): batches.streams[v].state_dict() for v in mine}
                 states.pop(step - self.KEEP, None)
                 yield slots, windows, None
@@ -1413,9 +1370,8 @@ class _StepShares(torch.utils.data.IterableDataset):
 
 
 def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
-    """A SIGTERM or Ctrl-C sent to the job's process group (the launcher, a terminal) must reach the training
-    process alone: it finishes its step with data from the workers, checkpoints, then ends them. In a group
-    of its own a worker would outlive a training process killed outright, so Linux is asked to end it then."""
+    """A stop signal sent to the job's process group must reach the trainer alone, which finishes its step and
+    checkpoints; a worker in a group of its own asks Linux to end it with the trainer, so it never outlives it."""
     os.setpgrp()
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
@@ -1424,10 +1380,8 @@ def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
 
 
 class LoaderProcesses:
-    """--data-workers > 0: the rank's streams are read and tokenized in a torch DataLoader's worker processes,
-    so the training process's interpreter lock is left to the training loop. DataLoader hands the workers'
-    step shares back in worker order, which makes the batches exactly those of the in-process loader. The
-    state is that after the last whole step consumed; checkpoints are only taken between steps."""
+    """--data-workers > 0: the rank's streams are read and tokenized in DataLoader worker processes, off the training
+    process's interpreter lock. Shares come back in worker order, so the batches are the in-process loader's."""
 
     def __init__(self, batches: RankBatches, workers: int, timeout: float, pin_memory: bool = False):
         self.batches, self.workers, self.timeout, self.pin_memory = batches, workers, timeout, pin_memory
@@ -1475,6 +1429,7 @@ class LoaderProcesses:
         return self.inputs[start:start + self.micro], self.targets[start:start + self.micro]
 
     def state_dict(self) -> dict:
+        """After the last whole step consumed (checkpoints are taken between steps)."""
         if self.state[0] != self.steps:
             streams = self.unread | self.shares.states_after(self.steps - 1, self.timeout)
             self.state = (self.steps, {"cursor": 0, "streams": streams})
@@ -1496,7 +1451,7 @@ def make_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Loader:
 
 def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` windows of the held-out documents in file order: the same for every run and every eval.
-    Read one document at a time, so that the stream's epoch says whether the held-out documents ran out."""
+    One document per encode, so that the stream's epoch says whether the held-out documents ran out."""
     documents = DocumentStream(data.val, rank=0, world=1, seed=None, buffer_size=0,
                                held_out=True if data.held_out_slice else None)
     sequences = TokenWindows(documents, tokenizer, seq_len, docs_per_encode=1).take(count)
