@@ -1477,9 +1477,8 @@ class Dist:
         return self.rank == 0
 
 
-# a healthy step, eval or checkpoint of the 2.5B model takes well under a minute; ten minutes
-# without progress means a rank is hung (a dead device, a stuck read), and the job should fail
-# and be requeued rather than hold a node. TRAIN_C4_STEP_TIMEOUT_S overrides it (tests).
+# start-up waits for every rank's first documents, a checkpoint's verification and compilation; once steps run,
+# ten minutes without progress means a hung rank, better failed and requeued (TRAIN_C4_STEP_TIMEOUT_S: tests)
 START_TIMEOUT_S, STEP_TIMEOUT_S = 30 * 60, 10 * 60
 
 
@@ -1490,25 +1489,21 @@ def setup_distributed() -> Dist:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        # start-up waits for every rank to stream its first documents, verify and load a checkpoint and
-        # compile: generous; shorten_timeout() tightens it once the first step has gone through
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                              timeout=timedelta(seconds=START_TIMEOUT_S))
     return Dist(rank, world, device)
 
 
 def shorten_timeout(dist: Dist, data_timeout: float) -> None:
-    """The short collective time-out for the steady state (what torchtitan does after its first step).
-    It stays 2 minutes above --data-timeout: a rank starved of data then gives up first and says why,
-    instead of its peers timing out without knowing the cause."""
+    """After the first step (as torchtitan does). 2 minutes above --data-timeout, so that a rank starved of data
+    gives up first and says why, instead of its peers timing out without knowing the cause."""
     if dist.world > 1:
         seconds = float(os.environ.get("TRAIN_C4_STEP_TIMEOUT_S", max(STEP_TIMEOUT_S, data_timeout + 120)))
         _set_pg_timeout(timedelta(seconds=seconds))
 
 
 def end_distributed() -> None:
-    """Only when every rank ends together (completed, diverged, interrupted): after a failure the process
-    just exits, since tearing down a group whose peer is gone can block."""
+    """Only when every rank ends together: tearing down a group whose peer is gone can block."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -1525,50 +1520,32 @@ def all_ranks_sum(dist: Dist, values: torch.Tensor) -> torch.Tensor:
 
 
 def all_ranks_gather(dist: Dist, obj) -> list:
-    """Every rank's `obj` (small picklable values: file checksums, one-line problems), in rank order."""
-    if dist.world == 1:
-        return [obj]
-    gathered = [None] * dist.world
-    torch.distributed.all_gather_object(gathered, obj)
+    """Every rank's `obj` (small picklable values), in rank order."""
+    gathered = [obj] * dist.world
+    if dist.world > 1:
+        torch.distributed.all_gather_object(gathered, obj)
     return gathered
 
 
-def _failure_key(rank: int) -> str:
-    return f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed/{rank}"
-
-
 def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str, bool]:
-    """The job's exit code and one-line reason for a failure seen on this rank, and whether it is this rank's
-    own (not another rank's, nor a lost contact that no rank explains).
-
-    A rank's own failure is written to the rendezvous store before the rank exits; the others only see
-    a closed connection (gloo), a time-out or torchrun's SIGTERM (NCCL), and a rank that lost contact
-    (code 5) reports the failure another rank noted, naming that rank, with its exit code: the launcher
-    then acts on the root cause (halve the micro-batch, retry the data...) instead of blaming a GPU."""
+    """The job's exit code and reason for a failure seen here, and whether it is this rank's own. A rank's own
+    failure goes to the rendezvous store; a rank that only lost contact (code 5) reports the failure another rank
+    noted, so the launcher acts on the root cause instead of blaming a GPU (docs/distributed.md)."""
     if dist.world == 1 or not torch.distributed.is_initialized():
         return code, reason, True
+    attempt = f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed"
     with contextlib.suppress(Exception):                   # best effort: the store's host may be gone too
         store = _get_default_store()
         if code == EXIT_DEVICE:
             for rank in range(dist.world):
-                if rank != dist.rank and store.check([_failure_key(rank)]):
-                    peer_code, peer_reason = json.loads(store.get(_failure_key(rank)))
+                if rank != dist.rank and store.check([f"{attempt}/{rank}"]):
+                    peer_code, peer_reason = json.loads(store.get(f"{attempt}/{rank}"))
                     return peer_code, f"rank {rank} failed: {peer_reason}", False
-        store.set(_failure_key(dist.rank), json.dumps([code, reason]))
+        store.set(f"{attempt}/{dist.rank}", json.dumps([code, reason]))
     if code == EXIT_DEVICE and "lost contact" in reason:
         return code, reason + ("; no other rank reported an error: one was killed (out of host memory?) or is "
                                "hung, see torchrun's summary and the ranks' logs"), False
     return code, reason, True
-
-
-def _vectorise_scalars(model: nn.Module) -> None:
-    """FSDP2 shards dim 0 and refuses 0-d parameters (HC's s_a, s_b; mHC's gates): hold them as
-    1-element vectors, which broadcast exactly like the scalars in the coefficient code.
-    `consolidate` gives them back the model's own shapes."""
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() == 0:
-                setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
 
 
 def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Module:
@@ -1582,14 +1559,15 @@ def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Mo
     if cfg.parallel == "ddp":
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    _vectorise_scalars(model)
-    # The matmul weights are gathered in the compute dtype (bf16 on CUDA), gradients always reduced in fp32.
-    # The connections are sharded on their own with fp32 parameters: the coefficients are computed from
-    # unrounded weights, as under DDP (precision_policy). No input casting: it would hand every block its residual
-    # streams in bf16, and the streams are kept and mixed in fp32 in every mode.
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    mixing_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                         cast_forward_inputs=False)
+    # FSDP2 shards dim 0 and refuses 0-d parameters (HC's s_a, s_b; mHC's gates): 1-element vectors broadcast alike
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0:
+                setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+    # Matmul weights gathered in the compute dtype, gradients reduced in fp32; the connections sharded on their own in
+    # fp32, so coefficients come from unrounded weights as under DDP. No input cast: the streams stay fp32.
+    policy, mixing_policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                  cast_forward_inputs=False) for param_dtype in (dtype, torch.float32))
     for block in model.blocks:
         if cfg.residual != "baseline":
             for conn in (block.attn_conn, block.mlp_conn):
