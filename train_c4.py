@@ -1254,110 +1254,37 @@ def stalled(timeout: float) -> DataUnavailable:
                            "the data source stalled")
 
 
-class Loader(Protocol):
-    """What the loop reads batches from: RankBatches read ahead by a thread (Prefetcher) or processes (LoaderProcesses).
-    Reading starts at the first next_batch, after a resume's load_state_dict (every rank's states); state_dict is
-    the position after the last batch consumed, never after one read ahead."""
-    batches: RankBatches
-    waited: float               # seconds next_batch spent waiting for data
-    skipped: int                # malformed or empty lines skipped so far
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, states: list[dict]) -> None: ...
-    def close(self) -> None: ...
-
-
-class Prefetcher:
-    """Reads batches ahead in a thread, so the accelerator does not wait on reading and tokenizing; each batch
-    travels with the loader state right after it. A stall longer than `timeout` raises."""
-
-    def __init__(self, batches: RankBatches, depth: int, timeout: float, pin_memory: bool = False):
-        self.batches, self.timeout, self.pin_memory = batches, timeout, pin_memory
-        self.state, self.waited = batches.state_dict(), 0.0
-        self.queue, self.stopping = queue.Queue(maxsize=depth), threading.Event()
-        self.thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        self.batches.load_state_dict(states)
-        self.state = self.batches.state_dict()
-
-    def _produce(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                batch = self.batches.next_batch()
-                if self.pin_memory:                    # page-locked: the copy to the GPU runs asynchronously
-                    batch = tuple(t.pin_memory() for t in batch)
-                self._put((batch, self.batches.state_dict(), None))
-        except BaseException as error:                 # handed to the consumer, raised there
-            self._put((None, None, error))
-
-    def _put(self, item: tuple) -> None:
-        while not self.stopping.is_set():              # a put that waits forever would block close()
-            with contextlib.suppress(queue.Full):
-                return self.queue.put(item, timeout=0.1)
-
-    def close(self) -> None:
-        """Stop the thread before the interpreter exits: a thread killed inside torch aborts the process."""
-        self.stopping.set()
-        if self.thread.ident is not None:
-            self.thread.join(timeout=60)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.thread.ident is None:
-            self.thread.start()
-        started = time.perf_counter()
-        try:
-            batch, state, error = self.queue.get(timeout=self.timeout)
-        except queue.Empty:
-            raise stalled(self.timeout) from None
-        finally:
-            self.waited += time.perf_counter() - started
-        if error is not None:
-            raise error
-        self.state = state
-        return batch
-
-    @property
-    def skipped(self) -> int:
-        return self.batches.skipped
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
 class _StepShares(torch.utils.data.IterableDataset):
-    """One loader process's share: the windows of every workers-th of the rank's streams, step after step. Its
-    streams' recent states stay in the process and are sent on request (at a checkpoint): they hold the shuffle
-    buffers, megabytes that would cost more to receive every step than reading the data."""
+    """One reader's share of every step: the windows of every readers-th of the rank's streams. Its streams' recent
+    states stay with the reader and are sent on request (at a checkpoint): they hold the shuffle buffers, megabytes
+    that would cost more to receive every step than reading the data."""
 
-    KEEP = 8            # recent steps whose states are kept: more than a worker can run ahead (prefetch 2)
-
-    def __init__(self, batches: RankBatches, workers: int):
-        self.recipe, self.state, self.workers = batches.recipe, batches.state_dict(), workers
-        self.requests, self.replies = [multiprocessing.Queue() for _ in range(workers)], multiprocessing.Queue()
+    def __init__(self, batches: RankBatches, readers: int, keep: int, make_queue=multiprocessing.Queue):
+        self.recipe, self.state, self.readers, self.keep = batches.recipe, batches.state_dict(), readers, keep
+        self.requests, self.replies = [make_queue() for _ in range(readers)], make_queue()
 
     def __iter__(self):
-        worker = torch.utils.data.get_worker_info().id
+        worker = torch.utils.data.get_worker_info()            # None in the loader thread
+        reader = worker.id if worker else 0
         batches = RankBatches(*self.recipe)
         batches.load_state_dict([self.state])
-        mine, states = sorted(set(batches.owners))[worker::self.workers], {}   # a small batch reads fewer streams
-        threading.Thread(target=self._answer, args=(worker, states), daemon=True).start()
+        mine, states = sorted(set(batches.owners))[reader::self.readers], {}   # a small batch reads fewer streams
+        threading.Thread(target=self._answer, args=(reader, states), daemon=True).start()
         try:
             for step in itertools.count():
                 slots, windows = batches.read_step(mine)
                 states[step] = {str(v): batches.streams[v].state_dict() for v in mine}
-                states.pop(step - self.KEEP, None)
+                states.pop(step - self.keep, None)
                 yield slots, windows, None
         except TrainerError as error:          # raised in the training process as one line, not a worker traceback
             yield None, None, error
 
-    def _answer(self, worker: int, states: dict) -> None:
+    def _answer(self, reader: int, states: dict) -> None:
         while True:
-            self.replies.put(states[self.requests[worker].get()])
+            self.replies.put(states[self.requests[reader].get()])
 
     def states_after(self, step: int, timeout: float) -> dict:
-        """Every worker's stream states after `step` (counted from 0), merged."""
+        """Every reader's stream states after `step` (counted from 0), merged."""
         for requests in self.requests:
             requests.put(step)
         streams = {}
@@ -1379,36 +1306,67 @@ def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
             os._exit(1)
 
 
-class LoaderProcesses:
-    """--data-workers > 0: the rank's streams are read and tokenized in DataLoader worker processes, off the training
-    process's interpreter lock. Shares come back in worker order, so the batches are the in-process loader's."""
+class Loader:
+    """Reads the rank's steps ahead, so the accelerator does not wait on reading and tokenizing: in `workers`
+    DataLoader processes (off the training process's interpreter lock) or, with 0, a thread reading `depth` steps
+    ahead. Shares come back in reader order, so the batches are RankBatches'. Reading starts at the first
+    next_batch, after a resume's load_state_dict; state_dict is the state after the last whole step consumed."""
 
-    def __init__(self, batches: RankBatches, workers: int, timeout: float, pin_memory: bool = False):
+    def __init__(self, batches: RankBatches, workers: int, timeout: float, depth: int = 1, pin_memory: bool = False):
         self.batches, self.workers, self.timeout, self.pin_memory = batches, workers, timeout, pin_memory
+        self.depth = depth
         self.micro, self.per_step, self.steps, self.cursor, self.waited = batches.micro, len(batches.owners), 0, 0, 0.0
-        self.state, self.inputs, self.targets, self.shares = (0, batches.state_dict()), None, None, None
+        self.state, self.shares, self.stopping = (0, batches.state_dict()), None, threading.Event()
 
     def load_state_dict(self, states: list[dict]) -> None:
+        """Every rank's saved states (RankBatches.load_state_dict), before the first next_batch."""
         self.batches.load_state_dict(states)
         self.state = (0, self.batches.state_dict())
 
     def _start(self) -> None:
         self.unread = self.state[1]["streams"]          # streams no batch position reads keep this state
-        self.shares = _StepShares(self.batches, self.workers)
-        self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=self.workers,
-                                                       prefetch_factor=2, timeout=self.timeout,
-                                                       worker_init_fn=_leave_group_signals_to_the_trainer))
+        if self.workers:                                # states kept: more steps than a worker runs ahead (2)
+            self.shares = _StepShares(self.batches, self.workers, keep=8)
+            self.received = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=self.workers,
+                                                             prefetch_factor=2, timeout=self.timeout,
+                                                             worker_init_fn=_leave_group_signals_to_the_trainer))
+        else:
+            self.shares = _StepShares(self.batches, 1, keep=self.depth + 4, make_queue=queue.Queue)
+            self.queue = queue.Queue(self.depth)
+            self.thread = threading.Thread(target=self._read_ahead, daemon=True, name="prefetch")
+            self.thread.start()
+
+    def _read_ahead(self) -> None:
+        try:
+            for share in self.shares:
+                if not self._put(share):
+                    return
+        except BaseException as error:                 # handed to the consumer, raised there
+            self._put((None, None, error))
+
+    def _put(self, share: tuple) -> bool:
+        while not self.stopping.is_set():              # a put that waits forever would block close()
+            with contextlib.suppress(queue.Full):
+                self.queue.put(share, timeout=0.1)
+                return True
+        return False
+
+    def _receive(self) -> tuple:
+        try:
+            return next(self.received) if self.workers else self.queue.get(timeout=self.timeout)
+        except queue.Empty:
+            raise stalled(self.timeout) from None
+        except RuntimeError as error:                  # the DataLoader's: a worker died or timed out
+            if "timed out" in str(error):
+                raise stalled(self.timeout) from None
+            raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
 
     def _next_step(self) -> None:
         if self.shares is None:
             self._start()
         started = time.perf_counter()
         try:
-            shares = [next(self.loader) for _ in range(self.workers)]
-        except RuntimeError as error:
-            if "timed out" not in str(error):
-                raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
-            raise stalled(self.timeout) from None
+            shares = [self._receive() for _ in range(self.workers or 1)]
         finally:
             self.waited += time.perf_counter() - started
         for *_, error in shares:
@@ -1418,7 +1376,7 @@ class LoaderProcesses:
         for slots, part, _ in shares:
             windows[slots] = part
         self.inputs, self.targets = (t.contiguous() for t in (windows[:, :-1], windows[:, 1:]))
-        if self.pin_memory:
+        if self.pin_memory:                            # page-locked: the copy to the GPU runs asynchronously
             self.inputs, self.targets = self.inputs.pin_memory(), self.targets.pin_memory()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1429,7 +1387,6 @@ class LoaderProcesses:
         return self.inputs[start:start + self.micro], self.targets[start:start + self.micro]
 
     def state_dict(self) -> dict:
-        """After the last whole step consumed (checkpoints are taken between steps)."""
         if self.state[0] != self.steps:
             streams = self.unread | self.shares.states_after(self.steps - 1, self.timeout)
             self.state = (self.steps, {"cursor": 0, "streams": streams})
@@ -1437,16 +1394,21 @@ class LoaderProcesses:
 
     @property
     def skipped(self) -> int:
+        """Malformed or empty lines skipped so far."""
         return sum(stream["documents"]["skipped"] for stream in self.state_dict()["streams"].values())
 
     def close(self) -> None:
-        self.loader = None                     # the DataLoader iterator shuts its workers down when released
+        """The thread stops before the interpreter exits (a thread killed inside torch aborts the process); the
+        DataLoader iterator shuts its workers down when released."""
+        self.stopping.set()
+        if self.shares is not None and not self.workers:
+            self.thread.join(timeout=60)
+        self.received = None
 
 
 def make_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Loader:
-    if cfg.data_workers:
-        return LoaderProcesses(batches, cfg.data_workers, cfg.data_timeout, pin_memory)
-    return Prefetcher(batches, cfg.prefetch, cfg.data_timeout, pin_memory)
+    steps_ahead = -(-cfg.prefetch * batches.micro // len(batches.owners))       # --prefetch counts micro-batches
+    return Loader(batches, cfg.data_workers, cfg.data_timeout, steps_ahead, pin_memory)
 
 
 def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
