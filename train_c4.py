@@ -1229,10 +1229,6 @@ class RankBatches:
         self.cursor = (self.cursor + self.micro) % len(self.owners)
         return windows[:, :-1], windows[:, 1:]
 
-    @property
-    def skipped(self) -> int:
-        return sum(stream.documents.skipped for stream in self.streams.values())
-
     def state_dict(self) -> dict:
         """Taken between steps (checkpoints are): a step's streams are read when its first micro-batch is."""
         return {"cursor": self.cursor, "streams": {str(v): s.state_dict() for v, s in self.streams.items()}}
@@ -1247,11 +1243,6 @@ class RankBatches:
         for v, stream in self.streams.items():
             stream.load_state_dict(saved[v])
         self.cursor = states[0]["cursor"]
-
-
-def stalled(timeout: float) -> DataUnavailable:
-    return DataUnavailable(f"the data loader delivered nothing for {timeout:.0f} s (--data-timeout); "
-                           "the data source stalled")
 
 
 class _StepShares(torch.utils.data.IterableDataset):
@@ -1354,12 +1345,11 @@ class Loader:
     def _receive(self) -> tuple:
         try:
             return next(self.received) if self.workers else self.queue.get(timeout=self.timeout)
-        except queue.Empty:
-            raise stalled(self.timeout) from None
-        except RuntimeError as error:                  # the DataLoader's: a worker died or timed out
-            if "timed out" in str(error):
-                raise stalled(self.timeout) from None
-            raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
+        except (queue.Empty, RuntimeError) as error:   # RuntimeError: the DataLoader's, a worker died or timed out
+            if isinstance(error, RuntimeError) and "timed out" not in str(error):
+                raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
+            raise DataUnavailable(f"the data loader delivered nothing for {self.timeout:.0f} s (--data-timeout); "
+                                  "the data source stalled") from None
 
     def _next_step(self) -> None:
         if self.shares is None:
