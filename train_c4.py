@@ -58,7 +58,6 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
 
 import tiktoken
 import torch
