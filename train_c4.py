@@ -18,7 +18,6 @@ import itertools, json, math, multiprocessing, os, pickle, queue, random, re, se
 import subprocess, sys, tempfile, textwrap, threading, time, warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
 
 import contract
 from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM,
@@ -643,8 +642,7 @@ GPT2_HASHES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0
 C4_HUB = "hf://datasets/allenai/c4/en"
 C4_TRAIN_SHARDS, C4_VALIDATION_SHARDS = 1024, 8
 HUB_RETRIES, HUB_MAX_BACKOFF_S = 6, 60         # about two minutes of retries before exit 6
-# training files without held-out files give up 1 document in this many for validation: about 3,500 of a
-# C4 shard, more than the default eval set (640 sequences of 1,024 tokens) needs, so it reads one shard
+# without held-out files, 1 training document in this many is held out: ~3,500 of a C4 shard, more than eval needs
 HELD_OUT_EVERY = 100
 
 
@@ -680,16 +678,16 @@ def make_tokenizer(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class DataFiles:
-    """What a run reads. held_out_slice: no held-out files were found, so `val` is the training files and
-    validation reads only their held-out slice (in_held_out_slice), which training skips."""
+    """What a run reads. held_out_slice: no held-out files exist, so validation reads the training files'
+    held-out slice (in_held_out_slice), which training skips."""
     train: list[str]
     val: list[str]
     held_out_slice: bool
 
 
 def resolve_data_files(data: str, val_data: str = "") -> DataFiles:
-    """Held out: the files of --val-data, else those of --data with "validation" in their names (C4's
-    convention; never trained on, with or without --val-data), else a slice of the training documents."""
+    """Held out: the files of --val-data, else those of --data named "validation" (C4's convention, never trained
+    on), else a slice of the training documents."""
     if data == "c4":
         train = [f"{C4_HUB}/c4-train.{i:05d}-of-{C4_TRAIN_SHARDS:05d}.json.gz" for i in range(C4_TRAIN_SHARDS)]
         val = [f"{C4_HUB}/c4-validation.{i:05d}-of-{C4_VALIDATION_SHARDS:05d}.json.gz"
@@ -718,9 +716,7 @@ def local_files(flag: str, value: str) -> list[str]:
 
 
 def in_held_out_slice(text: str) -> bool:
-    """Whether a document is in the held-out slice: 1 in HELD_OUT_EVERY, decided by a hash of its text alone,
-    so the slice is the same for every run, rank, world size and resume, needs no state in a checkpoint, and
-    repeated copies of a document all fall on the same side."""
+    """Decided by a hash of the text alone: the same slice for every run, rank, world size and resume, no state."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % HELD_OUT_EVERY == 0
 
@@ -735,17 +731,13 @@ def parse_c4_line(line: str) -> str | None:
 
 
 class DocumentStream:
-    """This rank's documents, in an order fixed by the data seed, resumable exactly.
-
-    Lines are read with `datasets`' streaming text builder (the same path for the hub and local
-    shards) and parsed here, so that one malformed line is skipped instead of failing its shard.
-    Shard order is shuffled per epoch; documents pass through our own shuffle buffer, whose contents
-    and RNG state are part of the saved state (datasets' own shuffle buffer is not resumable)."""
+    """Virtual stream `rank` of `world`: its documents in an order fixed by the seed, resumable exactly. Lines are
+    parsed here, so a malformed line is skipped rather than failing its shard; the shuffle buffer is ours, since
+    datasets' own is not in its state_dict."""
 
     def __init__(self, files: list[str], rank: int, world: int, seed: int | None, buffer_size: int,
                  held_out: bool | None = None):
-        """seed None keeps the file order (held-out data); buffer_size 0 keeps the document order; held_out
-        True reads only the held-out slice's documents (in_held_out_slice), False all but those, None all."""
+        """seed None keeps the file order; held_out True reads only the held-out slice, False all but it, None all."""
         self.files, self.rank, self.world, self.seed, self.buffer_size = files, rank, world, seed, buffer_size
         self.held_out = held_out
         self.remote = any(f.startswith("hf://") for f in files)
@@ -794,8 +786,8 @@ class DocumentStream:
             self.epoch, self.position, usable, whole_epoch = self.epoch + 1, None, 0, True
 
     def _wait_or_give_up(self, error: Exception, failures: int) -> None:
-        """Hub errors (429, 5xx, time-outs) are retried with exponential backoff and jitter, so that
-        eight ranks hitting a rate limit together do not retry together; local files are not retried."""
+        """Hub errors are retried with exponential backoff and jitter, so that ranks hitting a rate limit together
+        do not retry together; local files are not retried."""
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if not self.remote:
             raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
@@ -818,10 +810,8 @@ class DocumentStream:
 
 
 class TokenWindows:
-    """Packs one document stream, documents separated by the end-of-text token, into seq_len + 1 windows.
-
-    Pending tokens live in a tensor that is replaced, never modified, so a state snapshot is just a
-    reference and an offset: the prefetch thread takes one after every batch."""
+    """Packs a document stream, documents separated by the end-of-text token, into seq_len + 1 windows. The pending
+    tokens' tensor is replaced, never modified, so a state snapshot is a reference and an offset."""
 
     def __init__(self, documents: DocumentStream, tokenizer, seq_len: int, docs_per_encode: int = 64):
         self.documents, self.tokenizer = documents, tokenizer
@@ -855,50 +845,38 @@ class TokenWindows:
 
 
 class RankBatches:
-    """This rank's share of every global batch, the same sequences whatever the number of processes.
-
-    The corpus is split into --data-streams disjoint virtual streams. Sequence p of a global batch
-    always comes from stream p mod streams, and rank r takes positions r, r + world, ... So any number
-    of processes that divides the global batch trains on exactly the same sequences at every step, and a
-    checkpoint saved with one world size resumes exactly with another. When the world size does not
-    divide the streams, ranks share a stream: each reads all of its windows of a step (the same state
-    everywhere) and keeps its own positions', skipping the others' (`skips`)."""
+    """This rank's share of every global batch, the same sequences whatever the world size: sequence p of a step is
+    window p // S of virtual stream p mod S (S = --data-streams), and rank r takes positions r, r + world, ..."""
 
     def __init__(self, files: list[str], tokenizer, cfg: Config, rank: int, world: int, micro: int,
                  skip_held_out: bool = False):
-        # what a loader process rebuilds it from
-        self.recipe = (files, tokenizer, cfg, rank, world, micro, skip_held_out)
-        count, held_out = cfg.data_streams, False if skip_held_out else None
-        positions = range(rank, cfg.batch_size, world)
-        self.owners = [p % count for p in positions]
-        self.skips = stream_skips(positions, count, cfg.batch_size)
-        # the streams it reads, and its share of those no position reads (a batch below --data-streams): their
-        # untouched states go into the checkpoint too, for a resume at another world size
-        read = sorted(set(self.owners) | set(range(rank, count, world)))
-        self.streams = {v: TokenWindows(DocumentStream(files, v, count, cfg.data_seed, cfg.shuffle_buffer, held_out),
-                                        tokenizer, cfg.seq_len) for v in read}
-        self.micro, self.cursor = micro, 0
+        self.recipe = (files, tokenizer, cfg, rank, world, micro, skip_held_out)   # a loader process rebuilds it
+        self.count, self.batch_size = cfg.data_streams, cfg.batch_size
+        self.positions = range(rank, cfg.batch_size, world)
+        self.owners = [p % self.count for p in self.positions]
+        # streams no position reads (a batch below --data-streams) are kept too: their states go into checkpoints
+        read = sorted(set(self.owners) | set(range(rank, self.count, world)))
+        held_out = False if skip_held_out else None
+        self.streams = {v: TokenWindows(DocumentStream(files, v, self.count, cfg.data_seed, cfg.shuffle_buffer,
+                                                       held_out), tokenizer, cfg.seq_len) for v in read}
+        self.micro, self.cursor, self.step = micro, 0, None
 
-    def window(self, slot: int) -> torch.Tensor:
-        """The window of this rank's `slot`-th position of a step, past the shared stream's other windows."""
-        stream, (before, after) = self.streams[self.owners[slot]], self.skips[slot]
-        if before:
-            stream.take(before)
-        window = stream.take(1)
-        if after:
-            stream.take(after)
-        return window
+    def read_step(self, streams: list[int]) -> tuple[list[int], torch.Tensor]:
+        """This rank's slots of the next step that `streams` own, and their windows. A stream shared with other ranks
+        (the world size does not divide the streams) is read whole, the others' windows dropped."""
+        windows = {v: self.streams[v].take(len(range(v, self.batch_size, self.count))) for v in streams}
+        slots = [slot for slot, v in enumerate(self.owners) if v in windows]
+        return slots, torch.stack([windows[self.owners[s]][self.positions[s] // self.count] for s in slots])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.cat([self.window(slot) for slot in range(self.cursor, self.cursor + self.micro)])
+        if self.cursor == 0:
+            self.step = self.read_step(sorted(set(self.owners)))[1]
+        windows = self.step[self.cursor:self.cursor + self.micro]
         self.cursor = (self.cursor + self.micro) % len(self.owners)
         return windows[:, :-1], windows[:, 1:]
 
-    @property
-    def skipped(self) -> int:
-        return sum(stream.documents.skipped for stream in self.streams.values())
-
     def state_dict(self) -> dict:
+        """Taken between steps (checkpoints are): a step's streams are read when its first micro-batch is."""
         return {"cursor": self.cursor, "streams": {str(v): s.state_dict() for v, s in self.streams.items()}}
 
     def load_state_dict(self, states: list[dict]) -> None:
@@ -913,141 +891,37 @@ class RankBatches:
         self.cursor = states[0]["cursor"]
 
 
-def stream_skips(positions: range, streams: int, batch: int) -> list[tuple[int, int]]:
-    """For each of a rank's positions of a step (in order): how many windows of its stream belong to other ranks'
-    positions just before it, and, after the rank's last position of that stream, how many until the step's end.
-    All zeros when the world size divides the streams (every stream is one rank's). Position p is window
-    p // streams of stream p mod streams within the step."""
-    skips, last = [], {}
-    for slot, p in enumerate(positions):
-        v, k = p % streams, p // streams
-        skips.append([k - last.get(v, (-1, None))[0] - 1, 0])
-        last[v] = (k, slot)
-    for v, (k, slot) in last.items():
-        skips[slot][1] = len(range(v, batch, streams)) - 1 - k
-    return [tuple(skip) for skip in skips]
-
-
-def stalled(timeout: float) -> DataUnavailable:
-    return DataUnavailable(f"the data loader delivered nothing for {timeout:.0f} s (--data-timeout); "
-                           "the data source stalled")
-
-
-class Loader(Protocol):
-    """What the training loop reads its batches from (make_loader: Prefetcher or LoaderProcesses), both reading a
-    RankBatches ahead in the background. Reading starts at the first next_batch, so that a resume can load the saved
-    position first; state_dict is the position right after the last batch consumed, never after one read ahead."""
-    batches: RankBatches
-    waited: float               # seconds next_batch spent waiting for data
-    skipped: int                # malformed or empty lines skipped so far
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        """Every rank's saved states (RankBatches.load_state_dict), before the first next_batch."""
-
-    def close(self) -> None: ...
-
-
-class Prefetcher:
-    """Builds the next batches in a background thread, so the accelerator does not wait on reading and
-    tokenizing. Each batch travels with the loader state right after it: a checkpoint saves the state
-    of the last batch consumed, not of the ones read ahead. A stall longer than `timeout` raises."""
-
-    def __init__(self, batches: RankBatches, depth: int, timeout: float, pin_memory: bool = False):
-        self.batches, self.timeout, self.pin_memory = batches, timeout, pin_memory
-        self.state, self.waited = batches.state_dict(), 0.0
-        self.queue, self.stopping = queue.Queue(maxsize=depth), threading.Event()
-        self.thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        self.batches.load_state_dict(states)
-        self.state = self.batches.state_dict()
-
-    def _produce(self) -> None:
-        item = None
-        while not self.stopping.is_set():
-            if item is None:
-                try:
-                    batch = self.batches.next_batch()
-                    if self.pin_memory:                # page-locked: the copy to the GPU runs asynchronously
-                        batch = tuple(t.pin_memory() for t in batch)
-                    item = (batch, self.batches.state_dict(), None)
-                except BaseException as error:             # handed to the consumer, raised there
-                    item = (None, None, error)
-            try:
-                self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                continue
-            if item[2] is not None:
-                return
-            item = None
-
-    def close(self) -> None:
-        """Stop the thread before the interpreter exits: a thread killed inside torch aborts the process."""
-        self.stopping.set()
-        if self.thread.ident is not None:
-            self.thread.join(timeout=60)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.thread.ident is None:
-            self.thread.start()
-        started = time.perf_counter()
-        try:
-            batch, state, error = self.queue.get(timeout=self.timeout)
-        except queue.Empty:
-            raise stalled(self.timeout) from None
-        finally:
-            self.waited += time.perf_counter() - started
-        if error is not None:
-            raise error
-        self.state = state
-        return batch
-
-    @property
-    def skipped(self) -> int:
-        return self.batches.skipped
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
 class _StepShares(torch.utils.data.IterableDataset):
-    """What one loader process reads: the windows of its own streams (every workers-th of those the rank's
-    batches read), one optimizer step after another. Its streams' states after each recent step stay in the process,
-    and a thread sends one when the training process asks (at a checkpoint): a state holds the shuffle buffers,
-    megabytes that would cost the training process more to receive every step than reading the data."""
+    """One reader's share of every step: the windows of every readers-th of the rank's streams. Its streams' recent
+    states stay with the reader and are sent on request (at a checkpoint): they hold the shuffle buffers, megabytes
+    that would cost more to receive every step than reading the data."""
 
-    KEEP = 8            # recent steps whose states are kept: more than a worker can run ahead (prefetch 2)
-
-    def __init__(self, batches: RankBatches, workers: int):
-        self.recipe, self.state, self.workers = batches.recipe, batches.state_dict(), workers
-        self.requests, self.replies = [multiprocessing.Queue() for _ in range(workers)], multiprocessing.Queue()
+    def __init__(self, batches: RankBatches, readers: int, keep: int, make_queue=multiprocessing.Queue):
+        self.recipe, self.state, self.readers, self.keep = batches.recipe, batches.state_dict(), readers, keep
+        self.requests, self.replies = [make_queue() for _ in range(readers)], make_queue()
 
     def __iter__(self):
-        worker = torch.utils.data.get_worker_info().id
+        worker = torch.utils.data.get_worker_info()            # None in the loader thread
+        reader = worker.id if worker else 0
         batches = RankBatches(*self.recipe)
         batches.load_state_dict([self.state])
-        mine = sorted(set(batches.owners))[worker::self.workers]    # a batch below --data-streams reads fewer
-        slots, states = [p for p, v in enumerate(batches.owners) if v in mine], {}
-        threading.Thread(target=self._answer, args=(worker, states), daemon=True).start()
+        mine, states = sorted(set(batches.owners))[reader::self.readers], {}   # a small batch reads fewer streams
+        threading.Thread(target=self._answer, args=(reader, states), daemon=True).start()
         try:
             for step in itertools.count():
-                windows = torch.cat([batches.window(p) for p in slots])
+                slots, windows = batches.read_step(mine)
                 states[step] = {str(v): batches.streams[v].state_dict() for v in mine}
-                states.pop(step - self.KEEP, None)
+                states.pop(step - self.keep, None)
                 yield slots, windows, None
         except TrainerError as error:          # raised in the training process as one line, not a worker traceback
             yield None, None, error
 
-    def _answer(self, worker: int, states: dict) -> None:
+    def _answer(self, reader: int, states: dict) -> None:
         while True:
-            self.replies.put(states[self.requests[worker].get()])
+            self.replies.put(states[self.requests[reader].get()])
 
     def states_after(self, step: int, timeout: float) -> dict:
-        """Every worker's stream states after `step` (counted from 0), merged."""
+        """Every reader's stream states after `step` (counted from 0), merged."""
         for requests in self.requests:
             requests.put(step)
         streams = {}
@@ -1060,9 +934,8 @@ class _StepShares(torch.utils.data.IterableDataset):
 
 
 def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
-    """A SIGTERM or Ctrl-C sent to the job's process group (the launcher, a terminal) must reach the training
-    process alone: it finishes its step with data from the workers, checkpoints, then ends them. In a group
-    of its own a worker would outlive a training process killed outright, so Linux is asked to end it then."""
+    """A stop signal sent to the job's process group must reach the trainer alone, which finishes its step and
+    checkpoints; a worker in a group of its own asks Linux to end it with the trainer, so it never outlives it."""
     os.setpgrp()
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
@@ -1070,38 +943,66 @@ def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
             os._exit(1)
 
 
-class LoaderProcesses:
-    """--data-workers > 0: the rank's streams are read and tokenized in a torch DataLoader's worker processes,
-    so the training process's interpreter lock is left to the training loop. DataLoader hands the workers'
-    step shares back in worker order, which makes the batches exactly those of the in-process loader. The
-    state is that after the last whole step consumed; checkpoints are only taken between steps."""
+class Loader:
+    """Reads the rank's steps ahead, so the accelerator does not wait on reading and tokenizing: in `workers`
+    DataLoader processes (off the training process's interpreter lock) or, with 0, a thread reading `depth` steps
+    ahead. Shares come back in reader order, so the batches are RankBatches'. Reading starts at the first
+    next_batch, after a resume's load_state_dict; state_dict is the state after the last whole step consumed."""
 
-    def __init__(self, batches: RankBatches, workers: int, timeout: float, pin_memory: bool = False):
+    def __init__(self, batches: RankBatches, workers: int, timeout: float, depth: int = 1, pin_memory: bool = False):
         self.batches, self.workers, self.timeout, self.pin_memory = batches, workers, timeout, pin_memory
+        self.depth = depth
         self.micro, self.per_step, self.steps, self.cursor, self.waited = batches.micro, len(batches.owners), 0, 0, 0.0
-        self.state, self.inputs, self.targets, self.shares = (0, batches.state_dict()), None, None, None
+        self.state, self.shares, self.stopping = (0, batches.state_dict()), None, threading.Event()
 
     def load_state_dict(self, states: list[dict]) -> None:
+        """Every rank's saved states (RankBatches.load_state_dict), before the first next_batch."""
         self.batches.load_state_dict(states)
         self.state = (0, self.batches.state_dict())
 
     def _start(self) -> None:
         self.unread = self.state[1]["streams"]          # streams no batch position reads keep this state
-        self.shares = _StepShares(self.batches, self.workers)
-        self.loader = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=self.workers,
-                                                       prefetch_factor=2, timeout=self.timeout,
-                                                       worker_init_fn=_leave_group_signals_to_the_trainer))
+        if self.workers:                                # states kept: more steps than a worker runs ahead (2)
+            self.shares = _StepShares(self.batches, self.workers, keep=8)
+            self.received = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=self.workers,
+                                                             prefetch_factor=2, timeout=self.timeout,
+                                                             worker_init_fn=_leave_group_signals_to_the_trainer))
+        else:
+            self.shares = _StepShares(self.batches, 1, keep=self.depth + 4, make_queue=queue.Queue)
+            self.queue = queue.Queue(self.depth)
+            self.thread = threading.Thread(target=self._read_ahead, daemon=True, name="prefetch")
+            self.thread.start()
+
+    def _read_ahead(self) -> None:
+        try:
+            for share in self.shares:
+                if not self._put(share):
+                    return
+        except BaseException as error:                 # handed to the consumer, raised there
+            self._put((None, None, error))
+
+    def _put(self, share: tuple) -> bool:
+        while not self.stopping.is_set():              # a put that waits forever would block close()
+            with contextlib.suppress(queue.Full):
+                self.queue.put(share, timeout=0.1)
+                return True
+        return False
+
+    def _receive(self) -> tuple:
+        try:
+            return next(self.received) if self.workers else self.queue.get(timeout=self.timeout)
+        except (queue.Empty, RuntimeError) as error:   # RuntimeError: the DataLoader's, a worker died or timed out
+            if isinstance(error, RuntimeError) and "timed out" not in str(error):
+                raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
+            raise DataUnavailable(f"the data loader delivered nothing for {self.timeout:.0f} s (--data-timeout); "
+                                  "the data source stalled") from None
 
     def _next_step(self) -> None:
         if self.shares is None:
             self._start()
         started = time.perf_counter()
         try:
-            shares = [next(self.loader) for _ in range(self.workers)]
-        except RuntimeError as error:
-            if "timed out" not in str(error):
-                raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
-            raise stalled(self.timeout) from None
+            shares = [self._receive() for _ in range(self.workers or 1)]
         finally:
             self.waited += time.perf_counter() - started
         for *_, error in shares:
@@ -1111,7 +1012,7 @@ class LoaderProcesses:
         for slots, part, _ in shares:
             windows[slots] = part
         self.inputs, self.targets = (t.contiguous() for t in (windows[:, :-1], windows[:, 1:]))
-        if self.pin_memory:
+        if self.pin_memory:                            # page-locked: the copy to the GPU runs asynchronously
             self.inputs, self.targets = self.inputs.pin_memory(), self.targets.pin_memory()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1129,21 +1030,26 @@ class LoaderProcesses:
 
     @property
     def skipped(self) -> int:
+        """Malformed or empty lines skipped so far."""
         return sum(stream["documents"]["skipped"] for stream in self.state_dict()["streams"].values())
 
     def close(self) -> None:
-        self.loader = None                     # the DataLoader iterator shuts its workers down when released
+        """The thread stops before the interpreter exits (a thread killed inside torch aborts the process); the
+        DataLoader iterator shuts its workers down when released."""
+        self.stopping.set()
+        if self.shares is not None and not self.workers:
+            self.thread.join(timeout=60)
+        self.received = None
 
 
 def make_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Loader:
-    if cfg.data_workers:
-        return LoaderProcesses(batches, cfg.data_workers, cfg.data_timeout, pin_memory)
-    return Prefetcher(batches, cfg.prefetch, cfg.data_timeout, pin_memory)
+    steps_ahead = -(-cfg.prefetch * batches.micro // len(batches.owners))       # --prefetch counts micro-batches
+    return Loader(batches, cfg.data_workers, cfg.data_timeout, steps_ahead, pin_memory)
 
 
 def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` windows of the held-out documents in file order: the same for every run and every eval.
-    Read one document at a time, so that the stream's epoch says whether the held-out documents ran out."""
+    One document per encode, so that the stream's epoch says whether the held-out documents ran out."""
     documents = DocumentStream(data.val, rank=0, world=1, seed=None, buffer_size=0,
                                held_out=True if data.held_out_slice else None)
     sequences = TokenWindows(documents, tokenizer, seq_len, docs_per_encode=1).take(count)
@@ -1169,9 +1075,8 @@ class Dist:
         return self.rank == 0
 
 
-# a healthy step, eval or checkpoint of the 2.5B model takes well under a minute; ten minutes
-# without progress means a rank is hung (a dead device, a stuck read), and the job should fail
-# and be requeued rather than hold a node. TRAIN_C4_STEP_TIMEOUT_S overrides it (tests).
+# start-up waits for every rank's first documents, a checkpoint's verification and compilation; once steps run,
+# ten minutes without progress means a hung rank, better failed and requeued (TRAIN_C4_STEP_TIMEOUT_S: tests)
 START_TIMEOUT_S, STEP_TIMEOUT_S = 30 * 60, 10 * 60
 
 
@@ -1182,25 +1087,21 @@ def setup_distributed() -> Dist:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        # start-up waits for every rank to stream its first documents, verify and load a checkpoint and
-        # compile: generous; shorten_timeout() tightens it once the first step has gone through
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                              timeout=timedelta(seconds=START_TIMEOUT_S))
     return Dist(rank, world, device)
 
 
 def shorten_timeout(dist: Dist, data_timeout: float) -> None:
-    """The short collective time-out for the steady state (what torchtitan does after its first step).
-    It stays 2 minutes above --data-timeout: a rank starved of data then gives up first and says why,
-    instead of its peers timing out without knowing the cause."""
+    """After the first step (as torchtitan does). 2 minutes above --data-timeout, so that a rank starved of data
+    gives up first and says why, instead of its peers timing out without knowing the cause."""
     if dist.world > 1:
         seconds = float(os.environ.get("TRAIN_C4_STEP_TIMEOUT_S", max(STEP_TIMEOUT_S, data_timeout + 120)))
         _set_pg_timeout(timedelta(seconds=seconds))
 
 
 def end_distributed() -> None:
-    """Only when every rank ends together (completed, diverged, interrupted): after a failure the process
-    just exits, since tearing down a group whose peer is gone can block."""
+    """Only when every rank ends together: tearing down a group whose peer is gone can block."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -1217,50 +1118,32 @@ def all_ranks_sum(dist: Dist, values: torch.Tensor) -> torch.Tensor:
 
 
 def all_ranks_gather(dist: Dist, obj) -> list:
-    """Every rank's `obj` (small picklable values: file checksums, one-line problems), in rank order."""
-    if dist.world == 1:
-        return [obj]
-    gathered = [None] * dist.world
-    torch.distributed.all_gather_object(gathered, obj)
+    """Every rank's `obj` (small picklable values), in rank order."""
+    gathered = [obj] * dist.world
+    if dist.world > 1:
+        torch.distributed.all_gather_object(gathered, obj)
     return gathered
 
 
-def _failure_key(rank: int) -> str:
-    return f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed/{rank}"
-
-
 def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str, bool]:
-    """The job's exit code and one-line reason for a failure seen on this rank, and whether it is this rank's
-    own (not another rank's, nor a lost contact that no rank explains).
-
-    A rank's own failure is written to the rendezvous store before the rank exits; the others only see
-    a closed connection (gloo), a time-out or torchrun's SIGTERM (NCCL), and a rank that lost contact
-    (code 5) reports the failure another rank noted, naming that rank, with its exit code: the launcher
-    then acts on the root cause (halve the micro-batch, retry the data...) instead of blaming a GPU."""
+    """The job's exit code and reason for a failure seen here, and whether it is this rank's own. A rank's own
+    failure goes to the rendezvous store; a rank that only lost contact (code 5) reports the failure another rank
+    noted, so the launcher acts on the root cause instead of blaming a GPU (docs/distributed.md)."""
     if dist.world == 1 or not torch.distributed.is_initialized():
         return code, reason, True
+    attempt = f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed"
     with contextlib.suppress(Exception):                   # best effort: the store's host may be gone too
         store = _get_default_store()
         if code == EXIT_DEVICE:
             for rank in range(dist.world):
-                if rank != dist.rank and store.check([_failure_key(rank)]):
-                    peer_code, peer_reason = json.loads(store.get(_failure_key(rank)))
+                if rank != dist.rank and store.check([f"{attempt}/{rank}"]):
+                    peer_code, peer_reason = json.loads(store.get(f"{attempt}/{rank}"))
                     return peer_code, f"rank {rank} failed: {peer_reason}", False
-        store.set(_failure_key(dist.rank), json.dumps([code, reason]))
+        store.set(f"{attempt}/{dist.rank}", json.dumps([code, reason]))
     if code == EXIT_DEVICE and "lost contact" in reason:
         return code, reason + ("; no other rank reported an error: one was killed (out of host memory?) or is "
                                "hung, see torchrun's summary and the ranks' logs"), False
     return code, reason, True
-
-
-def _vectorise_scalars(model: nn.Module) -> None:
-    """FSDP2 shards dim 0 and refuses 0-d parameters (HC's s_a, s_b; mHC's gates): hold them as
-    1-element vectors, which broadcast exactly like the scalars in the coefficient code.
-    `consolidate` gives them back the model's own shapes."""
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() == 0:
-                setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
 
 
 def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Module:
@@ -1274,14 +1157,15 @@ def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Mo
     if cfg.parallel == "ddp":
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    _vectorise_scalars(model)
-    # The matmul weights are gathered in the compute dtype (bf16 on CUDA), gradients always reduced in fp32.
-    # The connections are sharded on their own with fp32 parameters: the coefficients are computed from
-    # unrounded weights, as under DDP (precision_policy). No input casting: it would hand every block its residual
-    # streams in bf16, and the streams are kept and mixed in fp32 in every mode.
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    mixing_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                         cast_forward_inputs=False)
+    # FSDP2 shards dim 0 and refuses 0-d parameters (HC's s_a, s_b; mHC's gates): 1-element vectors broadcast alike
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0:
+                setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+    # Matmul weights gathered in the compute dtype, gradients reduced in fp32; the connections sharded on their own in
+    # fp32, so coefficients come from unrounded weights as under DDP. No input cast: the streams stay fp32.
+    policy, mixing_policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                  cast_forward_inputs=False) for param_dtype in (dtype, torch.float32))
     for block in model.blocks:
         if cfg.residual != "baseline":
             for conn in (block.attn_conn, block.mlp_conn):
