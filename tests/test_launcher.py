@@ -709,3 +709,18 @@ def test_check_without_a_gpu_says_so_in_one_line_and_exits_1(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), "--check", "--full"], capture_output=True, text=True, timeout=120,
                        cwd=ROOT, env=launcher_env(tmp_path, RUN_EXPERIMENTS_PYTHON=PY))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unrecognized arguments: --full" in r.stderr
+
+
+def test_slurm_dry_run_previews_the_submission_and_without_sbatch_nothing_is_left_behind(tmp_path):
+    env = launcher_env(tmp_path, PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                                       if not (Path(p) / "sbatch").exists()))
+    args = ("--slurm", "--residual", "hc,mhc", "--depth", "2", "--seed", "1")
+    r = launch(tmp_path, *args, "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "hc_d2_s1          task 0: --residual hc --depth 2 --seed 1" in r.stdout
+    assert "sbatch --parsable --array=0-1 --nodes=1 --gpus-per-node=1 --time=24:00:00" in r.stdout
+    assert "--dependency=afterany:ARRAY_JOB_ID" in r.stdout and "Nothing was submitted or written." in r.stdout
+    assert not (tmp_path / "runs").exists()
+    r = launch(tmp_path, *args, env=env)
+    assert r.returncode == 1 and "error: sbatch not found: --slurm submits from a SLURM login node" in r.stderr
+    assert not list(tmp_path.rglob("slurm-matrix-*"))
