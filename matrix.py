@@ -818,10 +818,10 @@ def submit_slurm(opt, jobs):
     lines = [shlex.join(trainer_flags(opt, job)) for job in todo]
     seconds, why = task_time(opt, todo)
     array_command = ["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
-                     f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}", f"--job-name=matrix-{opt.out.name}",
-                     str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)]
-    report_command = ["sbatch", "--parsable", "--dependency=afterany:ARRAY_JOB_ID", f"--job-name=report-{opt.out.name}",
-                      str(ROOT / "slurm" / "report.sbatch"), str(opt.out)]
+                     f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}",
+                     f"--job-name=matrix-{opt.out.name}", str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)]
+    report_command = ["sbatch", "--parsable", "--dependency=afterany:ARRAY_JOB_ID",
+                      f"--job-name=report-{opt.out.name}", str(ROOT / "slurm" / "report.sbatch"), str(opt.out)]
     if opt.dry_run:
         print(*(f"{job.name:<17} task {i}: {line}" for i, (job, line) in enumerate(zip(todo, lines))), sep="\n")
         print(f"Dry run: would write {tasks} (the lines above) and submit, with --time from {why}:\n  "

@@ -777,7 +777,7 @@ def _crossed(row, threshold):
     return f"first above {threshold:g}× at step {per_seed(row, crossing(threshold))} (per seed)"
 
 
-def is_truncation(converged):
+def truncation_evidence(converged):
     """mHC runs with converged gains: (distance of the converged gains from 1, whether every as-used backward
     gain stays under its truncation bound). Both small/true: the as-used distance from 1 is truncation."""
     conv_dev = max(abs(r.peak_converged - 1) for r in converged)
@@ -789,7 +789,7 @@ def truncation(row, probed):
     converged = [r for r in probed if not math.isnan(r.peak_converged)]
     if not converged:
         return ""
-    conv_dev, within = is_truncation(converged)
+    conv_dev, within = truncation_evidence(converged)
     left = max((r.converged_err for r in converged if not math.isnan(r.converged_err)), default=math.nan)
     reached = "" if math.isnan(left) else f" (every row and column sum within {fmt_dev(left)} of 1)"
     bound, err = max(r.peak_bwd_bound for r in converged), max(r.peak_col_err for r in converged)
@@ -850,7 +850,7 @@ def headline_gain(row):
         return ""
     fwd, bwd = row.stats["peak_fwd"].mean, row.stats["peak_bwd"].mean
     converged = [r for r in probed if not math.isnan(r.peak_converged)]
-    conv_dev, within = is_truncation(converged) if converged else (math.nan, False)
+    conv_dev, within = truncation_evidence(converged) if converged else (math.nan, False)
     truncated = conv_dev < 1e-3 and within
     if max(fwd, bwd) >= 1 + FLAT and not truncated:
         level = THRESHOLDS[0]

@@ -15,7 +15,8 @@ def timed_run(folder, seconds):
     """A run folder whose first steps are slow (compile, warm-up) and whose later ones take `seconds`."""
     folder.mkdir(parents=True)
     lines = [{"step": 0, "time": 0.0, "amax_fwd": 1.0}]
-    lines += [{"step": step, "time": float(step), "loss": 5.0, "step_time_s": 30.0 if step <= 2 else seconds + step / 1000,
+    lines += [{"step": step, "time": float(step), "loss": 5.0,
+               "step_time_s": 30.0 if step <= 2 else seconds + step / 1000,
                "tokens_per_s": 8192 / seconds, "mfu": 0.3, "mem_peak_gb": 10.0 + step} for step in range(1, 11)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return folder

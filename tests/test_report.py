@@ -337,7 +337,8 @@ def test_amplification_table_shows_the_three_readings_and_mhc_truncation(tmp_pat
     write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.0, 1.0, 1e-7, 1.0)},
                                       {**train(2, 1.0, 3.0, 0.5, 20), **mhc_probe(1.145, 1.0000004, 0.031, 1.16)}])
     assert report.main([str(tmp_path), "--no-plots"]) == 0
-    lines = (tmp_path / "report" / "results.md").read_text().split("## Amplification: three readings")[1].split("\n## ")[0]
+    text = (tmp_path / "report" / "results.md").read_text()
+    lines = text.split("## Amplification: three readings")[1].split("\n## ")[0]
     header = next(ln for ln in lines.splitlines() if ln.startswith("| method |"))
     heads = [h.strip() for h in header.strip("|").split("|")]
     rows = {ln.split("|")[1].strip(): dict(zip(heads, (c.strip() for c in ln.strip("|").split("|"))))
