@@ -34,9 +34,9 @@ METHODS, KERNELS, MODES = ("baseline", "hc", "mhc"), ("reference", "fused"), ("e
 STEPS, WARM_STEPS = 10, 4          # median over the steps after the first WARM_STEPS (compile, allocator, loader)
 ASSUMED_MFU = 0.40                 # what the planner assumes without a measurement
 SIZE = ["--data", "sample", "--tokenizer", "gpt2", "--dtype", "bf16", "--width", "2048", "--depth", "4",
-        "--seq-len", "1024", "--batch-size", "8", "--micro-batch-size", "8", "--eval-every", "1000",
-        "--eval-batches", "1", "--metrics-every", "1000", "--layer-metrics-every", "1000", "--log-every", "1",
-        "--ckpt-every", "1000", "--data-workers", "1", "--wandb", "disabled", "--resume", "never"]
+        "--seq-len", "1024", "--batch-size", "8", "--micro-batch-size", "8", "--warmup", "2",
+        "--eval-every", "1000", "--eval-batches", "1", "--metrics-every", "1000", "--layer-metrics-every", "1000",
+        "--log-every", "1", "--ckpt-every", "1000", "--data-workers", "1", "--wandb", "disabled", "--resume", "never"]
 TOKENS_PER_STEP = 8 * 1024
 
 
