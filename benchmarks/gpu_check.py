@@ -172,14 +172,16 @@ def judge(check, table, planned):
                   f"{len(compiled)} --compile runs timed")
     eager = [s for path, s in table["mhc"].items() if s and path.endswith("/eager")]
     measured = max((s["mem_peak_gb"] for s in eager), default=None)
+    plan = f"the planned {planned:.1f} GB allocated" if planned else "no plan read (estimate.log)"
     check.verdict("memory plan", planned is not None and measured is not None and measured <= planned,
-                  f"mHC measured peak {measured or 0:.1f} GB against the planned {planned or 0:.1f} GB allocated")
+                  f"mHC measured peak {measured or 0:.1f} GB against {plan}")
     base = best.get("baseline", {})
     mfu = base.get("mfu")
     planned_tps = base["tokens_per_s"] * ASSUMED_MFU / mfu if mfu else None
+    plan = (f"the planned {planned_tps:,.0f} ({TOKENS_PER_STEP / planned_tps:.3f} s/step) at {ASSUMED_MFU:.0%} MFU; "
+            "PASS from half of it" if planned_tps else "no plan without the card's bf16 peak")
     check.verdict("tokens/s", bool(planned_tps) and base["tokens_per_s"] >= planned_tps / 2,
-                  f"baseline {base.get('tokens_per_s', 0):,.0f} against the planned {planned_tps or 0:,.0f} "
-                  f"(at {ASSUMED_MFU:.0%} MFU; PASS from half of it)")
+                  f"baseline {base.get('tokens_per_s', 0):,.0f} ({base.get('step_s', 0):.3f} s/step) against {plan}")
     check.verdict("MFU", mfu is not None, f"baseline {mfu:.1%} against the planned {ASSUMED_MFU:.0%}" if mfu is not None
                   else "unknown: the trainer has no bf16 peak for this card (GPU_PEAK_BF16_FLOPS)")
     for method, s in best.items():

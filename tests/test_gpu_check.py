@@ -43,3 +43,17 @@ def test_result_json_gives_the_planner_each_methods_fastest_step_seconds(tmp_pat
     assert result["tokens_per_step"] == 8 * 1024 and result["gpu"] == "NVIDIA H100 80GB HBM3"
     assert result["timings"]["hc"]["fused/compile"] is None and result["parts"] == {"bf16": "PASS"}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_each_part_is_judged_against_the_plan(tmp_path, capsys):
+    check = gpu_check.Check(tmp_path)
+    timed = {"step_s": 0.3, "tokens_per_s": 27_000, "mfu": 0.25, "mem_peak_gb": 16.0}
+    table = {"baseline": {"reference/eager": timed, "reference/compile": timed},
+             "hc": {"reference/eager": timed, "reference/compile": None},          # a compiled run that failed
+             "mhc": {"reference/eager": timed, "reference/compile": timed}}
+    gpu_check.judge(check, table, planned=15.8)
+    assert check.parts == {"compile": "FAIL", "memory plan": "FAIL", "tokens/s": "PASS", "MFU": "PASS"}
+    out = capsys.readouterr().out
+    assert "FAIL  compile      2 of 3 --compile runs timed" in out
+    assert "mHC measured peak 16.0 GB against the planned 15.8 GB allocated" in out
+    assert "against the planned 43,200 (0.190 s/step) at 40% MFU" in out       # 27,000 tok/s at 25% MFU
