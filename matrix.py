@@ -31,6 +31,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -96,8 +97,9 @@ RUN_EXPERIMENTS_MAX_REQUEUES (10), RUN_EXPERIMENTS_STOP_TIMEOUT (seconds jobs ge
 
 USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo] [--residual L] [--depth L] [--seed L] [--steps N]\n"
          "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
-         "       [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--gpu-type NAME]] [--summary]\n"
-         "       [-- train_c4.py flags]")
+         "       [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--gpu-type NAME]] [--summary] [--slurm [--dry-run]]\n"
+         "       [-- train_c4.py flags]\n"
+         f"       bash {PROG} --check [--out DIR]     (the GPU path on this node: PASS/FAIL per part, about 10 min)")
 
 
 class UsageError(Exception):
@@ -201,13 +203,15 @@ def build_parser():
                                                        "of dollars", float), default=2.49, metavar="USD",
                    help="for the dry run's cost and the matrix view (default 2.49)")
     o.add_argument("--summary", action="store_true",
-                   help="print the matrix view and the results table from the live files of --out; run nothing")
+                   help="print the matrix view and the results table from the live files of --out, and rewrite "
+                        "--out/report (results.md, the CSV files, the plots); launch nothing")
     o.add_argument("--watch-every", type=number(WHOLE, "--watch-every must be whole seconds >= 0"), default=60,
                    metavar="SEC", help="print the matrix view every SEC seconds while jobs run (default 60; 0: never)")
     s = p.add_argument_group("SLURM")
     s.add_argument("--slurm", action="store_true",
                    help="submit the matrix as a SLURM job array instead (one run per task on one node with "
-                        "--gpus-per-run GPUs, requeued at the time limit) and a report job that runs after it")
+                        "--gpus-per-run GPUs, requeued at the time limit) and a report job that runs after it; with "
+                        "--dry-run: print the sbatch commands and each task's flags, submit and write nothing")
     s.add_argument("--slurm-time", type=number(r"[0-9]+:[0-5][0-9]:[0-5][0-9]", "--slurm-time must be H:MM:SS",
                                                hms_seconds), default=hms_seconds("24:00:00"), metavar="H:MM:SS",
                    help="the partition's time limit (default 24:00:00): each task asks for its planned time plus a "
@@ -297,8 +301,8 @@ def parse_options(argv):
 
 
 def check_options(opt):
-    if opt.slurm and (opt.dry_run or opt.summary or opt.nodes > 1):
-        raise UsageError("--slurm submits the whole matrix: not with --dry-run, --summary or --nodes")
+    if opt.slurm and (opt.calibrate or opt.summary or opt.nodes > 1):
+        raise UsageError("--slurm submits the whole matrix: not with --calibrate, --summary or --nodes")
     if opt.calibrate and not opt.dry_run:
         raise UsageError("--calibrate goes with --dry-run (it times the matrix before you start it)")
     if opt.calibrate_steps < 4:
@@ -820,18 +824,32 @@ def submit_slurm(opt, jobs):
     if not todo:
         print(f"Nothing to submit: every run in {opt.out} completed or diverged.")
         return EXIT_OK
+    if not opt.dry_run and shutil.which("sbatch") is None:
+        raise RunError("sbatch not found: --slurm submits from a SLURM login node (preview: --slurm --dry-run)")
     opt.out = opt.out.resolve()          # the tasks start in the repository, not in this shell's folder
-    opt.out.mkdir(parents=True, exist_ok=True)
     # one file per submission: a task of an earlier array still reads its own line
     tasks = opt.out / f"slurm-matrix-{time.strftime('%Y%m%d-%H%M%S')}.txt"
-    tasks.write_text("".join(shlex.join(trainer_flags(opt, job)) + "\n" for job in todo))
+    lines = [shlex.join(trainer_flags(opt, job)) for job in todo]
     seconds, why = task_time(opt, todo)
-    array = submit(["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
-                    f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}",
-                    f"--job-name=matrix-{opt.out.name}",
-                    str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)])
-    report = submit(["sbatch", "--parsable", f"--dependency=afterany:{array}", f"--job-name=report-{opt.out.name}",
-                     str(ROOT / "slurm" / "report.sbatch"), str(opt.out)])
+    array_command = ["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
+                     f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}",
+                     f"--job-name=matrix-{opt.out.name}", str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)]
+    report_command = ["sbatch", "--parsable", "--dependency=afterany:ARRAY_JOB_ID",
+                      f"--job-name=report-{opt.out.name}", str(ROOT / "slurm" / "report.sbatch"), str(opt.out)]
+    if opt.dry_run:
+        print(*(f"{job.name:<17} task {i}: {line}" for i, (job, line) in enumerate(zip(todo, lines))), sep="\n")
+        print(f"Dry run: would write {tasks} (the lines above) and submit, with --time from {why}:\n  "
+              f"{shlex.join(array_command)}\n  {shlex.join(report_command)}\nNothing was submitted or written.")
+        return EXIT_OK
+    opt.out.mkdir(parents=True, exist_ok=True)
+    tasks.write_text("".join(line + "\n" for line in lines))
+    try:
+        array = submit(array_command)
+    except RunError:
+        tasks.unlink()                   # no task will read it
+        raise
+    report_command[2] = f"--dependency=afterany:{array}"
+    report = submit(report_command)
     for i, job in enumerate(todo):
         print(f"{job.name:<17} task {array}_{i}")
     print(f"Submitted job array {array}: {len(todo)} run(s), each on one node with {opt.gpus_per_run} GPU(s), "

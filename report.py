@@ -38,14 +38,18 @@ from contract import RUN_NAME
 
 METHOD_ORDER = ("baseline", "hc", "mhc")
 METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC"}
-METHOD_STYLE = {"baseline": {"color": "0.15", "ls": (0, (4, 3)), "lw": 1.4, "zorder": 4},   # dashed, on top:
-                "hc": {"color": "tab:red", "ls": "-", "lw": 1.6, "zorder": 3},             # it coincides
-                "mhc": {"color": "tab:blue", "ls": "-", "lw": 2.6, "zorder": 2}}           # with mHC at 1
+# One line width for all, and a marker shape each at staggered points: baseline and mHC coincide at a gain of 1
+# and their losses lie within 1 %, so neither colour nor width alone keeps both lines visible.
+METHOD_STYLE = {"baseline": {"color": "0.15", "ls": (0, (4, 3)), "marker": "o", "zorder": 4},
+                "hc": {"color": "tab:red", "ls": "-", "marker": "^", "zorder": 3},
+                "mhc": {"color": "tab:blue", "ls": "-", "marker": "s", "zorder": 2}}
+LINE_WIDTH, MARKS = 1.5, 8      # markers per line
 THRESHOLDS = (10.0, 100.0, 1000.0)      # composite gain levels whose first crossing step is reported
 FLAT = 0.05                     # the verdict calls gains within 1 ± FLAT "stayed within", else peaks
 GAP_S = 900.0                   # a longer pause between two log lines is downtime, not wall time
-PLOT_POINTS = 400               # longer curves are cut into this many step bins before plotting
-GRAD_POINTS = 200               # fewer for the gradient norm, whose spikes would otherwise crowd
+PLOT_POINTS = 400               # gain curves with more logged steps are averaged over windows down to this many
+LOSS_POINTS = 60                # step-to-step noise of the loss hides a 1 % gap: averaged down to this many points
+GRAD_POINTS = 60                # the gradient norm too, whose spikes would otherwise crowd the methods apart
 SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
                "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_study",
                "amax_fwd_converged", "amax_bwd_converged", "sinkhorn_converged_err", "sinkhorn_col_err",
@@ -569,14 +573,14 @@ def fmt_step(step):
 
 
 def fmt_stat(stat, fmt, total, with_std=True):
-    """'mean ± std', '± –' for one seed, '(n=k)' when fewer than all seeds had a value;
-    just 'inf' when a seed's value was infinite (the per-run table says which)."""
+    """'mean ± std', 'value (1 seed)' for one seed (no std to give), '(n=k)' when fewer than all seeds
+    had a value; just 'inf' when a seed's value was infinite (the per-run table says which)."""
     if stat.n == 0:
         return "–"
-    if math.isinf(stat.mean) or not with_std:
-        text = fmt(stat.mean)
-    else:
-        text = f"{fmt(stat.mean)} ± {fmt(stat.std, stat.mean) if stat.n > 1 else '–'}"
+    if stat.n == 1:
+        return f"{fmt(stat.mean)} (1 seed)"
+    with_std = with_std and not math.isinf(stat.mean)
+    text = f"{fmt(stat.mean)} ± {fmt(stat.std, stat.mean)}" if with_std else fmt(stat.mean)
     return text if stat.n == total else f"{text} (n={stat.n})"
 
 
@@ -593,8 +597,22 @@ def fmt_diverged(row):
     return "0" if not d else f"{len(d)}: " + ", ".join(f"s{r.seed}@{fmt_step(r.step)}" for r in d)
 
 
+def main_columns():
+    """(header, cell(row) -> str) for the table read first: at most 8 columns, the question's numbers."""
+    def st(name, fmt):
+        return lambda row: fmt_stat(row.stats[name], fmt, len(row.runs))
+    return [
+        ("method", lambda row: row.label), ("depth", lambda row: str(row.depth)),
+        ("seeds done/total", lambda row: f"{row.done}/{len(row.runs)}"),
+        ("final val loss", st("final_val", fmt_loss)),
+        ("peak amax_fwd", st("peak_fwd", fmt_gain)), ("peak amax_bwd", st("peak_bwd", fmt_gain)),
+        (f"first >{THRESHOLDS[0]:g}× step (per seed)", lambda row: per_seed(row, crossing(THRESHOLDS[0]))),
+        ("diverged", fmt_diverged),
+    ]
+
+
 def table_columns():
-    """(header, cell(row) -> str) for the main table, in display order."""
+    """(header, cell(row) -> str) for the wide table with every statistic, in display order."""
     def st(name, fmt, with_std=True):
         return lambda row: fmt_stat(row.stats[name], fmt, len(row.runs), with_std)
     return [
@@ -675,7 +693,7 @@ def markdown(columns, items):
 
 
 TABLE_NOTES = f"""\
-- mean ± std over seeds; std is the sample standard deviation (ddof=1), "–" with a single seed.
+- mean ± std over seeds; std is the sample standard deviation (ddof=1); "(1 seed)": one value, no spread.
   "(n=k)": only k seeds had a (finite) value. Final = the last value logged (a running run
   contributes its latest); diverged runs are left out of the final losses but not of best val loss.
 - seeds done/total: runs with status "completed" / run folders found.
@@ -759,16 +777,22 @@ def _crossed(row, threshold):
     return f"first above {threshold:g}× at step {per_seed(row, crossing(threshold))} (per seed)"
 
 
+def truncation_evidence(converged):
+    """mHC runs with converged gains: (distance of the converged gains from 1, whether every as-used backward
+    gain stays under its truncation bound). Both small/true: the as-used distance from 1 is truncation."""
+    conv_dev = max(abs(r.peak_converged - 1) for r in converged)
+    return conv_dev, all(r.peak_bwd <= r.peak_bwd_bound * (1 + 1e-9) for r in converged)
+
+
 def truncation(row, probed):
     """mHC: whether the as-used gains' distance from 1 is Sinkhorn truncation (words), or ''."""
     converged = [r for r in probed if not math.isnan(r.peak_converged)]
     if not converged:
         return ""
-    conv_dev = max(abs(r.peak_converged - 1) for r in converged)
+    conv_dev, within = truncation_evidence(converged)
     left = max((r.converged_err for r in converged if not math.isnan(r.converged_err)), default=math.nan)
     reached = "" if math.isnan(left) else f" (every row and column sum within {fmt_dev(left)} of 1)"
     bound, err = max(r.peak_bwd_bound for r in converged), max(r.peak_col_err for r in converged)
-    within = all(r.peak_bwd <= r.peak_bwd_bound * (1 + 1e-9) for r in converged)
     if conv_dev < 1e-3 and within:
         return (f" Projected to convergence{reached} the same mixing logits give 1 ± {fmt_dev(conv_dev)}; the as-used "
                 f"backward gain (up to {fmt_gain(max(r.peak_bwd for r in converged))}) stays under the bound "
@@ -809,20 +833,64 @@ def verdict_loss(rows):
     return f"Final val loss (mean ± sample std): {', '.join(parts)}." if parts else "No val loss logged yet."
 
 
+def arm_depths(rows):
+    """(where, rows) per arm and depth, in table order: 'depth 48', or 'stress arm, depth 48' with several arms."""
+    for arm, depth in sorted({(r.arm, r.depth) for r in rows}):
+        at = [r for r in rows if (r.arm, r.depth) == (arm, depth)]
+        yield (f"{arm} arm, depth {depth}" if at[0].label_arm else f"depth {depth}"), at
+
+
+def headline_gain(row):
+    """A few words on one method's composite gain: 'HC amplifies 45× (above 10× at step 140)', 'mHC 1.000
+    (backward 1.150 from Sinkhorn truncation)'; '' for a baseline at exactly 1 (nothing to say)."""
+    probed = [r for r in row.runs if r.has_probe]
+    if not probed:
+        return f"{row.label} not probed yet"
+    if row.method == "baseline" and max(r.max_dev for r in probed) < 1e-6:
+        return ""
+    fwd, bwd = row.stats["peak_fwd"].mean, row.stats["peak_bwd"].mean
+    converged = [r for r in probed if not math.isnan(r.peak_converged)]
+    conv_dev, within = truncation_evidence(converged) if converged else (math.nan, False)
+    truncated = conv_dev < 1e-3 and within
+    if max(fwd, bwd) >= 1 + FLAT and not truncated:
+        level = THRESHOLDS[0]
+        when = (f"never above {level:g}×" if all(r.first_above[level] is None for r in probed)
+                else f"above {level:g}× at step {per_seed(row, crossing(level))}")
+        return f"{row.label} amplifies {fmt_gain(max(fwd, bwd))}× ({when})"
+    text = f"{row.label} {fmt_gain(fwd)}"
+    if fmt_gain(bwd) == fmt_gain(fwd):
+        return text
+    return f"{text} (backward {fmt_gain(bwd)}{' from Sinkhorn truncation' if truncated else ''})"
+
+
+def headline(rows):
+    """The first lines of results.md: per arm and depth, the gains in one line and the losses in another."""
+    lines = []
+    for where, at in arm_depths(rows):
+        fewest, most = min(len(r.runs) for r in at), max(len(r.runs) for r in at)
+        seeds = f"{most} seed{'s' if most > 1 else ''}" if fewest == most else f"{fewest} to {most} seeds"
+        gains = [g for g in map(headline_gain, at) if g] or ["baseline only"]
+        div = [f"{len(r.diverged)} of {len(r.runs)} {r.label} runs diverged" for r in at if r.diverged]
+        losses = [f"{r.label} {fmt_loss(r.stats['final_val'].mean)}" for r in at if r.stats["final_val"].n]
+        lines.append(f"**{where}** ({seeds}): "
+                     + "; ".join(gains + div) + ".  ")
+        lines.append(f"Final val loss: {', '.join(losses)}." if losses else "No val loss logged yet.")
+        lines.append("")
+    return lines[:-1]
+
+
 def verdict(rows):
     """Markdown lines, one paragraph per arm and depth; missing methods are said, not guessed."""
     lines = []
-    for arm, depth in sorted({(r.arm, r.depth) for r in rows}):
-        at = [r for r in rows if (r.arm, r.depth) == (arm, depth)]
+    for where, at in arm_depths(rows):
         have = {r.method for r in at}
         parts = [verdict_gain(r) for r in at]
-        parts += [f"No {METHOD_LABEL[m]} runs at depth {depth}." for m in METHOD_ORDER if m not in have]
+        parts += [f"No {METHOD_LABEL[m]} runs at depth {at[0].depth}." for m in METHOD_ORDER if m not in have]
         div = [f"{len(r.diverged)} of {len(r.runs)} {r.label} runs diverged"
                for r in at if r.diverged]
         if div:
             parts.append("; ".join(div) + ".")
         parts.append(verdict_loss(at))
-        where = f"{arm} arm, depth {depth}" if at[0].label_arm else f"depth {depth}"
         lines.append(f"**{where}**: " + " ".join(parts))
     return lines
 
@@ -841,20 +909,31 @@ class Band:
     full_hi: np.ndarray
 
 
-def bin_curves(curves, points=PLOT_POINTS, geometric=False):
-    """Band of seeds' (steps, values), or None. With more than `points` distinct steps the steps
-    are cut into `points` equal bins; otherwise every distinct step is its own bin. Non-finite
-    values are skipped; `geometric` averages in log space (for values spanning decades)."""
+def smoothing_window(curves, points):
+    """Steps per averaging window so that the curves keep about `points` points: 1 (every logged step)
+    when they have no more distinct steps than that."""
+    steps = np.unique(np.concatenate([s for s, _ in curves] or [np.array([])]))
+    return 1 if steps.size <= points else math.ceil((steps[-1] - steps[0] + 1) / points)
+
+
+def window_words(window):
+    return "every logged step" if window == 1 else f"mean over {window}-step windows"
+
+
+def bin_curves(curves, window=1, geometric=False):
+    """Band of seeds' (steps, values), or None. Window 1: every distinct step is its own bin; else
+    `window` consecutive steps from the first logged one share a bin. Non-finite values are skipped; `geometric`
+    averages in log space (for values spanning decades)."""
     curves = [(s, np.log(np.where(v > 0, v, np.nan)) if geometric else v) for s, v in curves if s.size]
     if not curves:
         return None
     steps = np.unique(np.concatenate([s for s, _ in curves]))
-    if steps.size <= points:
+    if window == 1:
         x, locate = steps.astype(np.float64), (lambda s: np.searchsorted(steps, s))
     else:
-        edges = np.linspace(steps[0], steps[-1], points + 1)
-        x = (edges[:-1] + edges[1:]) / 2
-        locate = lambda s: np.clip(np.searchsorted(edges, s, side="right") - 1, 0, points - 1)  # noqa: E731
+        first = int(steps[0])
+        x = first + np.arange((int(steps[-1]) - first) // window + 1) * window + (window - 1) / 2
+        locate = lambda s: (np.asarray(s, dtype=np.int64) - first) // window  # noqa: E731
     mean, lo, hi = (np.stack(a) for a in zip(*[_reduce_bins(locate(s), v, x.size) for s, v in curves]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)          # bins that no seed reached
@@ -891,18 +970,26 @@ def new_figure(n_rows, n_cols, height=3.3, width=6.2):
 
 
 def style_of(method):
-    return METHOD_STYLE.get(method, {"color": "tab:green", "ls": "-", "lw": 1.6, "zorder": 2})
+    return METHOD_STYLE.get(method, {"color": "tab:green", "ls": "-", "marker": "D", "zorder": 2})
 
 
-def draw_method(ax, method, runs, key, points=PLOT_POINTS, geometric=False, envelope=False):
+def line_style(method, n_points):
+    """Matplotlib keywords of a method's line of n_points: markers spaced evenly, shifted per method so
+    that coinciding lines show their markers side by side."""
+    every = max(len(METHOD_STYLE), n_points // MARKS)
+    shift = method_key(method)[0] * every // len(METHOD_STYLE) % every
+    return {**style_of(method), "lw": LINE_WIDTH, "ms": 5, "mfc": "white", "markevery": (shift, every)}
+
+
+def draw_method(ax, method, runs, key, window=1, geometric=False, envelope=False):
     """One method's mean line on ax with its seed min–max band, or with a thin line through the
     largest value of each bin (`envelope`, for spikes); an X where a run diverged.
     Returns the plotted arrays (for axis scaling)."""
-    band = bin_curves([r.series[key].arrays() for r in runs], points, geometric)
+    band = bin_curves([r.series[key].arrays() for r in runs], window, geometric)
     if band is None or not np.isfinite(band.line).any():
         return []
-    style = style_of(method)
     ok = np.isfinite(band.line)
+    style = line_style(method, int(ok.sum()))
     label = f"{METHOD_LABEL.get(method, method)} ({_seeds(len(runs))})"
     ax.plot(band.x[ok], band.line[ok], label=label, **style)
     if envelope:
@@ -932,12 +1019,14 @@ def mark_diverged(ax, method, runs, key):
                 zorder=5, label=label)
 
 
-def plot_panel(ax, by_method, key, title, legend_outside=False, **kw):
-    """All methods of one depth on one axis; returns the plotted arrays (empty if none)."""
+def plot_panel(ax, by_method, key, title, points=PLOT_POINTS, legend_outside=False, **kw):
+    """All methods of one depth on one axis, averaged over one window of steps (named in the title) that
+    leaves about `points` points; returns the plotted arrays (empty if none)."""
+    window = smoothing_window([r.series[key].arrays() for runs in by_method.values() for r in runs], points)
     plotted = []
     for method, runs in by_method.items():
-        plotted += draw_method(ax, method, runs, key, **kw)
-    ax.set_title(title, fontsize=10)
+        plotted += draw_method(ax, method, runs, key, window, **kw)
+    ax.set_title(f"{title} ({window_words(window)})", fontsize=10)
     ax.set_xlabel("step")
     ax.grid(True, which="major", alpha=0.3)
     if plotted and legend_outside:
@@ -991,11 +1080,11 @@ def plot_loss(runs, path):
     groups = group_runs(runs)
     fig, axes = new_figure(len(groups), 2)
     for (depth, by_method), (ax_t, ax_v) in zip(groups.items(), axes):
-        focus_loss(ax_t, plot_panel(ax_t, by_method, "loss", f"depth {depth}: train loss"))
-        focus_loss(ax_v, plot_panel(ax_v, by_method, "val_loss", f"depth {depth}: validation loss"))
+        focus_loss(ax_t, plot_panel(ax_t, by_method, "loss", f"depth {depth}: train loss", LOSS_POINTS))
+        focus_loss(ax_v, plot_panel(ax_v, by_method, "val_loss", f"depth {depth}: validation loss", LOSS_POINTS))
         for ax in (ax_t, ax_v):
             ax.set_ylabel("loss (nats/token)")
-    fig.suptitle(f"Loss: line = mean over seeds (train: averaged in {PLOT_POINTS} step bins), "
+    fig.suptitle("Loss: line = mean over seeds of each window's mean (window in each title), "
                  "band = seed min–max; y axis zoomed past the first 10% of steps", fontsize=11)
     return save(fig, path)
 
@@ -1015,14 +1104,14 @@ def plot_grad_norm(runs, path):
     fig, axes = new_figure(len(groups), 1, width=11.5)
     for (depth, by_method), (ax,) in zip(groups.items(), axes):
         vals = plot_panel(ax, by_method, "grad_norm", f"depth {depth}: pre-clip gradient norm",
-                          points=GRAD_POINTS, geometric=True, envelope=True, legend_outside=True)
+                          GRAD_POINTS, geometric=True, envelope=True, legend_outside=True)
         ax.set_ylabel("grad norm (pre-clip)")
         scale_y(ax, vals, spread=10.0)
         clip = clip_value(by_method)
         if clip:
             mark_level(ax, clip, f"clip {clip:g}", vals)
-    fig.suptitle(f"Pre-clip gradient norm in {GRAD_POINTS} step bins: thick line = geometric mean "
-                 "(mean over seeds), thin line = largest value of any seed in the bin (spikes)", fontsize=11)
+    fig.suptitle("Pre-clip gradient norm: line = geometric mean per window (mean over seeds), "
+                 "thin line = largest value of any seed in the window (spikes)", fontsize=11)
     return save(fig, path)
 
 
@@ -1273,12 +1362,13 @@ def matrix_notes(summaries):
 
 def results_markdown(roots, rows, summaries, verdict_lines, plots, notes):
     n = len(summaries)
-    parts = [f"# Results: {', '.join(map(str, roots))}", "",
+    parts = [f"# Results: {', '.join(map(str, roots))}", "", *headline(rows), "",
+             "## Table", "", markdown(main_columns(), rows), "",
              f"{n} run{'s' if n != 1 else ''}, {len(rows)} method × depth rows; "
-             f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py.", "",
-             "## Table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
-             "## Amplification: three readings", "", markdown(gain_columns(), rows), "", GAIN_NOTES, "",
+             f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py. Notes under the full table.", "",
              "## Verdict", "", *[f"- {v}" for v in verdict_lines], "",
+             "## Amplification: three readings", "", markdown(gain_columns(), rows), "", GAIN_NOTES, "",
+             "## Full table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
              "## Runs", "", markdown(run_columns(), summaries), "", "## Plots", ""]
     parts += [f"![{p.stem}]({p.name})" for p in plots] + [f"- {note}" for note in notes]
     return "\n".join(parts) + "\n"
@@ -1306,8 +1396,8 @@ def report(roots, out=None, heatmap_run=None, with_plots=True):
     write_csv(out / "results.csv", csv_rows(rows))
     write_csv(out / "runs.csv", run_csv_rows(summaries))
     buf = io.StringIO()
-    print(markdown(table_columns(), rows), "", markdown(gain_columns(), rows), *matrix_notes(summaries), "",
-          "\n\n".join(verdict_lines), *notes, sep="\n", file=buf)
+    print(*headline(rows), "", markdown(main_columns(), rows), "", markdown(gain_columns(), rows),
+          *matrix_notes(summaries), "", "\n\n".join(verdict_lines), *notes, sep="\n", file=buf)
     names = ", ".join(["results.csv", "runs.csv", *(p.name for p in plots)])
     print(f"\nwrote {out / 'results.md'}, {names}", file=buf)
     return rows, buf.getvalue()

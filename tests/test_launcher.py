@@ -609,7 +609,7 @@ def test_a_probe_that_fails_silently_is_quarantined_with_a_reason(tmp_path):
     assert reasons and reasons[0].startswith("gpu=0 failed the start-up probe: exit status 1, no output;"), reasons
 
 
-@pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh", ROOT / "benchmarks" / "gpu_check.sh",
+@pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh",
                                     ROOT / "slurm" / "run.sbatch", ROOT / "slurm" / "report.sbatch", *sorted((ROOT / "tests" / "fake_slurm").iterdir())],
                          ids=lambda path: path.name)
 def test_shellcheck_is_clean(script):
@@ -699,3 +699,55 @@ def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition
     assert matrix.task_time(opt, [])[0] == 9000 and matrix.hms(9000) == "2:30:00"
     monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": {"a": {"seconds": None}}})
     assert matrix.task_time(opt, []) == (9000, "no time estimate")
+
+
+def test_a_dropped_ssh_session_stops_nothing(tmp_path):
+    """An SSH session that drops: SIGHUP to the launcher's process group, and its terminal gone (writes to it
+    fail). The matrix goes on to the end; matrix.log and the runs hold what it did."""
+    import pty
+    out, runs = tmp_path / "runs", ("hc_d2_s1", "mhc_d2_s1")
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc,mhc",
+                             "--depths", "2", "--seeds", "1", "--gpus", "0,1", "--watch-every", "1"],
+                            env=launcher_env(tmp_path, FAKE_STEPS=40, FAKE_STEP_SLEEP=0.1), stdin=tty,
+                            stdout=tty, stderr=tty, cwd=ROOT, start_new_session=True)
+    os.close(tty)
+    try:
+        wait_for(lambda: all(status(out, r)["step"] >= 2 for r in runs), what="progress")
+        os.killpg(proc.pid, signal.SIGHUP)
+        os.close(terminal)                  # from here on every write to the terminal fails
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert all(status(out, r)["state"] == "completed" for r in runs)
+    assert "all 2 runs finished" in events(out, "END")[-1][2]
+
+
+def test_check_without_a_gpu_says_so_in_one_line_and_exits_1(tmp_path):
+    """--check runs benchmarks/gpu_check.py with the launcher's python; on this CPU machine it has nothing to check,
+    and a `--check && --full` on a node without a working GPU must not go on."""
+    pytest.importorskip("torch")
+    r = subprocess.run(["bash", str(SCRIPT), "--check", "--out", str(tmp_path / "runs")], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env=launcher_env(tmp_path, RUN_EXPERIMENTS_PYTHON=PY))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("run_experiments.sh --check: no CUDA GPU visible") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+    r = subprocess.run(["bash", str(SCRIPT), "--check", "--full"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=launcher_env(tmp_path, RUN_EXPERIMENTS_PYTHON=PY))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unrecognized arguments: --full" in r.stderr
+
+
+def test_slurm_dry_run_previews_the_submission_and_without_sbatch_nothing_is_left_behind(tmp_path):
+    env = launcher_env(tmp_path, PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                                       if not (Path(p) / "sbatch").exists()))
+    args = ("--slurm", "--residual", "hc,mhc", "--depth", "2", "--seed", "1")
+    r = launch(tmp_path, *args, "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "hc_d2_s1          task 0: --residual hc --depth 2 --seed 1" in r.stdout
+    assert "sbatch --parsable --array=0-1 --nodes=1 --gpus-per-node=1 --time=24:00:00" in r.stdout
+    assert "--dependency=afterany:ARRAY_JOB_ID" in r.stdout and "Nothing was submitted or written." in r.stdout
+    assert not (tmp_path / "runs").exists()
+    r = launch(tmp_path, *args, env=env)
+    assert r.returncode == 1 and "error: sbatch not found: --slurm submits from a SLURM login node" in r.stderr
+    assert not list(tmp_path.rglob("slurm-matrix-*"))

@@ -96,8 +96,9 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_75(tmp_path):
     while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 5:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=60)
+    _, stderr = process.communicate(timeout=60)
     assert process.returncode == 75
+    assert stderr.splitlines()[-1].startswith("stopped by a signal at step") and "error:" not in stderr
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "interrupted"
     folder = run / "checkpoints" / f"step-{status['step']}"
