@@ -7,7 +7,7 @@ Reads every run folder under each RUNS_DIR (a folder with config.json, or with m
 status.json), tolerating the half-written last line of a running job, and merges them: several runs
 folders (e.g. one per node, or a parent holding them) give one report, and two copies of one run are
 refused. Writes to --report-dir:
-results.md (table, verdict, per-run table, plots), results.csv (one row per method x depth),
+results.md (table, published figures, verdict, per-run table, plots), results.csv (one row per arm x depth),
 runs.csv (one row per run) and four PNG plots. The table and the verdict are printed too.
 Exit 0 on success, 2 when no runs are found, a run is found twice or the arguments are wrong.
 
@@ -190,10 +190,11 @@ class Arm(NamedTuple):
 
     def label(self, with_preset=False):
         """'HC', 'mHC (100 it)', 'HC (per-sequence) [seed-study]': the method and what sets the arm apart."""
-        tags = [f"{self.sinkhorn_iters} it"] if self.sinkhorn_iters not in (None, ARM_DEFAULTS["sinkhorn_iters"]) else []
+        default_iters = self.sinkhorn_iters in (None, ARM_DEFAULTS["sinkhorn_iters"])
+        tags = [] if default_iters else [f"{self.sinkhorn_iters} it"]
         tags += ["per-sequence"] if self.coefficients == "sequence" else []
         name = METHOD_LABEL.get(self.method, self.method) + (f" ({', '.join(tags)})" if tags else "")
-        return f"{name} [{self.preset}]" if with_preset else name
+        return f"{name} [{self.preset}]" if with_preset and self.preset else name
 
 
 def settings(config):
@@ -498,7 +499,8 @@ def summarize(run):
         peak_converged=_peak(np.concatenate([s["amax_fwd_converged"][1], s["amax_bwd_converged"][1]])),
         converged_err=_peak(s["sinkhorn_converged_err"][1]), peak_col_err=_peak(s["sinkhorn_col_err"][1]),
         peak_bwd_bound=_peak(s["sinkhorn_bwd_bound"][1]),
-        arm=run.preset, sinkhorn_iters=run.sinkhorn_iters, coefficients=run.coefficients, data_seed=settings(run.config).get("data_seed"),
+        arm=run.preset, sinkhorn_iters=run.sinkhorn_iters, coefficients=run.coefficients,
+        data_seed=settings(run.config).get("data_seed"),
         precision=json.dumps(run.config.get("precision"), sort_keys=True) if run.config.get("precision")
         else "unrecorded",
         max_dev=_peak(dev),
@@ -764,7 +766,8 @@ def csv_rows(rows):
     out = []
     for row in rows:
         d = {"method": row.method, "depth": row.depth, "coefficients": row.coefficients or "",
-             "sinkhorn_iters": row.sinkhorn_iters or "", "preset": row.arm, "seeds_done": row.done, "seeds_total": len(row.runs),
+             "sinkhorn_iters": row.sinkhorn_iters or "", "preset": row.arm, "seeds_done": row.done,
+             "seeds_total": len(row.runs),
              "seeds": ";".join(str(r.seed) for r in row.runs)}
         for name, st in row.stats.items():
             d.update({f"{name}_mean": st.mean, f"{name}_std": st.std, f"{name}_n": st.n})

@@ -109,7 +109,8 @@ def test_the_launcher_runs_the_arms_with_their_flags(tmp_path):
                     env=launcher_env(tmp_path, FAKE_STEPS=2))
     assert result.returncode == 0, result.stderr
     expected = {"hc_d2_s1_tok_seed-study": ("hc", None, "token"), "hc_d2_s1_seed-study": ("hc", None, "sequence"),
-                "mhc_d2_s1_it5_tok_seed-study": ("mhc", "5", "token"), "mhc_d2_s1_it5_seed-study": ("mhc", "5", "sequence"),
+                "mhc_d2_s1_it5_tok_seed-study": ("mhc", "5", "token"),
+                "mhc_d2_s1_it5_seed-study": ("mhc", "5", "sequence"),
                 "mhc_d2_s1_tok_seed-study": ("mhc", "20", "token"), "mhc_d2_s1_seed-study": ("mhc", "20", "sequence")}
     assert sorted(d.name for d in out.iterdir() if d.is_dir()) == sorted(expected)
     for name, (method, iters, coefficients) in expected.items():
@@ -177,7 +178,7 @@ def test_arms_are_told_from_the_run_name_without_config(tmp_path):
         write_run(tmp_path, name, 10.0)
         (tmp_path / name / "config.json").unlink()
     assert [r.label for r in report.collect(tmp_path)] == [
-        "HC []", "HC (per-sequence) []", "mHC (5 it) []", "HC (per-sequence) [seed-study]"]
+        "HC", "HC (per-sequence)", "mHC (5 it)", "HC (per-sequence) [seed-study]"]
 
 
 def test_plots_give_each_arm_its_own_line_and_colour(tmp_path):
