@@ -67,12 +67,14 @@ OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "
 DESCRIPTION = """\
 Fans the method x depth x seed matrix over the GPUs of one node (or a share of it over several nodes).
 
-One job per run `{method}_d{depth}_s{seed}`, each on its own slot of --gpus-per-run GPUs, started from a
+One job per run `{method}_d{depth}_s{seed}` (other arms add `_it{N}`, `_seq` or a preset's suffix:
+mhc_d32_s42_it100, hc_d32_s42_seq, hc_d32_s42_seed-study), each on its own slot of --gpus-per-run GPUs, started from a
 queue as slots free up, launches at least --stagger seconds apart. Re-running the same command continues the
 matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
 
 EPILOG = f"""\
-Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline
+Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline;
+a --preset there also names the runs (-- --preset seed-study: hc_d32_s42_seed-study)
 
 Failures, by the trainer's exit code: {EXIT_BAD_CONFIG} bad arguments (not retried), {EXIT_DIVERGED} diverged (a
 result), {EXIT_OOM} out of memory (one retry at half the micro-batch, same global batch), {EXIT_DEVICE} device
@@ -160,7 +162,7 @@ def build_parser():
     # the trainer's names, each taking a list (the plural names are the same flags)
     m.add_argument("--residual", "--methods", dest="methods", metavar="LIST",
                    type=listed("|".join(METHODS), f"--residual ({','.join(METHODS)})"),
-                   help="override the methods, e.g. hc,mhc")
+                   help=f"override the methods, e.g. hc,mhc (of {','.join(METHODS)})")
     m.add_argument("--depth", "--depths", dest="depths", metavar="LIST",
                    type=listed(POSITIVE, "--depth (positive integers)"), help="override the depths, e.g. 32,48")
     m.add_argument("--seed", "--seeds", dest="seeds", metavar="LIST",
