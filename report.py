@@ -874,11 +874,11 @@ def reference_block(rows):
                 "--preset seed-study or --coefficients sequence"),
                ("ours here", lambda p: "; ".join(published_matches(rows, p[1], p[2], p[4], p[5])) or "no such run")]
     return [markdown(columns, PUBLISHED), "",
-            "The papers' figures are per token: compare them with amax_fwd and amax_bwd of our token-coefficient "
-            "arms, at a 27B model beside our 1-2B. The public study's figures use its own recipe (H averaged over "
-            "the batch, multiplied in reverse order, the larger of the largest absolute row and column sums: our "
-            "amax_study) on its per-sequence model (coefficients from the streams pooled over the sequence): compare "
-            "them with amax_study of our seed-study arm (--preset seed-study), not with our per-token readings."]
+            "The papers' figures are per token, on a 27B model: compare them with amax_fwd and amax_bwd of our "
+            "token-coefficient arms. The public study's figures use its own recipe (H averaged over the batch, "
+            "multiplied in reverse order, the larger of the largest absolute row and column sums: our amax_study) "
+            "on its own model, whose coefficients come from the streams pooled over the sequence: compare them with "
+            "amax_study of our seed-study arm (--preset seed-study), not with our per-token readings."]
 
 
 def reference_verdict(rows):
