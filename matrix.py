@@ -68,9 +68,9 @@ DESCRIPTION = """\
 Fans the method x depth x seed matrix over the GPUs of one node (or a share of it over several nodes).
 
 One job per run `{method}_d{depth}_s{seed}` (other arms add `_it{N}`, `_seq` or a preset's suffix:
-mhc_d32_s42_it100, hc_d32_s42_seq, hc_d32_s42_seed-study), each on its own slot of --gpus-per-run GPUs, started from a
-queue as slots free up, launches at least --stagger seconds apart. Re-running the same command continues the
-matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
+mhc_d32_s42_it100, hc_d32_s42_seq, hc_d32_s42_seed-study), each on its own slot of --gpus-per-run GPUs,
+started from a queue as slots free up, launches at least --stagger seconds apart. Re-running the same command
+continues the matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
 
 EPILOG = f"""\
 Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline;
