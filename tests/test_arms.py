@@ -3,8 +3,6 @@
 the published figures beside ours. The launcher runs tests/fake_trainer.py: no torch, no GPU."""
 import csv
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 import contract  # noqa: E402
 import matrix  # noqa: E402
 import report  # noqa: E402
-from test_launcher import launch, launcher_env  # noqa: E402
+from test_launcher import launch, launcher_env, needs_bash  # noqa: E402
 
 ALL_LISTS = ["--residual", "baseline,hc,mhc,mhc-lite,identity-hc", "--sinkhorn-iters", "5,20,100",
              "--coefficients", "token,sequence", "--depth", "32", "--seed", "42"]
@@ -90,6 +88,7 @@ def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):
                                        "identity-hc_d4_s42"]
 
 
+@needs_bash
 @pytest.mark.parametrize("argv, message", [
     (["--sinkhorn-iters", "0"], "'0' is not a valid entry of --sinkhorn-iters"),
     (["--coefficients", "pooled"], "'pooled' is not a valid entry of --coefficients"),
@@ -101,7 +100,7 @@ def test_bad_arm_lists_are_one_line_and_exit_2(tmp_path, argv, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_bash
 def test_the_launcher_runs_the_arms_with_their_flags(tmp_path):
     out = tmp_path / "runs"
     result = launch(tmp_path, "--residual", "hc,mhc", "--sinkhorn-iters", "5,20", "--coefficients",
