@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
-                      EXIT_OOM, TRAINER_EXIT_CODES, run_name)
+from contract import (COEFFICIENT_METHODS, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED,
+                      EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, METHODS, SINKHORN_METHODS, TRAINER_EXIT_CODES, run_name)
 
 ROOT = Path(__file__).resolve().parent
 PROG = "run_experiments.sh"
@@ -58,19 +58,23 @@ MODES = {   # methods, depths, seeds, steps, trainer preset
     "stress": ("hc,mhc", "32,48,64", "42", None, "stress"),
     # the demo preset fixes its own model; --depth 4 (its depth) is passed so the run name is exact
     "demo": ("baseline,hc,mhc", "4", "42", None, "demo"),
+    "demo-all": (",".join(METHODS), "4", "42", None, "demo"),
 }
 # The trainer flags the launcher sets for each run: the run's identity and where it lives.
-OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps")
+OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps", "--sinkhorn-iters",
+                     "--coefficients")
 
 DESCRIPTION = """\
 Fans the method x depth x seed matrix over the GPUs of one node (or a share of it over several nodes).
 
-One job per run `{method}_d{depth}_s{seed}`, each on its own slot of --gpus-per-run GPUs, started from a
-queue as slots free up, launches at least --stagger seconds apart. Re-running the same command continues the
-matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
+One job per run `{method}_d{depth}_s{seed}` (other arms add `_it{N}`, `_seq` or a preset's suffix:
+mhc_d32_s42_it100, hc_d32_s42_seq, hc_d32_s42_seed-study), each on its own slot of --gpus-per-run GPUs,
+started from a queue as slots free up, launches at least --stagger seconds apart. Re-running the same command
+continues the matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
 
 EPILOG = f"""\
-Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline
+Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline;
+a --preset there also names the runs (-- --preset seed-study: hc_d32_s42_seed-study)
 
 Failures, by the trainer's exit code: {EXIT_BAD_CONFIG} bad arguments (not retried), {EXIT_DIVERGED} diverged (a
 result), {EXIT_OOM} out of memory (one retry at half the micro-batch, same global batch), {EXIT_DEVICE} device
@@ -95,7 +99,8 @@ RUN_EXPERIMENTS_DATA_BACKOFF (seconds before the first retry after exit {EXIT_DA
 RUN_EXPERIMENTS_MAX_REQUEUES (10), RUN_EXPERIMENTS_STOP_TIMEOUT (seconds jobs get to checkpoint after Ctrl-C;
 600), RUN_EXPERIMENTS_CALIBRATE_STEPS (steps of each --calibrate run, 10, at least 4)."""
 
-USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo] [--residual L] [--depth L] [--seed L] [--steps N]\n"
+USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo|--demo-all] [--residual L] [--depth L] [--seed L]\n"
+         "       [--sinkhorn-iters L] [--coefficients L] [--steps N]\n"
          "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
          "       [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--gpu-type NAME]] [--summary] [--slurm [--dry-run]]\n"
          "       [-- train_c4.py flags]\n"
@@ -154,16 +159,23 @@ def build_parser():
             ("quick", "hc,mhc x depths 32,48 x seed 42 at 10000 steps (4 runs)"),
             ("stress", "the stress arm: hc,mhc x depths 32,48,64 x seed 42 with --preset stress (lr 3e-4, 3000 "
                        "steps), runs named {method}_d{depth}_s{seed}_stress: it shares --out with the main matrix"),
-            ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table")):
+            ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table"),
+            ("demo-all", "every residual arm (baseline,hc,mhc,mhc-lite,identity-hc) as --demo does")):
         m.add_argument(f"--{mode}", dest="mode", action="append_const", const=mode, help=help_text)
     # the trainer's names, each taking a list (the plural names are the same flags)
     m.add_argument("--residual", "--methods", dest="methods", metavar="LIST",
-                   type=listed("baseline|hc|mhc", "--residual (baseline,hc,mhc)"),
-                   help="override the methods, e.g. hc,mhc")
+                   type=listed("|".join(METHODS), f"--residual ({','.join(METHODS)})"),
+                   help=f"override the methods, e.g. hc,mhc (of {','.join(METHODS)})")
     m.add_argument("--depth", "--depths", dest="depths", metavar="LIST",
                    type=listed(POSITIVE, "--depth (positive integers)"), help="override the depths, e.g. 32,48")
     m.add_argument("--seed", "--seeds", dest="seeds", metavar="LIST",
                    type=listed(WHOLE, "--seed (non-negative integers)"), help="override the seeds, e.g. 42,123")
+    m.add_argument("--sinkhorn-iters", metavar="LIST", type=listed(POSITIVE, "--sinkhorn-iters (positive integers)"),
+                   help="Sinkhorn iterations of mHC, e.g. 5,20,100 (other methods run once; runs named _it{N} "
+                        "unless 20)")
+    m.add_argument("--coefficients", metavar="LIST", type=listed("token|sequence", "--coefficients (token,sequence)"),
+                   help="mixing coefficients per token or per sequence, e.g. token,sequence (the baseline runs "
+                        "once; runs named _seq unless the preset's default)")
     m.add_argument("--steps", type=number(POSITIVE, "--steps must be a positive integer"),
                    help="pass --steps N to every run")
     m.add_argument("--vary-data-seed", action="store_true",
@@ -229,7 +241,9 @@ class Options:
     depths: list
     seeds: list
     steps: int | None
-    preset: str | None                 # the trainer preset the mode sets
+    preset: str | None                 # the trainer preset the mode sets, or the one after --
+    sinkhorn_iters: list | None        # None: the trainer's default
+    coefficients: list | None
     vary_data_seed: bool
     gpus: list | None
     exclude_gpus: list
@@ -275,13 +289,16 @@ def parse_options(argv):
         raise UsageError("--out must not be empty")
     modes = set(args.mode or [])
     if len(modes) > 1:
-        raise UsageError("choose one of --full, --quick, --stress, --demo")
+        raise UsageError("choose one of --full, --quick, --stress, --demo, --demo-all")
     mode = modes.pop() if modes else "full"
     methods, depths, seeds, steps, preset = MODES[mode]
+    if not preset and extra_value(extra, "--preset"):    # -- --preset seed-study: its runs are named after it
+        preset, extra = extra_value(extra, "--preset"), without_flag(extra, "--preset")
     opt = Options(
         mode=mode, methods=args.methods or methods.split(","),
         depths=sorted({int(d) for d in (args.depths or depths.split(","))}, reverse=True),
         seeds=[int(s) for s in (args.seeds or seeds.split(","))], steps=args.steps or steps, preset=preset,
+        sinkhorn_iters=args.sinkhorn_iters and [int(i) for i in args.sinkhorn_iters], coefficients=args.coefficients,
         vary_data_seed=args.vary_data_seed, gpus=args.gpus, exclude_gpus=args.exclude_gpus,
         gpus_per_run=args.gpus_per_run or 1, gpus_per_run_given=args.gpus_per_run is not None,
         gpu_type=args.gpu_type, nodes=args.nodes, node_rank=args.node_rank, stagger=args.stagger,
@@ -313,10 +330,10 @@ def check_options(opt):
         flag = arg.split("=", 1)[0]
         if flag in OWN_TRAINER_FLAGS:
             raise UsageError(f"{flag} is set by the launcher for each run: give it before -- (a list for --residual, "
-                             "--depth, --seed)")
+                             "--depth, --seed, --sinkhorn-iters, --coefficients)")
         if flag == "--data-seed" and opt.vary_data_seed:
             raise UsageError("--vary-data-seed sets --data-seed for each run; do not pass it after --")
-        if flag == "--preset" and opt.preset:
+        if flag == "--preset":
             raise UsageError(f"--{opt.mode} sets --preset {opt.preset}; do not pass --preset after --")
     if not opt.summary:
         check_out(opt.out)
@@ -347,6 +364,16 @@ def extra_value(extra, flag):
     return value
 
 
+def without_flag(extra, flag):
+    """The extra flags less every `flag VALUE` and `flag=VALUE`."""
+    kept, skip = [], False
+    for arg in extra:
+        if not skip and arg != flag and not arg.startswith(flag + "="):
+            kept.append(arg)
+        skip = arg == flag and not skip
+    return kept
+
+
 # ----------------------------------------------------------------------------------------------
 # The matrix: jobs in queue order, and what earlier invocations left
 
@@ -357,6 +384,8 @@ class Job:
     depth: int
     seed: int
     node: int
+    sinkhorn_iters: int | None = None   # None: the trainer's default (and always for a method without Sinkhorn)
+    coefficients: str | None = None
     state: str = "pending"     # pending|running|completed|diverged|failed|interrupted|skipped_completed|...
     reason: str = ""
     step: int | None = None    # status.json's step before this invocation: the plan's remaining steps
@@ -398,6 +427,17 @@ def read_json(path, newer_than=None):
         return {}
 
 
+def arms(opt):
+    """(method, Sinkhorn iterations, coefficients) of each arm: a list multiplies only the methods it applies to,
+    so hc under --sinkhorn-iters 5,20,100 is one arm, not three of one model."""
+    found = []
+    for method in opt.methods:
+        for iters in (opt.sinkhorn_iters or [None]) if method in SINKHORN_METHODS else [None]:
+            for coefficients in (opt.coefficients or [None]) if method in COEFFICIENT_METHODS else [None]:
+                found.append((method, iters, coefficients))
+    return found
+
+
 def matrix_jobs(opt):
     """Seed-major (every comparison of seed 42 finishes before seed 123 starts, so a node lost mid-day still
     leaves complete comparisons), then deeper models first (longest jobs first packs the GPUs). With --nodes N,
@@ -405,9 +445,9 @@ def matrix_jobs(opt):
     jobs = []
     for seed in opt.seeds:
         for depth in opt.depths:
-            for method in opt.methods:
-                index = len(jobs)
-                jobs.append(Job(run_name(method, depth, seed, opt.preset), method, depth, seed, index % opt.nodes))
+            for method, iters, coefficients in arms(opt):
+                name = run_name(method, depth, seed, opt.preset, iters, coefficients)
+                jobs.append(Job(name, method, depth, seed, len(jobs) % opt.nodes, iters, coefficients))
     for job in jobs:
         status = read_json(opt.out / job.name / "status.json")
         if status.get("state") in ("completed", "diverged"):
@@ -479,6 +519,8 @@ def trainer_flags(opt, job):
              "--out", str(opt.out)]
     flags += ["--steps", str(opt.steps)] if opt.steps else []
     flags += ["--preset", opt.preset] if opt.preset else []
+    flags += ["--sinkhorn-iters", str(job.sinkhorn_iters)] if job.sinkhorn_iters else []
+    flags += ["--coefficients", job.coefficients] if job.coefficients else []
     flags += ["--data-seed", str(job.seed)] if opt.vary_data_seed else []
     flags += ["--resume", "auto"]
     # FSDP shards parameters and optimizer state, so a 2.5B model leaves room for activations

@@ -59,7 +59,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser(env):
     p = OneLineErrorParser(description="fake train_c4.py for launcher tests")
-    p.add_argument("--residual", choices=["baseline", "hc", "mhc"], default="mhc")
+    p.add_argument("--residual", choices=["baseline", "hc", "mhc", "mhc-lite", "identity-hc"], default="mhc")
+    p.add_argument("--sinkhorn-iters", type=int, default=20)
+    p.add_argument("--coefficients", choices=["token", "sequence"])
     p.add_argument("--depth", type=int, default=32)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--run-name")
@@ -67,7 +69,7 @@ def build_parser(env):
     p.add_argument("--steps", type=int, default=int(env.get("FAKE_STEPS", "5")))
     p.add_argument("--micro-batch-size", type=int, default=int(env.get("FAKE_DEFAULT_MICRO", "8")))
     p.add_argument("--batch-size", type=int, default=int(env.get("FAKE_DEFAULT_BATCH", "32")))
-    p.add_argument("--preset", choices=["tiny", "demo", "part1", "c4", "stress"], default="c4")
+    p.add_argument("--preset", choices=["tiny", "demo", "part1", "c4", "stress", "seed-study"], default="c4")
     p.add_argument("--resume", choices=["auto", "never"], default="auto")
     p.add_argument("--parallel", choices=["ddp", "fsdp"])
     p.add_argument("--data", default="c4")
@@ -142,7 +144,8 @@ def main():
         write_json(os.path.join(run_dir, "config.json"),
                    {"config": {"residual": args.residual, "depth": args.depth, "seed": args.seed,
                                "micro_batch_size": args.micro_batch_size, "batch_size": args.batch_size,
-                               "steps": args.steps, "run_name": run}})
+                               "steps": args.steps, "run_name": run, "preset": args.preset,
+                               "sinkhorn_iters": args.sinkhorn_iters, "coefficients": args.coefficients}})
     write_json(status_path, {"state": "running", "step": step, "exit_code": None, "reason": "",
                              "updated": time.time()})
     print(f"fake trainer: {run} from step {step}, micro {args.micro_batch_size}, "
