@@ -1506,8 +1506,8 @@ def results_markdown(roots, rows, summaries, verdict_lines, plots, notes):
              "## Table", "", markdown(main_columns(), rows), "",
              f"{n} run{'s' if n != 1 else ''}, {len(rows)} method × depth rows; "
              f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py. Notes under the full table.", "",
-             "## Verdict", "", *[f"- {v}" for v in verdict_lines], "",
              "## Published figures", "", *reference_block(rows), "",
+             "## Verdict", "", *[f"- {v}" for v in verdict_lines], "",
              "## Amplification: three readings", "", markdown(gain_columns(), rows), "", GAIN_NOTES, "",
              "## Full table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
              "## Runs", "", markdown(run_columns(), summaries), "", "## Plots", ""]
