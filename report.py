@@ -177,8 +177,8 @@ def read_json(path):
         obj = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        warn(f"cannot read {path}: {e}")
+    except (OSError, ValueError, RecursionError) as e:     # RecursionError: nested too deeply to parse
+        warn(f"cannot read {path}: {type(e).__name__ if isinstance(e, RecursionError) else e}")
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -198,6 +198,13 @@ class LineProblems:
             warn(f"{self.path}:{first}: {kind}" + (f" ({count} lines like it)" if count > 1 else ""))
 
 
+def whole_number(value):
+    """A step as the trainer writes it: a whole number (1e400 parses as inf, 2.5 is no step): else ValueError."""
+    if type(value) is int or (type(value) is float and value.is_integer()):
+        return int(value)
+    raise ValueError(f"not a whole number: {value!r}")
+
+
 def read_metrics(path, run):
     """Parse metrics.jsonl once, line by line, into run.series / run.layers / run.tokens."""
     clock, problems = WallClock(), LineProblems(path)
@@ -206,8 +213,8 @@ def read_metrics(path, run):
         for lineno, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
-                step = int(rec["step"])
-            except (ValueError, KeyError, TypeError, IndexError):
+                step = whole_number(rec["step"])
+            except (ValueError, KeyError, TypeError, IndexError, RecursionError):
                 if line.strip():
                     bad, last_bad = bad + 1, True
                     run.first_bad_line = run.first_bad_line or lineno
@@ -410,7 +417,7 @@ def gpu_count(config):
     if str(config.get("device") or cfg.get("device") or "").lower().startswith("cpu"):
         return 0
     ws = config.get("world_size", cfg.get("world_size", 1))
-    return int(ws) if isinstance(ws, (int, float)) and ws > 0 else 1
+    return int(ws) if isinstance(ws, (int, float)) and 0 < ws < math.inf else 1
 
 
 def summarize(run):
@@ -422,7 +429,8 @@ def summarize(run):
     val = s["val_loss"][1]
     n_gpus = gpu_count(run.config)
     status_step = run.status.get("step")
-    step = max([x for x in (run.last_step, status_step) if isinstance(x, (int, float))], default=None)
+    step = max([x for x in (run.last_step, status_step) if isinstance(x, (int, float)) and math.isfinite(x)],
+               default=None)
     return RunSummary(
         name=run.name, method=run.method, depth=run.depth, seed=run.seed,
         state=str(run.status.get("state", "unknown")), step=None if step is None else int(step),
