@@ -1,0 +1,240 @@
+"""Nothing lost under any fault: the run folder's lock, damaged checkpoints replaced, every state recorded,
+every file the trainer and the report read checked (docs/reliability.md)."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_c4 as T
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = "mhc_d2_s42"
+ONE = T.Dist(0, 1, torch.device("cpu"))
+
+
+def run(out, *args, env=None):
+    """The trainer in a fresh process (tiny preset, mHC, 20 steps, a checkpoint every 10 unless overridden)."""
+    command = [sys.executable, "train_c4.py", "--preset", "tiny", "--steps", "20", "--out", str(out), *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, **(env or {})})
+    return result.returncode, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 20-step run with checkpoints step-10 and step-20, copied afresh by each test."""
+    out = tmp_path_factory.mktemp("finished")
+    code, _, stderr = run(out)
+    assert code == 0, stderr
+    return out
+
+
+def copy_of(finished, tmp_path):
+    shutil.copytree(finished, tmp_path / "out")
+    return tmp_path / "out", tmp_path / "out" / RUN
+
+
+def reseal(folder, name, obj):
+    """Rewrite a checkpoint file and fix its checksum in the marker, as a crafted or buggy writer could."""
+    if obj is None:
+        (folder / name).unlink()
+    else:
+        torch.save(obj, folder / name)
+    marker = json.loads((folder / T.MARKER).read_text())
+    if obj is None:
+        del marker["files"][name]
+    else:
+        marker["files"][name] = T._sha256(folder / name)
+    (folder / T.MARKER).write_text(json.dumps(marker))
+
+
+def one_line(stderr):
+    return "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def status_of(run_dir):
+    return json.loads((run_dir / "status.json").read_text())
+
+
+# ---- the run folder's lock
+
+def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    holder = T.lock_run_folder(run_dir)                 # this test process holds the folder, as a trainer would
+    code, _, stderr = run(out, "--steps", "30", "--allow-changed-settings")
+    assert code == 2 and one_line(stderr) and f"is in use by process {os.getpid()}" in stderr, stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before and status_of(run_dir)["state"] == "completed"
+    holder.close()
+
+
+def test_a_lock_left_by_a_dead_process_does_not_block(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import train_c4, pathlib, sys; "
+                           f"train_c4.lock_run_folder(pathlib.Path({str(run_dir)!r})); sys.exit(0)"], cwd=ROOT)
+    assert dead.returncode == 0 and "process" in (run_dir / ".lock").read_text()
+    code, stdout, stderr = run(out)
+    assert code == 0 and "completed 20 steps" in stdout, stderr
+
+
+# ---- damaged, symlinked or misnamed checkpoints
+
+def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    newest = run_dir / "checkpoints" / "step-20"
+    (newest / "optimizer.pt").write_bytes(b"damaged")
+    code, stdout, stderr = run(out)
+    assert code == 0, stderr
+    assert "step-20 has a corrupted optimizer.pt" in stdout and "(step 10," in stdout
+    folder, files, marker = T.read_checkpoint(run_dir, ONE, print)
+    assert folder.name == "step-20" and files["train_state.pt"]["step"] == marker["step"] == 20
+    assert (run_dir / "checkpoints" / "rejected-step-20").is_dir()      # kept aside, never loaded
+    exported = T.consolidate(run_dir, tmp_path / "w.pt")
+    assert "checkpoints/step-20" in exported
+
+
+def test_a_symlinked_or_misnamed_checkpoint_is_not_trusted(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    root = run_dir / "checkpoints"
+    (root / "step-30").symlink_to(root / "step-10")                      # holds step 10 under a newer name
+    shutil.copytree(root / "step-10", root / "step-25")
+    code, stdout, stderr = run(out, "--steps", "30", "--allow-changed-settings")
+    assert code == 0, stderr
+    assert "step-30 is a symbolic link" in stdout and "step-25 holds step 10 under the name step-25" in stdout
+    assert "resumed from" in stdout and "(step 20," in stdout
+    assert not (root / "step-30").is_symlink()
+    folder, files, _ = T.read_checkpoint(run_dir, ONE, print)
+    assert folder.name == "step-30" and files["train_state.pt"]["step"] == 30
+    assert [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == \
+        list(range(31))
+
+
+# ---- resume failures: a fallback or one line, and the state recorded
+
+DAMAGE_NEWEST = {          # the newest checkpoint only: the run falls back to step-10 and completes
+    "marker without model.pt": ("model.pt", None),
+    "train_state step 'abc'": ("train_state.pt", {"step": "abc", "tokens": 0}),
+    "train_state {}": ("train_state.pt", {}),
+    "model.pt {}": ("model.pt", {}),
+    "no rank0.pt": ("rank0.pt", None),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE_NEWEST))
+def test_a_newest_checkpoint_whose_content_is_wrong_falls_back(finished, tmp_path, damage):
+    out, run_dir = copy_of(finished, tmp_path)
+    name, obj = DAMAGE_NEWEST[damage]
+    reseal(run_dir / "checkpoints" / "step-20", name, obj)
+    code, stdout, stderr = run(out)
+    assert code == 0 and stderr == "", stderr
+    assert "checkpoint step-20" in stdout and "(step 10," in stdout and "data-streams" not in stdout
+    assert status_of(run_dir)["state"] == "completed" and status_of(run_dir)["step"] == 20
+
+
+@pytest.mark.parametrize("damage", ["train_state.pt", "config [] ", "config null", "optimizer groups"])
+def test_a_run_that_cannot_resume_refuses_in_one_line_and_records_it(finished, tmp_path, damage):
+    out, run_dir = copy_of(finished, tmp_path)
+    extra = []
+    if damage == "train_state.pt":
+        for folder in (run_dir / "checkpoints").iterdir():
+            reseal(folder, "train_state.pt", {"step": "abc"})
+    elif damage.startswith("config"):
+        (run_dir / "config.json").write_text("[]" if damage == "config [] " else '{"config": null}')
+    else:
+        extra = ["--no-mixing-decay", "--allow-changed-settings"]        # the optimizer's groups differ
+    code, stdout, stderr = run(out, *extra)
+    assert code == 2 and one_line(stderr), stderr
+    status = status_of(run_dir)
+    assert status["state"] == "failed" and status["exit_code"] == 2 and status["step"] == 20
+
+
+@pytest.mark.parametrize("line", ["[]", "[" * 100_000 + "]" * 100_000, '{"step": "abc"}'])
+def test_a_metrics_line_that_is_no_record_is_dropped_with_a_warning(finished, tmp_path, line):
+    out, run_dir = copy_of(finished, tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    code, stdout, stderr = run(out, "--steps", "25", "--allow-changed-settings")
+    assert code == 0, stderr
+    assert "1 line(s) that are not metrics records" in stdout
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(26))
+
+
+def test_a_full_disk_still_records_the_final_state(tmp_path, monkeypatch):
+    """A disk that is full until something is deleted: the reserve the log keeps is what frees room."""
+    log = T.RunLog(tmp_path, enabled=True)
+    log.status("running", 7)
+    real_write = T.write_json_atomic
+
+    def full_until_freed(path, obj):
+        if (tmp_path / ".status-reserve").exists():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, obj)
+
+    monkeypatch.setattr(T, "write_json_atomic", full_until_freed)
+    log.status("failed", 7, 1, "could not write checkpoint step-8 (No space left on device)")
+    assert status_of(tmp_path)["state"] == "failed" and not (tmp_path / ".status-reserve").exists()
+
+
+def test_the_checkpoint_write_failure_line_reads_as_one_sentence(tmp_path, monkeypatch):
+    def full(obj, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(T.TrainerError) as failure:
+        T.write_checkpoint(tmp_path, 10, {"model.pt": {}}, ONE, keep=2)
+    assert "metrics.jsonl is intact (no earlier checkpoint exists)" in str(failure.value)
+    assert "and so is" not in str(failure.value)
+
+
+# ---- --consolidate
+
+@pytest.mark.parametrize("config", [{"width": "16"}, {"width": -16}, {"residual": "nope"}, {"depth": 10 ** 8},
+                                    None, []])
+def test_consolidate_refuses_a_bad_config_in_one_line(finished, tmp_path, capsys, config):
+    out, run_dir = copy_of(finished, tmp_path)
+    record = json.loads((run_dir / "config.json").read_text())
+    if isinstance(config, dict):
+        record["config"] |= config
+    else:
+        record = config if config is not None else {"config": None}
+    (run_dir / "config.json").write_text(json.dumps(record))
+    assert T.main(["--consolidate", str(run_dir), str(tmp_path / "w.pt")]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "config.json" in err and not (tmp_path / "w.pt").exists()
+
+
+def test_consolidate_refuses_a_missing_output_folder(finished, tmp_path, capsys):
+    assert T.main(["--consolidate", str(finished / RUN), str(tmp_path / "no" / "such" / "w.pt")]) == 2
+    assert one_line(capsys.readouterr().err) and not (tmp_path / "no").exists()
+
+
+def test_consolidate_writes_safetensors_beside_a_config(finished, tmp_path):
+    from safetensors.torch import load_file
+    T.consolidate(finished / RUN, tmp_path / "w.pt")
+    cfg = T.Config(**json.loads((tmp_path / "w.json").read_text()))
+    model = T.GPT(cfg)
+    missing = model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=False).missing_keys
+    assert missing == ["lm_head.weight"] and model.lm_head.weight is model.wte.weight     # tied to the embedding
+    reference = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert all(torch.equal(reference[key], value) for key, value in model.state_dict().items())
+
+
+# ---- report.py
+
+def test_report_survives_a_huge_step_and_a_deeply_nested_line(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 1e400, "loss": 1.0}\n' + "[" * 50_000 + "]" * 50_000 + "\n" + '{"step": 21}\n')
+    (run_dir / "status.json").write_text('{"state": "running", "step": 1e400}')
+    result = subprocess.run([sys.executable, "report.py", str(out), "--no-plots"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "metrics.jsonl:22: skipped 2 unreadable metrics line(s)" in result.stderr
+    assert (out / "report" / "results.md").exists()
