@@ -238,3 +238,61 @@ def test_report_survives_a_huge_step_and_a_deeply_nested_line(finished, tmp_path
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert "metrics.jsonl:22: skipped 2 unreadable metrics line(s)" in result.stderr
     assert (out / "report" / "results.md").exists()
+
+
+# ---- the launcher's stop and kill reach torchrun's ranks
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rank_pids(run_dir):
+    return [int((run_dir / f"rank{r}.pid").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture
+def gloo_job(tmp_path):
+    """The launcher on one pretend GPU, running a 2-process gloo job under torchrun whose ranks ignore SIGTERM
+    (as ranks stuck in a collective would); every rank still alive is killed when the test ends."""
+    from test_launcher import launcher_env, start
+    torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2 {ROOT}/tests/gloo_rank.py"
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=torchrun, RUN_EXPERIMENTS_STOP_TIMEOUT=1)
+    proc = start(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", env=env)
+    run_dir, seen = tmp_path / "runs" / "hc_d2_s1", set()
+    yield proc, run_dir, seen
+    if proc.poll() is None:
+        proc.kill()
+    for pid in seen:
+        if alive(pid):
+            os.kill(pid, 9)
+
+
+def test_the_launchers_stop_ends_every_rank_of_a_torchrun_job(gloo_job):
+    from test_launcher import wait_for
+    proc, run_dir, seen = gloo_job
+    wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
+    seen.update(rank_pids(run_dir))
+    proc.send_signal(15)              # SIGTERM, which the ranks ignore; RUN_EXPERIMENTS_STOP_TIMEOUT=1 then kills
+    output = proc.communicate(timeout=120)[0]
+    assert "killing them" in output, output
+    wait_for(lambda: not any(map(alive, seen)), timeout=10, what="the ranks to be gone")
+
+
+def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(gloo_job):
+    from test_launcher import wait_for
+    proc, run_dir, seen = gloo_job
+    wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
+    first = rank_pids(run_dir)
+    seen.update(first)
+    torchrun = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(first[0])], capture_output=True,
+                                  text=True).stdout)
+    os.kill(torchrun, 9)              # torchrun dies; its ranks, in sessions of their own, would live on
+    wait_for(lambda: rank_pids(run_dir) != first, timeout=120, what="the job to be requeued")
+    seen.update(rank_pids(run_dir))
+    assert not any(map(alive, first))
+    proc.send_signal(15)
+    proc.communicate(timeout=120)
+    wait_for(lambda: not any(map(alive, seen)), timeout=10, what="the ranks to be gone")
