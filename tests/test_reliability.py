@@ -167,13 +167,18 @@ def test_a_metrics_line_that_is_no_record_is_dropped_with_a_warning(finished, tm
 
 
 def test_a_full_disk_still_records_the_final_state(tmp_path, monkeypatch):
-    """A disk that is full until something is deleted: the reserve the log keeps is what frees room."""
+    """A disk that fills up while the run is going: from then on a write finds room only where a file was deleted."""
     log = T.RunLog(tmp_path, enabled=True)
     log.status("running", 7)
     real_write = T.write_json_atomic
 
+    def used():
+        return sum(f.stat().st_size for f in tmp_path.iterdir() if f.is_file())
+
+    full_at = used()
+
     def full_until_freed(path, obj):
-        if (tmp_path / ".status-reserve").exists():
+        if used() >= full_at:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(path, obj)
 
