@@ -1890,6 +1890,8 @@ def _contents_problem(files: dict, marker: dict) -> str | None:
         return f"holds the data states of {len(ranks)} rank(s), its marker says {marker.get('world_size')!r}"
     needed = ["model.pt", "optimizer.pt"] if marker.get("format") != "sharded" else []
     missing = [name for name in ranks + needed if not isinstance(files.get(name), dict)]
+    if not missing and needed and not all(isinstance(t, torch.Tensor) for t in files["model.pt"].values()):
+        missing = ["model.pt's tensors"]
     return f"is missing {missing[0]}" if missing else None
 
 
@@ -1898,13 +1900,11 @@ def agreed_problem(dist: Dist, problem: str | None) -> str | None:
     return next((p for p in all_ranks_gather(dist, problem) if p), None)
 
 
-def verified_checkpoints(run_dir: Path, dist: Dist, log):
-    """Newest first, (folder, its top-level .pt files loaded safely (weights_only), its marker) of every
+def verified_checkpoints(folders: list[Path], dist: Dist, log):
+    """In the order given, (folder, its top-level .pt files loaded safely (weights_only), its marker) of each
     checkpoint that verifies; each one that does not is logged. DCP's files (format "sharded") are verified
     here and loaded by the caller, which falls back to the next one when its load fails."""
-    candidates = all_ranks_gather(dist, [d.name for d in checkpoint_dirs(run_dir)])[0]  # rank 0's listing
-    for folder_name in reversed(candidates):
-        folder = run_dir / "checkpoints" / folder_name
+    for folder in folders:
         marker = _read_marker(folder)
         problem = agreed_problem(dist, _checkpoint_problem(folder, marker, dist))
         files = {}
@@ -1921,9 +1921,15 @@ def verified_checkpoints(run_dir: Path, dist: Dist, log):
             log(f"checkpoint {folder.name} {problem}; falling back to the previous one")
 
 
+def newest_first(run_dir: Path, dist: Dist) -> list[Path]:
+    """The run's checkpoint folders as rank 0 lists them, newest first: every rank takes the same decisions."""
+    return [run_dir / "checkpoints" / name for name in all_ranks_gather(dist, [
+        d.name for d in checkpoint_dirs(run_dir)[::-1]])[0]]
+
+
 def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] | None:
     """The newest checkpoint that verifies (verified_checkpoints), or None."""
-    return next(verified_checkpoints(run_dir, dist, log), None)
+    return next(verified_checkpoints(newest_first(run_dir, dist), dist, log), None)
 
 
 def rng_state() -> dict:
@@ -1945,14 +1951,14 @@ def consolidate(source: Path, out: Path) -> str:
     group: OUT, a GPT state_dict for torch.load(OUT, weights_only=True), and beside it OUT's stem .safetensors
     (no pickle at all; the head, tied to the embedding, left out) with OUT's stem .json, the model's config.
     `source` is a checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
-    folder, marker = _complete_checkpoint(source)
+    folder, marker = _complete_checkpoint(source.resolve())
     cfg = _saved_config(folder.parent.parent)
     state = _saved_model_state(folder, sharded=marker.get("format") == "sharded")
     with torch.device("meta"):
         reference = GPT(cfg).state_dict()
     state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
     if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
-        raise ConfigError(f"checkpoint {folder} does not match the model of {run_dir / 'config.json'}")
+        raise ConfigError(f"checkpoint {folder} does not match the model of {folder.parent.parent / 'config.json'}")
     # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
     state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
     state["lm_head.weight"] = state["wte.weight"]
@@ -1998,17 +2004,10 @@ def _write_weights(out: Path, state: dict, cfg: Config, folder: Path) -> None:
 
 def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
     """`source` itself when it is a complete checkpoint, else the newest complete one of the run folder."""
-    one = Dist(0, 1, torch.device("cpu"))
-    for folder in [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1]:
-        marker = _read_marker(folder)
-        problem = _checkpoint_problem(folder, marker, one)
-        if problem is None:
-            try:
-                _load_verified(folder, marker)
-                return folder, marker
-            except Exception as error:                     # a crafted or damaged pickle lands here
-                problem = f"cannot be loaded safely ({_first_cause(error)})"
-        print(f"checkpoint {folder} {problem}", file=sys.stderr)
+    folders = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1]
+    for folder, _, marker in verified_checkpoints(folders, Dist(0, 1, torch.device("cpu")),
+                                                  functools.partial(print, file=sys.stderr)):
+        return folder, marker
     raise ConfigError(f"{source} holds no complete, safely loadable checkpoint; pass a run folder or one of its "
                       "checkpoints/step-N folders")
 
@@ -2942,7 +2941,7 @@ class Trainer:
             problems.append(line.removeprefix("checkpoint "))
             self.log.info(line)
 
-        for folder, files, marker in verified_checkpoints(self.run_dir, self.dist, fall_back):
+        for folder, files, marker in verified_checkpoints(newest_first(self.run_dir, self.dist), self.dist, fall_back):
             problem = agreed_problem(self.dist, self._load(folder, files, marker))
             if problem is None:
                 self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
