@@ -2028,7 +2028,8 @@ def _saved_model_state(folder: Path, sharded: bool) -> dict:
 # ----------------------------------------------------------------------------------------------
 # logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
 
-STATUS_RESERVE_BYTES = 1 << 20     # far more than the largest status.json; random bytes, which no file system compresses
+STATUS_RESERVE_BYTES = 1 << 20     # far more than any status.json; random bytes, which no file system compresses
+
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
@@ -2128,8 +2129,9 @@ class RunLog:
 
     def refuse(self, reason: str) -> ConfigError:
         """A resume that cannot go on, recorded as failed (exit 2) at the step status.json had, and returned."""
+        step = self.previous_status().get("step")
         with contextlib.suppress(OSError):
-            self.status("failed", self.previous_status().get("step", 0), EXIT_BAD_CONFIG, reason)
+            self.status("failed", step if type(step) is int else 0, EXIT_BAD_CONFIG, reason)
         return ConfigError(reason)
 
     def previous_status(self) -> dict:

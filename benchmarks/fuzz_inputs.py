@@ -160,7 +160,8 @@ def fuzz_trainer(count, rng, work, tally, examples):
             code, _, stderr = forked(["--consolidate", str(run_dir), str(weights)], out)
             problem = nonsense_after_consolidate(run_dir, weights, code)
         else:
-            extra = rng.choice([[], [], ["--allow-changed-settings"], ["--no-mixing-decay", "--allow-changed-settings"]])
+            extra = rng.choice([[], [], ["--allow-changed-settings"],
+                                ["--no-mixing-decay", "--allow-changed-settings"]])
             code, _, stderr = forked([*BASE_ARGS, "--out", str(out), *extra], out)
             problem = nonsense_after_training(run_dir, code)
         record(tally, examples, "trainer", code, stderr, problem, what)
@@ -184,7 +185,8 @@ def crafted_runs(root, rng, count):
         run_dir = root / rng.choice([f"hc_d2_s{i}", f"mhc_d2_s{i}", f"baseline_d2_s{i}", f"x{i}"])
         run_dir.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps({"step": s, "loss": rng.choice([1.0, float("nan"), "x", None, 1e308]),
-                             "amax_fwd": rng.choice([1.0, 50.0, float("inf"), [1, 2]])}) for s in range(rng.randrange(5))]
+                             "amax_fwd": rng.choice([1.0, 50.0, float("inf"), [1, 2]])})
+                 for s in range(rng.randrange(5))]
         lines += rng.sample(["[]", DEEP, '{"step": 1e400}', '{"step": -1}', "{", '{"step": 2.5}', "\x00"], 2)
         (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         for name in ("status.json", "config.json"):

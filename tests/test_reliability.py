@@ -301,3 +301,51 @@ def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(
     proc.send_signal(15)
     proc.communicate(timeout=120)
     wait_for(lambda: not any(map(alive, seen)), timeout=10, what="the ranks to be gone")
+
+
+# ---- an FSDP (DCP) checkpoint whose payload the safe loader refuses
+
+class Exploit:
+    """Unpickling it runs a shell command that creates `witness`: it must never happen."""
+
+    def __init__(self, witness):
+        self.witness = witness
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.witness}",))
+
+
+def torchrun_fsdp(out, *args):
+    """A tiny mHC run under FSDP on two gloo processes (one process is not sharded)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_c4.py",
+               "--preset", "tiny", "--parallel", "fsdp", "--out", str(out), *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    code, _, stderr = torchrun_fsdp(tmp_path, "--steps", "20")
+    assert code == 0, stderr
+    folder, witness = tmp_path / RUN / "checkpoints" / "step-20", tmp_path / "pwned"
+    cfg = T.parse_config(["--preset", "tiny"])
+    model = T.GPT(cfg)
+    T._vectorise_scalars(model)
+    optimizer = T.make_optimizer(model, cfg)
+    model(*[torch.zeros(2, cfg.seq_len, dtype=torch.long)] * 2)[1].backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    optimizer_state["param_groups"][0]["lr"] = Exploit(witness)      # a non-tensor entry DCP would unpickle
+    shutil.rmtree(folder / T.SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / T.SHARDED, no_dist=True)
+    marker = json.loads((folder / T.MARKER).read_text())
+    marker["files"] = {name: digest for name, digest in marker["files"].items() if not name.startswith(T.SHARDED)}
+    marker["files"] |= {f"{T.SHARDED}/{p.name}": T._sha256(p) for p in (folder / T.SHARDED).iterdir()}
+    (folder / T.MARKER).write_text(json.dumps(marker))
+    code, stdout, stderr = torchrun_fsdp(tmp_path, "--steps", "20")
+    assert code == 0, stderr
+    assert not witness.exists()
+    assert "step-20 does not fit this run" in stdout and "cannot be loaded safely" in stdout and "(step 10," in stdout
+    assert (tmp_path / RUN / "checkpoints" / "rejected-step-20").is_dir()
+    assert json.loads((folder / T.MARKER).read_text())["step"] == 20
