@@ -2004,12 +2004,13 @@ def _write_weights(out: Path, state: dict, cfg: Config, folder: Path) -> None:
 
 def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
     """`source` itself when it is a complete checkpoint, else the newest complete one of the run folder."""
-    folders = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1]
-    for folder, _, marker in verified_checkpoints(folders, Dist(0, 1, torch.device("cpu")),
-                                                  functools.partial(print, file=sys.stderr)):
+    folders, skipped = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1], []
+    for folder, _, marker in verified_checkpoints(folders, Dist(0, 1, torch.device("cpu")), skipped.append):
+        print(*(f"warning: {line}" for line in skipped), sep="\n", file=sys.stderr, end="\n" if skipped else "")
         return folder, marker
-    raise ConfigError(f"{source} holds no complete, safely loadable checkpoint; pass a run folder or one of its "
-                      "checkpoints/step-N folders")
+    newest = f" (newest: {skipped[0].removeprefix('checkpoint ').split(';')[0]})" if skipped else ""
+    raise ConfigError(f"{source} holds no complete, safely loadable checkpoint{newest}; pass a run folder or one of "
+                      "its checkpoints/step-N folders")
 
 
 def _saved_model_state(folder: Path, sharded: bool) -> dict:

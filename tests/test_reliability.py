@@ -215,6 +215,16 @@ def test_consolidate_refuses_a_bad_config_in_one_line(finished, tmp_path, capsys
     assert one_line(err) and "config.json" in err and not (tmp_path / "w.pt").exists()
 
 
+def test_consolidate_of_a_run_without_a_usable_checkpoint_is_one_line_naming_the_newest_problem(finished, tmp_path,
+                                                                                                 capsys):
+    out, run_dir = copy_of(finished, tmp_path)
+    for folder in (run_dir / "checkpoints").iterdir():
+        (folder / T.MARKER).write_text("[]")
+    assert T.main(["--consolidate", str(run_dir), str(tmp_path / "w.pt")]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "(newest: step-20 has no valid completion marker)" in err
+
+
 def test_consolidate_refuses_a_missing_output_folder(finished, tmp_path, capsys):
     assert T.main(["--consolidate", str(finished / RUN), str(tmp_path / "no" / "such" / "w.pt")]) == 2
     assert one_line(capsys.readouterr().err) and not (tmp_path / "no").exists()
