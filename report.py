@@ -1170,9 +1170,13 @@ def read_matrix(root, log="matrix.log"):
         if len(parts) >= 3 and parts[1] in LAUNCHER_STATES and parts[2] in runs:
             gpus = next((p[5:] for p in parts if p.startswith("gpus=")), runs[parts[2]][1])
             runs[parts[2]] = [LAUNCHER_STATES[parts[1]], gpus]
-    return Matrix(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp(), int(fields.get("slots", 1)),
-                  int(fields.get("gpus_per_run", 1)), float(fields.get("price_per_gpu_hour", 0)),
-                  fields.get("gpus") == "cpu", runs)
+    try:
+        return Matrix(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp(), int(fields.get("slots", 1)),
+                      int(fields.get("gpus_per_run", 1)), float(fields.get("price_per_gpu_hour", 0)),
+                      fields.get("gpus") == "cpu", runs)
+    except ValueError as e:
+        warn(f"{root / log}: its last QUEUE line is unreadable ({e}); the matrix's progress is left out")
+        return None
 
 
 def job_seconds(status):

@@ -359,3 +359,10 @@ def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(
     assert "step-20 does not fit this run" in stdout and "cannot be loaded safely" in stdout and "(step 10," in stdout
     assert (tmp_path / RUN / "checkpoints" / "rejected-step-20").is_dir()
     assert json.loads((folder / T.MARKER).read_text())["step"] == 20
+
+
+def test_report_reads_a_crafted_matrix_log_with_a_warning(tmp_path, capsys):
+    import report
+    (tmp_path / "matrix.log").write_text("2026-01-01T00:00:00.000+0000 QUEUE slots=x runs=hc_d2_s1\n")
+    assert report.read_matrix(tmp_path) is None
+    assert "its last QUEUE line is unreadable" in capsys.readouterr().err
