@@ -110,7 +110,7 @@ launch() {   # launch RUN GPUS LOG CMD...: in a new process group, so that a Ctr
 job_processes() {   # job_processes RUN: every live process of the job, by its tag. torchrun starts each rank in a
     # session of its own, outside the job's process group, and a rank outlives a torchrun killed outright
     local file
-    for file in $(grep -lzx "RUN_EXPERIMENTS_JOB=$$/$1" /proc/[0-9]*/environ 2>/dev/null); do
+    grep -lzx "RUN_EXPERIMENTS_JOB=$$/$1" /proc/[0-9]*/environ 2>/dev/null | while IFS= read -r file; do
         file=${file#/proc/}
         echo "${file%/environ}"
     done
