@@ -19,19 +19,19 @@ per line, shell-quoted words; bash answers with zero or more lines and then `end
     kill SIGNAL                     send SIGNAL to every running job's process group
 
 Without those two flags (tests, a plain `python matrix.py --dry-run`) only --help, --summary and --dry-run work.
-The scheduler imports only the standard library; the dry run imports train_c4 (torch) for the planner.
+It imports only the standard library: every job's flags, memory and time are judged by the trainer itself, in a
+subprocess (`train_c4.py --plan-jobs`, plan.py's planner), before the first launch and in the dry run.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
-import io
 import json
 import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
-                      EXIT_OOM, TRAINER_EXIT_CODES, run_name)
+from contract import (COEFFICIENT_METHODS, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED,
+                      EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, METHODS, SINKHORN_METHODS, TRAINER_EXIT_CODES, run_name)
 
 ROOT = Path(__file__).resolve().parent
 PROG = "run_experiments.sh"
@@ -58,19 +58,23 @@ MODES = {   # methods, depths, seeds, steps, trainer preset
     "stress": ("hc,mhc", "32,48,64", "42", None, "stress"),
     # the demo preset fixes its own model; --depth 4 (its depth) is passed so the run name is exact
     "demo": ("baseline,hc,mhc", "4", "42", None, "demo"),
+    "demo-all": (",".join(METHODS), "4", "42", None, "demo"),
 }
 # The trainer flags the launcher sets for each run: the run's identity and where it lives.
-OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps")
+OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps", "--sinkhorn-iters",
+                     "--coefficients")
 
 DESCRIPTION = """\
 Fans the method x depth x seed matrix over the GPUs of one node (or a share of it over several nodes).
 
-One job per run `{method}_d{depth}_s{seed}`, each on its own slot of --gpus-per-run GPUs, started from a
-queue as slots free up, launches at least --stagger seconds apart. Re-running the same command continues the
-matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
+One job per run `{method}_d{depth}_s{seed}` (other arms add `_it{N}`, `_seq` or a preset's suffix:
+mhc_d32_s42_it100, hc_d32_s42_seq, hc_d32_s42_seed-study), each on its own slot of --gpus-per-run GPUs,
+started from a queue as slots free up, launches at least --stagger seconds apart. Re-running the same command
+continues the matrix: completed and diverged runs are skipped, the others resume from their newest checkpoint."""
 
 EPILOG = f"""\
-Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline
+Everything after -- goes to every train_c4.py run, e.g. -- --data '/data/c4/*.json.gz' --wandb offline;
+a --preset there also names the runs (-- --preset seed-study: hc_d32_s42_seed-study)
 
 Failures, by the trainer's exit code: {EXIT_BAD_CONFIG} bad arguments (not retried), {EXIT_DIVERGED} diverged (a
 result), {EXIT_OOM} out of memory (one retry at half the micro-batch, same global batch), {EXIT_DEVICE} device
@@ -87,16 +91,20 @@ or could not run (listed at the end); {EXIT_USAGE} bad arguments; {EXIT_SIGINT} 
 {EXIT_SIGTERM} by SIGTERM (jobs saved a checkpoint; the same command resumes the matrix).
 
 Environment: RUN_EXPERIMENTS_TRAINER (trainer command, split on whitespace; the launcher appends each run's
-flags), RUN_EXPERIMENTS_PROBE (GPU health probe; gets the GPU index; exit 0 = healthy),
+flags, and asks it `--plan-jobs` before the first launch, as train_c4.py answers it), RUN_EXPERIMENTS_PROBE
+(GPU health probe; gets the GPU index; exit 0 = healthy),
 RUN_EXPERIMENTS_NVIDIA_SMI (GPU discovery, default nvidia-smi; `false`: no GPU), RUN_EXPERIMENTS_PYTHON,
 RUN_EXPERIMENTS_REPORT (report script, default report.py), RUN_EXPERIMENTS_POLL (seconds between polls, 1),
 RUN_EXPERIMENTS_DATA_BACKOFF (seconds before the first retry after exit {EXIT_DATA}, doubling; 300),
 RUN_EXPERIMENTS_MAX_REQUEUES (10), RUN_EXPERIMENTS_STOP_TIMEOUT (seconds jobs get to checkpoint after Ctrl-C;
 600), RUN_EXPERIMENTS_CALIBRATE_STEPS (steps of each --calibrate run, 10, at least 4)."""
 
-USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo] [--residual L] [--depth L] [--seed L] [--steps N]\n"
+USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo|--demo-all] [--residual L] [--depth L] [--seed L]\n"
+         "       [--sinkhorn-iters L] [--coefficients L] [--steps N]\n"
          "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
-         "       [--max-retries N] [--out DIR] [--dry-run [--calibrate]] [--summary] [-- train_c4.py flags]")
+         "       [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--gpu-type NAME]] [--summary] [--slurm [--dry-run]]\n"
+         "       [-- train_c4.py flags]\n"
+         f"       bash {PROG} --check [--out DIR]     (the GPU path on this node: PASS/FAIL per part, about 10 min)")
 
 
 class UsageError(Exception):
@@ -151,16 +159,23 @@ def build_parser():
             ("quick", "hc,mhc x depths 32,48 x seed 42 at 10000 steps (4 runs)"),
             ("stress", "the stress arm: hc,mhc x depths 32,48,64 x seed 42 with --preset stress (lr 3e-4, 3000 "
                        "steps), runs named {method}_d{depth}_s{seed}_stress: it shares --out with the main matrix"),
-            ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table")):
+            ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table"),
+            ("demo-all", "every residual arm (baseline,hc,mhc,mhc-lite,identity-hc) as --demo does")):
         m.add_argument(f"--{mode}", dest="mode", action="append_const", const=mode, help=help_text)
     # the trainer's names, each taking a list (the plural names are the same flags)
     m.add_argument("--residual", "--methods", dest="methods", metavar="LIST",
-                   type=listed("baseline|hc|mhc", "--residual (baseline,hc,mhc)"),
-                   help="override the methods, e.g. hc,mhc")
+                   type=listed("|".join(METHODS), f"--residual ({','.join(METHODS)})"),
+                   help=f"override the methods, e.g. hc,mhc (of {','.join(METHODS)})")
     m.add_argument("--depth", "--depths", dest="depths", metavar="LIST",
                    type=listed(POSITIVE, "--depth (positive integers)"), help="override the depths, e.g. 32,48")
     m.add_argument("--seed", "--seeds", dest="seeds", metavar="LIST",
                    type=listed(WHOLE, "--seed (non-negative integers)"), help="override the seeds, e.g. 42,123")
+    m.add_argument("--sinkhorn-iters", metavar="LIST", type=listed(POSITIVE, "--sinkhorn-iters (positive integers)"),
+                   help="Sinkhorn iterations of mHC, e.g. 5,20,100 (other methods run once; runs named _it{N} "
+                        "unless 20)")
+    m.add_argument("--coefficients", metavar="LIST", type=listed("token|sequence", "--coefficients (token,sequence)"),
+                   help="mixing coefficients per token or per sequence, e.g. token,sequence (the baseline runs "
+                        "once; runs named _seq unless the preset's default)")
     m.add_argument("--steps", type=number(POSITIVE, "--steps must be a positive integer"),
                    help="pass --steps N to every run")
     m.add_argument("--vary-data-seed", action="store_true",
@@ -171,9 +186,12 @@ def build_parser():
                    help="GPU indices to use (default: all that nvidia-smi lists; none found: one CPU slot)")
     g.add_argument("--exclude-gpus", type=listed(WHOLE, "--exclude-gpus (GPU indices)"), default=[],
                    help="GPU indices never to use")
-    g.add_argument("--gpus-per-run", type=number(POSITIVE, "--gpus-per-run must be a positive integer"), default=1,
-                   help="GPUs per run (default 1); K > 1 runs torchrun with --parallel fsdp (-- --parallel ddp "
-                        "overrides)")
+    g.add_argument("--gpus-per-run", type=number(POSITIVE, "--gpus-per-run must be a positive integer"),
+                   help="GPUs per run (default 1; --quick: enough to fill the node); K > 1 runs torchrun with "
+                        "--parallel fsdp (-- --parallel ddp overrides)")
+    g.add_argument("--gpu-type", metavar="NAME",
+                   help="the GPU model a plan is for, as nvidia-smi names it (e.g. 'NVIDIA H200'; default: this "
+                        "node's, else the documented node's 'NVIDIA H100 80GB HBM3')")
     g.add_argument("--nodes", type=number(POSITIVE, "--nodes must be a positive integer"), default=1,
                    help="nodes sharing the matrix (default 1): each runs every N-th job of the queue")
     g.add_argument("--node-rank", type=number(WHOLE, "--node-rank must be a non-negative integer"), default=0,
@@ -186,9 +204,10 @@ def build_parser():
     o = p.add_argument_group("output and modes")
     o.add_argument("--out", default="runs", help="run folders and matrix.log (default runs)")
     o.add_argument("--dry-run", action="store_true",
-                   help="print the plan (every job, node, slot, micro-batch, global batch, time, command), the wall "
-                        "time and the cost; run and write nothing. Times from the FLOP count at 40%% of the GPU's "
-                        "bf16 peak unless --calibrate")
+                   help="print the plan (every job, node, slot, micro-batch, global batch, memory, time, command), "
+                        "the wall time and the cost, as ranges with their assumptions; run and write nothing. For "
+                        "this node's GPUs, else the documented node (8 x H100 SXM); times from the GPU check's "
+                        "result in --out, else the FLOP count, unless --calibrate")
     o.add_argument("--calibrate", action="store_true",
                    help="with --dry-run: first time a few steps of each method x depth on the slots, in a temporary "
                         "folder, and estimate from those")
@@ -196,13 +215,15 @@ def build_parser():
                                                        "of dollars", float), default=2.49, metavar="USD",
                    help="for the dry run's cost and the matrix view (default 2.49)")
     o.add_argument("--summary", action="store_true",
-                   help="print the matrix view and the results table from the live files of --out; run nothing")
+                   help="print the matrix view and the results table from the live files of --out, and rewrite "
+                        "--out/report (results.md, the CSV files, the plots); launch nothing")
     o.add_argument("--watch-every", type=number(WHOLE, "--watch-every must be whole seconds >= 0"), default=60,
                    metavar="SEC", help="print the matrix view every SEC seconds while jobs run (default 60; 0: never)")
     s = p.add_argument_group("SLURM")
     s.add_argument("--slurm", action="store_true",
                    help="submit the matrix as a SLURM job array instead (one run per task on one node with "
-                        "--gpus-per-run GPUs, requeued at the time limit) and a report job that runs after it")
+                        "--gpus-per-run GPUs, requeued at the time limit) and a report job that runs after it; with "
+                        "--dry-run: print the sbatch commands and each task's flags, submit and write nothing")
     s.add_argument("--slurm-time", type=number(r"[0-9]+:[0-5][0-9]:[0-5][0-9]", "--slurm-time must be H:MM:SS",
                                                hms_seconds), default=hms_seconds("24:00:00"), metavar="H:MM:SS",
                    help="the partition's time limit (default 24:00:00): each task asks for its planned time plus a "
@@ -220,11 +241,15 @@ class Options:
     depths: list
     seeds: list
     steps: int | None
-    preset: str | None                 # the trainer preset the mode sets
+    preset: str | None                 # the trainer preset the mode sets, or the one after --
+    sinkhorn_iters: list | None        # None: the trainer's default
+    coefficients: list | None
     vary_data_seed: bool
     gpus: list | None
     exclude_gpus: list
     gpus_per_run: int
+    gpus_per_run_given: bool
+    gpu_type: str | None
     nodes: int
     node_rank: int
     stagger: float
@@ -264,15 +289,19 @@ def parse_options(argv):
         raise UsageError("--out must not be empty")
     modes = set(args.mode or [])
     if len(modes) > 1:
-        raise UsageError("choose one of --full, --quick, --stress, --demo")
+        raise UsageError("choose one of --full, --quick, --stress, --demo, --demo-all")
     mode = modes.pop() if modes else "full"
     methods, depths, seeds, steps, preset = MODES[mode]
+    if not preset and extra_value(extra, "--preset"):    # -- --preset seed-study: its runs are named after it
+        preset, extra = extra_value(extra, "--preset"), without_flag(extra, "--preset")
     opt = Options(
         mode=mode, methods=args.methods or methods.split(","),
         depths=sorted({int(d) for d in (args.depths or depths.split(","))}, reverse=True),
         seeds=[int(s) for s in (args.seeds or seeds.split(","))], steps=args.steps or steps, preset=preset,
+        sinkhorn_iters=args.sinkhorn_iters and [int(i) for i in args.sinkhorn_iters], coefficients=args.coefficients,
         vary_data_seed=args.vary_data_seed, gpus=args.gpus, exclude_gpus=args.exclude_gpus,
-        gpus_per_run=args.gpus_per_run, nodes=args.nodes, node_rank=args.node_rank, stagger=args.stagger,
+        gpus_per_run=args.gpus_per_run or 1, gpus_per_run_given=args.gpus_per_run is not None,
+        gpu_type=args.gpu_type, nodes=args.nodes, node_rank=args.node_rank, stagger=args.stagger,
         max_retries=args.max_retries, out=Path(args.out), dry_run=args.dry_run, calibrate=args.calibrate,
         price=args.price_per_gpu_hour, summary=args.summary, watch_every=args.watch_every, slurm=args.slurm,
         slurm_time=args.slurm_time, extra=extra,
@@ -289,8 +318,8 @@ def parse_options(argv):
 
 
 def check_options(opt):
-    if opt.slurm and (opt.dry_run or opt.summary or opt.nodes > 1):
-        raise UsageError("--slurm submits the whole matrix: not with --dry-run, --summary or --nodes")
+    if opt.slurm and (opt.calibrate or opt.summary or opt.nodes > 1):
+        raise UsageError("--slurm submits the whole matrix: not with --calibrate, --summary or --nodes")
     if opt.calibrate and not opt.dry_run:
         raise UsageError("--calibrate goes with --dry-run (it times the matrix before you start it)")
     if opt.calibrate_steps < 4:
@@ -301,10 +330,10 @@ def check_options(opt):
         flag = arg.split("=", 1)[0]
         if flag in OWN_TRAINER_FLAGS:
             raise UsageError(f"{flag} is set by the launcher for each run: give it before -- (a list for --residual, "
-                             "--depth, --seed)")
+                             "--depth, --seed, --sinkhorn-iters, --coefficients)")
         if flag == "--data-seed" and opt.vary_data_seed:
             raise UsageError("--vary-data-seed sets --data-seed for each run; do not pass it after --")
-        if flag == "--preset" and opt.preset:
+        if flag == "--preset":
             raise UsageError(f"--{opt.mode} sets --preset {opt.preset}; do not pass --preset after --")
     if not opt.summary:
         check_out(opt.out)
@@ -335,6 +364,16 @@ def extra_value(extra, flag):
     return value
 
 
+def without_flag(extra, flag):
+    """The extra flags less every `flag VALUE` and `flag=VALUE`."""
+    kept, skip = [], False
+    for arg in extra:
+        if not skip and arg != flag and not arg.startswith(flag + "="):
+            kept.append(arg)
+        skip = arg == flag and not skip
+    return kept
+
+
 # ----------------------------------------------------------------------------------------------
 # The matrix: jobs in queue order, and what earlier invocations left
 
@@ -345,6 +384,8 @@ class Job:
     depth: int
     seed: int
     node: int
+    sinkhorn_iters: int | None = None   # None: the trainer's default (and always for a method without Sinkhorn)
+    coefficients: str | None = None
     state: str = "pending"     # pending|running|completed|diverged|failed|interrupted|skipped_completed|...
     reason: str = ""
     step: int | None = None    # status.json's step before this invocation: the plan's remaining steps
@@ -359,6 +400,7 @@ class Job:
     avoid: set = field(default_factory=set)     # GPUs it had a device error on
     gpus: str = ""
     launched_at: float = 0.0
+    planned: dict = field(default_factory=dict)     # the trainer's answer before the first launch (plan_jobs)
 
     @property
     def skipped_as(self) -> str | None:
@@ -385,6 +427,17 @@ def read_json(path, newer_than=None):
         return {}
 
 
+def arms(opt):
+    """(method, Sinkhorn iterations, coefficients) of each arm: a list multiplies only the methods it applies to,
+    so hc under --sinkhorn-iters 5,20,100 is one arm, not three of one model."""
+    found = []
+    for method in opt.methods:
+        for iters in (opt.sinkhorn_iters or [None]) if method in SINKHORN_METHODS else [None]:
+            for coefficients in (opt.coefficients or [None]) if method in COEFFICIENT_METHODS else [None]:
+                found.append((method, iters, coefficients))
+    return found
+
+
 def matrix_jobs(opt):
     """Seed-major (every comparison of seed 42 finishes before seed 123 starts, so a node lost mid-day still
     leaves complete comparisons), then deeper models first (longest jobs first packs the GPUs). With --nodes N,
@@ -392,9 +445,9 @@ def matrix_jobs(opt):
     jobs = []
     for seed in opt.seeds:
         for depth in opt.depths:
-            for method in opt.methods:
-                index = len(jobs)
-                jobs.append(Job(run_name(method, depth, seed, opt.preset), method, depth, seed, index % opt.nodes))
+            for method, iters, coefficients in arms(opt):
+                name = run_name(method, depth, seed, opt.preset, iters, coefficients)
+                jobs.append(Job(name, method, depth, seed, len(jobs) % opt.nodes, iters, coefficients))
     for job in jobs:
         status = read_json(opt.out / job.name / "status.json")
         if status.get("state") in ("completed", "diverged"):
@@ -446,18 +499,19 @@ def nvidia_smi(query, gpu=None):
     return [v for v in values if v.isdigit()] if query == "index" else values
 
 
-def real_trainer():
-    return not os.environ.get("RUN_EXPERIMENTS_TRAINER") and (ROOT / "train_c4.py").is_file()
+def trainer_script():
+    """The trainer as one process: RUN_EXPERIMENTS_TRAINER, else train_c4.py with this python."""
+    if os.environ.get("RUN_EXPERIMENTS_TRAINER"):
+        return shlex.split(os.environ["RUN_EXPERIMENTS_TRAINER"])     # used as-is for every --gpus-per-run
+    return [sys.executable, str(ROOT / "train_c4.py")]
 
 
 def trainer_base(opt):
     """The trainer command the run's flags are appended to."""
-    if os.environ.get("RUN_EXPERIMENTS_TRAINER"):
-        return shlex.split(os.environ["RUN_EXPERIMENTS_TRAINER"])     # used as-is for every --gpus-per-run
-    if opt.gpus_per_run > 1:
+    if opt.gpus_per_run > 1 and not os.environ.get("RUN_EXPERIMENTS_TRAINER"):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={opt.gpus_per_run}", str(ROOT / "train_c4.py")]
-    return [sys.executable, str(ROOT / "train_c4.py")]
+    return trainer_script()
 
 
 def trainer_flags(opt, job):
@@ -465,6 +519,8 @@ def trainer_flags(opt, job):
              "--out", str(opt.out)]
     flags += ["--steps", str(opt.steps)] if opt.steps else []
     flags += ["--preset", opt.preset] if opt.preset else []
+    flags += ["--sinkhorn-iters", str(job.sinkhorn_iters)] if job.sinkhorn_iters else []
+    flags += ["--coefficients", job.coefficients] if job.coefficients else []
     flags += ["--data-seed", str(job.seed)] if opt.vary_data_seed else []
     flags += ["--resume", "auto"]
     # FSDP shards parameters and optimizer state, so a 2.5B model leaves room for activations
@@ -474,47 +530,6 @@ def trainer_flags(opt, job):
     flags += ["--micro-batch-size", str(job.micro)] if job.micro else []
     flags += ["--batch-size", str(job.batch)] if job.batch else []
     return flags
-
-
-class TrainerRejects(Exception):
-    """train_c4.py refuses these flags (its own one-line message)."""
-
-
-def trainer_config(flags):
-    """The trainer's own resolution of its flags (preset, then explicit flags): the Config a job will run with."""
-    import train_c4          # torch, seconds to import: only the planner and an OOM without config.json need it
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return train_c4.parse_config(flags)
-    except (train_c4.TrainerError, SystemExit) as error:
-        lines = (err.getvalue().strip() or str(error)).splitlines()
-        raise TrainerRejects(lines[-1] if lines else repr(error)) from None
-
-
-def passed_batches(opt, job):
-    """(micro-batch, global batch) the launcher passes to a job: its own (after an OOM halving) or the user's
-    extra flags; None where it passes none and the trainer decides."""
-    return (job.micro or extra_value(opt.extra, "--micro-batch-size"),
-            job.batch or extra_value(opt.extra, "--batch-size"))
-
-
-def known_batches(opt, job, defaults):
-    """(micro-batch, global batch) of a job as far as the launcher knows, as text."""
-    return tuple(str(passed or default) for passed, default in zip(passed_batches(opt, job), defaults))
-
-
-def trainer_defaults(opt, job):
-    """The trainer's default micro-batch and global batch for these flags, as the plan shows them."""
-    unknown = ("trainer default", "trainer default")
-    if not real_trainer():
-        return unknown
-    try:
-        cfg = trainer_config(trainer_flags(opt, job))
-    except TrainerRejects as error:
-        warn(f"train_c4.py rejects these flags: {error}")
-        return unknown
-    return f"{cfg.micro_batch_size} (trainer default)", f"{cfg.batch_size} (trainer default)"
 
 
 def slot_label(opt, gpus, i):
@@ -597,30 +612,122 @@ def queue_schedule(durations, slots, stagger=0.0):
     return max(free, default=0.0)
 
 
-def calibrate(opt, jobs, gpus, folder):
+# ----------------------------------------------------------------------------------------------
+# Before the first launch, and --dry-run: every job checked and planned by the trainer itself
+
+DOCUMENTED_NODE_GPUS = 8       # the node README documents: 8 x plan.ASSUMED_GPU (H100 SXM)
+
+
+class JobsRefused(Exception):
+    """The trainer refuses some job's flags or memory: nothing is launched (exit 2)."""
+
+
+@dataclass
+class Node:
+    """What a plan is for: the GPU indices (['cpu']: one CPU slot), their model as nvidia-smi names it ('': not
+    known here, the trainer's planner assumes the documented node's), one card's memory in GiB (None: the named
+    card's), and whether no GPU was found here (the plan is then for the documented node)."""
+    gpus: list
+    gpu: str
+    card_gib: float | None = None
+    documented: bool = False
+
+
+def this_node(opt, gpus):
+    """The node a plan is for. Without a GPU: the CPU when the jobs are to run (or be calibrated) here, else the
+    documented node (8 x H100 SXM, or --gpu-type); --gpus and --gpu-type say otherwise."""
+    if gpus == ["cpu"]:
+        if not opt.dry_run or opt.calibrate:
+            return Node(["cpu"], "cpu")
+        return Node([str(i) for i in range(DOCUMENTED_NODE_GPUS)], opt.gpu_type or "", documented=True)
+    memory = (nvidia_smi("memory.total", gpus[0]) or [""])[0].split()
+    card_gib = int(memory[0]) / 1024 if memory and memory[0].isdigit() else None      # MiB
+    return Node(gpus, opt.gpu_type or (nvidia_smi("name", gpus[0]) or [""])[0], card_gib)
+
+
+def plan_jobs(opt, jobs, node, measured=None):
+    """The trainer's answer for `jobs` on `node`: train_c4.py --plan-jobs judges each job's flags with its own checks
+    and plans its micro-batch, memory and time (plan.py), in one process for the whole matrix (matrix.py never
+    imports the trainer). {"gpu", "assumptions", "jobs": {name: answer}}."""
+    check = read_json(opt.out / "gpu_check" / "result.json")        # `run_experiments.sh --check`'s timings
+    request = {"gpu": node.gpu, "world": opt.gpus_per_run, "card_gib": node.card_gib,
+               "jobs": [{"flags": trainer_flags(opt, job), "done_steps": job.step or 0, "check": check,
+                         "tokens_per_s": (measured or {}).get(f"{job.method}_d{job.depth}")} for job in jobs]}
+    command = trainer_script() + ["--plan-jobs"]
+    try:
+        done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=900,
+                              cwd=ROOT)
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+        answer["jobs"] = dict(zip((job.name for job in jobs), answer["jobs"], strict=True))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
+        tail = " ".join((locals().get("done") and done.stderr or "no output").strip().splitlines()[-2:])
+        raise RunError(f"the trainer could not check the jobs ({shlex.join(command)}: {tail})") from None
+    refused = {}
+    for name, job_answer in answer["jobs"].items():
+        if "error" in job_answer:
+            refused.setdefault(job_answer["error"], []).append(name)
+    if refused:
+        raise JobsRefused("\n".join(f"train_c4.py refuses {names[0]}" + (f" and {len(names) - 1} more job(s)"
+                                     if len(names) > 1 else "") + f": {error}" for error, names in refused.items()))
+    return answer
+
+
+def check_before_launch(opt, jobs, node):
+    """Every job of this node checked by the trainer before the first launch; the planned micro-batches kept
+    (an out-of-memory exit before config.json is written halves what the trainer planned)."""
+    todo = [j for j in jobs if j.node == opt.node_rank and not j.skipped_as]
+    if todo:
+        answers = plan_jobs(opt, todo, node)["jobs"]
+        for job in todo:
+            job.planned = answers[job.name]
+
+
+def fill_node(opt, jobs, gpus):
+    """--quick runs fewer jobs than an 8-GPU node has GPUs: give each run more GPUs (FSDP), or say why not."""
+    todo = [j for j in jobs if j.node == opt.node_rank and not j.skipped_as]
+    if opt.mode != "quick" or not todo or len(todo) * opt.gpus_per_run >= len(gpus):
+        return
+    if gpus == ["cpu"]:
+        print(f"--quick: no GPU found, the {len(todo)} run(s) go one at a time on the CPU")
+        return
+    if opt.gpus_per_run_given:
+        idle = len(gpus) - len(todo) * opt.gpus_per_run
+        print(f"--quick: {len(todo)} run(s) x {opt.gpus_per_run} GPU(s) leave {idle} of {len(gpus)} GPUs idle: "
+              f"--gpus-per-run {opt.gpus_per_run} was given")
+        return
+    opt.gpus_per_run = max(k for k in (1, 2, 4, 8) if len(todo) * k <= len(gpus))
+    print(f"--quick: {len(todo)} run(s) on {len(gpus)} GPUs: {opt.gpus_per_run} GPUs per run (FSDP), so that every "
+          "GPU works; --gpus-per-run 1 keeps one each")
+
+
+def calibrate(opt, jobs, node, folder):
     """opt.calibrate_steps steps of each distinct method x depth into `folder`, side by side on the slots as in
-    the matrix, a wave at a time; the trainer times its own steps (tokens_per_s in metrics.jsonl)."""
-    keys, wave, slots = set(), [], slot_count(opt, gpus)
-    steps = str(opt.calibrate_steps)
+    the matrix, a wave at a time; the trainer times its own steps (tokens_per_s in metrics.jsonl). Returns
+    {method_d{depth}: tokens/s}; a run that fails or times no step ends the dry run (exit 1, its log's tail)."""
+    plan_jobs(opt, jobs, node)               # flags and memory first: a refused job would only fail here
+    keys, wave, slots, steps = {}, [], slot_count(opt, node.gpus), str(opt.calibrate_steps)
     for job in jobs + [None]:
-        if job is not None and f"{job.method}_d{job.depth}" not in keys and not job.skipped_as:
-            key = f"{job.method}_d{job.depth}"
-            keys.add(key)
+        if job is not None and f"{job.method}_d{job.depth}" not in keys:
+            key = keys[f"{job.method}_d{job.depth}"] = f"{job.method}_d{job.depth}"
             # last, so that they win: a throw-away run, no W&B, evaluation and checkpoint only at its end
             cmd = trainer_base(opt) + trainer_flags(opt, job) + [
                 "--out", str(folder), "--run-name", key, "--steps", steps, "--resume", "never", "--wandb", "disabled",
                 "--eval-every", steps, "--metrics-every", steps, "--ckpt-every", steps]
-            slot = slot_label(opt, gpus, len(wave))
+            slot = slot_label(opt, node.gpus, len(wave))
             print(f"Calibrating {key} on {'the CPU' if slot == 'cpu' else 'GPU ' + slot}: {steps} steps", flush=True)
             with open(folder / f"{key}.log", "w") as log:
                 env = dict(os.environ, CUDA_VISIBLE_DEVICES="" if slot == "cpu" else slot)
                 wave.append((key, subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)))
         if len(wave) == slots or (job is None and wave):      # a wave fills every slot once; the last may not
             for key, process in wave:
-                if process.wait():
-                    tail = (folder / f"{key}.log").read_text(errors="replace").splitlines()[-2:]
-                    print(f"  calibration of {key} exited {process.returncode}: {' '.join(tail)}")
+                rate = measured_rate(folder, key, opt.calibrate_steps) if process.wait() == 0 else None
+                if rate is None:
+                    tail = (folder / f"{key}.log").read_text(errors="replace").strip().splitlines()[-2:]
+                    raise RunError(f"--calibrate: {key} exited {process.returncode} without a timed step: "
+                                   f"{' '.join(tail)}")
+                keys[key] = rate
             wave = []
+    return keys
 
 
 def measured_rate(folder, key, steps):
@@ -634,132 +741,88 @@ def measured_rate(folder, key, steps):
     return statistics.median(rates) if rates else None
 
 
-def plan_jobs(opt, jobs, calibration, gpu):
-    """Per job the micro-batch the trainer will use ('auto' resolved by its memory plan) and the seconds of its
-    remaining steps (None: unknown); and the lines that say where the times come from."""
-    import train_c4 as T     # torch: the planner is the trainer's
-    peak = None if gpu == "cpu" else T.gpu_peak_flops(gpu or T.ASSUMED_GPU)
-    micros, rates, plan, lines = {}, {}, {}, []
-    for job in jobs:
-        try:
-            cfg = trainer_config(trainer_flags(opt, job))
-        except TrainerRejects as error:
-            lines.append(f"{job.name}: train_c4.py rejects its flags: {error}")
-            continue
-        key, micro = f"{cfg.residual}_d{cfg.depth}", cfg.micro_batch_size
-        if (key, micro) not in micros:
-            try:
-                micros[key, micro] = (micro if micro != "auto" else T.cpu_auto_micro_batch(cfg, opt.gpus_per_run)
-                                      if gpu == "cpu" else T.auto_micro_batch(cfg, opt.gpus_per_run)[0])
-            except T.ConfigError:
-                micros[key, micro] = "none-fits"
-        if key not in rates:
-            rate = measured_rate(calibration, key, opt.calibrate_steps) if calibration else None
-            if rate:
-                rates[key] = (rate, True)
-            elif peak:
-                flops = T.flops_per_token(cfg, T.count_parameters(cfg)["non_embedding"])
-                rates[key] = (T.ASSUMED_MFU * peak * opt.gpus_per_run / flops, False)
-            else:
-                rates[key] = (None, False)
-        rate = rates[key][0]
-        tokens = max(0, cfg.steps - (job.step or 0)) * cfg.tokens_per_step
-        plan[job.name] = (micros[key, micro], tokens / rate if rate else None)
-    if calibration:
-        warmup = opt.calibrate_steps // 3
-        lines.append(f"Times from --calibrate: the median tokens/s of steps {warmup + 1}-{opt.calibrate_steps} of each "
-                     f"configuration, measured just now on {'the CPU' if gpu == 'cpu' else gpu or 'the GPUs'} "
-                     "(start-up, compilation and warm-up excluded):")
-        lines += [f"  {key}: " + (f"{rate:,.0f} tokens/s" if measured else "no timed step (see above)")
-                  for key, (rate, measured) in rates.items()]
-    if peak and not all(measured for _, measured in rates.values()):
-        lines.append(f"Times from the FLOP count: {T.ASSUMED_MFU:.0%} MFU of the {peak / 1e12:.0f} TFLOP/s dense bf16 "
-                     f"peak of {gpu or 'an H100, assumed (nvidia-smi names no GPU)'}, {opt.gpus_per_run} GPU(s) per "
-                     "run. HC and mHC also mix their n streams, work the FLOP count leaves out: expect them slower "
-                     "(--calibrate measures)")
-    elif gpu not in ("cpu", "") and not peak:
-        lines.append(f"No time estimate: the dense bf16 peak of {gpu} is not known (train_c4.GPU_PEAK_BF16_FLOPS); "
-                     "--calibrate measures")
-    return plan, lines
+def hours_range(seconds):
+    return f"{seconds[0] / 3600:.1f}-{seconds[1] / 3600:.1f} h" if seconds[1] >= 7200 else \
+        f"{seconds[0] / 60:.0f}-{seconds[1] / 60:.0f} min"
 
 
-def wall_and_cost(opt, jobs, plan, gpus):
-    """The lines on the wall time of the queue (per node with --nodes) and what the nodes cost for it."""
-    slots = slot_count(opt, gpus)
-    durations = {node: [plan[j.name][1] for j in jobs if j.node == node and j.name in plan]
-                 for node in range(opt.nodes)}
-    if any(None in d for d in durations.values()):
-        return ["Wall time: unknown without --calibrate (no GPU peak to assume)"]
-    walls = {node: queue_schedule(d, slots, opt.stagger) for node, d in durations.items()}
-    wall, total = max(walls.values()), sum(sum(d) for d in durations.values())
-    count = sum(map(len, durations.values()))
+def wall_and_cost(opt, jobs, answers, node):
+    """The lines on the wall time of the queue (per node with --nodes) and what the nodes cost, as (low, high)."""
+    slots = slot_count(opt, node.gpus)
+    seconds = {node_rank: [answers[j.name]["seconds"] for j in jobs if j.node == node_rank]
+               for node_rank in range(opt.nodes)}
+    if any(None in s for s in seconds.values()):
+        return ["Wall time: unknown: no step time for this GPU (--calibrate measures one)"]
+    walls = {n: [queue_schedule([d[i] for d in s], slots, opt.stagger) for i in (0, 1)] for n, s in seconds.items()}
+    wall = [max(w[i] for w in walls.values()) for i in (0, 1)]
+    total = [sum(d[i] for s in seconds.values() for d in s) for i in (0, 1)]
     where = f"{slots} slot(s)" + (f" on each of {opt.nodes} nodes" if opt.nodes > 1 else "")
-    lines = [f"Wall time: {count} job(s) on {where}, each started in queue order on the first free slot, launches "
-             f"{opt.stagger:g} s apart: {human(wall)} (the jobs add up to {human(total)}; evaluation, probes, "
-             "checkpoints, start-up and retries not included)"]
+    lines = [f"Wall time: {sum(map(len, seconds.values()))} job(s) on {where}, each started in queue order on the "
+             f"first free slot, launches {opt.stagger:g} s apart: {hours_range(wall)} (the jobs add up to "
+             f"{hours_range(total)}; retries and waits for data not included)"]
     if opt.nodes > 1:
-        lines.append("  per node: " + ", ".join(f"node {n} {human(w)}" for n, w in walls.items()))
-    if gpus == ["cpu"]:
+        lines.append("  per node: " + ", ".join(f"node {n} {hours_range(w)}" for n, w in walls.items()))
+    if node.gpus == ["cpu"]:
         return lines + ["Cost: no GPU-hours, the jobs run on the CPU"]
-    node_gpus = len(gpus) * opt.nodes
-    return lines + [f"Cost at ${opt.price:.2f} per GPU-hour: {node_gpus} GPU(s) x {wall / 3600:.1f} h = "
-                    f"${node_gpus * wall / 3600 * opt.price:,.0f} for the node{'s' if opt.nodes > 1 else ''}; the jobs "
-                    f"themselves use {opt.gpus_per_run * total / 3600:,.0f} GPU-hours "
-                    f"(${opt.gpus_per_run * total / 3600 * opt.price:,.0f})"]
+    node_gpus, dollars = len(node.gpus) * opt.nodes, [w / 3600 * opt.price for w in wall]
+    return lines + [f"Cost at ${opt.price:.2f} per GPU-hour: {node_gpus} GPU(s) x {hours_range(wall)} = "
+                    f"${node_gpus * dollars[0]:,.0f}-${node_gpus * dollars[1]:,.0f} for the node"
+                    f"{'s' if opt.nodes > 1 else ''}; the jobs themselves use "
+                    f"{opt.gpus_per_run * total[0] / 3600:,.0f}-{opt.gpus_per_run * total[1] / 3600:,.0f} GPU-hours"]
 
 
-def job_line(opt, job, slot, micro, batch, seconds):
+def job_line(opt, job, slot, answer):
     where = f"node {job.node} " if opt.nodes > 1 else ""
-    return (f"{job.name:<17} {where + slot:<18} micro-batch {micro}, global batch {batch}"
-            + (f", {human(seconds)}" if seconds is not None else "")
+    return (f"{job.name:<17} {where + slot:<18} micro-batch {job.micro or answer['micro']}"
+            + (" (auto)" if answer.get("auto") and not job.micro else "") + f", global batch {answer['batch']}"
+            + (f", {answer['memory']}" if answer.get("memory") else "")
+            + (f", {hours_range(answer['seconds'])}" if answer.get("seconds") else "")
             + (f", resumes (step {job.step})" if job.step is not None else ""))
 
 
-def dry_run(opt, jobs, gpus):
+def dry_run(opt, jobs, node):
     todo = [j for j in jobs if not j.skipped_as]
-    defaults = trainer_defaults(opt, todo[0] if todo else jobs[0])
-    plan, lines, gpu = {}, [], "cpu" if gpus == ["cpu"] else (nvidia_smi("name", gpus[0]) or [""])[0]
-    if real_trainer():
-        with tempfile.TemporaryDirectory(prefix="run_experiments_calibrate.") as folder:
-            if opt.calibrate:
-                calibrate(opt, [j for j in todo if j.node == opt.node_rank], gpus, Path(folder))
-            plan, lines = plan_jobs(opt, todo, Path(folder) if opt.calibrate else None, gpu)
-    elif opt.calibrate:
-        warn("--calibrate needs the real train_c4.py (RUN_EXPERIMENTS_TRAINER is set): no time estimate")
-    slots, base = slot_count(opt, gpus), trainer_base(opt)
-    nodes = f" x {opt.nodes} nodes (this is node {opt.node_rank})" if opt.nodes > 1 else ""
-    if gpus == ["cpu"]:
-        print(f"Plan ({opt.mode}): {len(jobs)} runs; no GPU found: one CPU slot{nodes}, jobs run one at a time; "
-              f"out: {opt.out}")
-    else:
-        print(f"Plan ({opt.mode}): {len(jobs)} runs on {slots} slot(s) of {opt.gpus_per_run} GPU(s){nodes} "
-              f"[GPUs: {' '.join(gpus)}], launches >= {opt.stagger:g}s apart; out: {opt.out}")
-        print("Every GPU is probed before the first launch; an unhealthy one is left out.")
+    with tempfile.TemporaryDirectory(prefix="run_experiments_calibrate.") as folder:
+        mine = [j for j in todo if j.node == opt.node_rank]
+        measured = calibrate(opt, mine, node, Path(folder)) if opt.calibrate and mine else None
+    answer = plan_jobs(opt, todo, node, measured) if todo else {"jobs": {}, "assumptions": [], "gpu": node.gpu}
+    print(plan_header(opt, jobs, node, answer["gpu"]))
     started = dict.fromkeys(range(opt.nodes), 0)
-    auto_planned = False
     for job in jobs:
         if job.skipped_as:
             print(f"{job.name:<17} skip ({job.skipped_as})")
             continue
-        slot = slot_label(opt, gpus, started[job.node]) if started[job.node] < slots else None
+        slot = slot_label(opt, node.gpus, started[job.node]) if started[job.node] < slot_count(opt, node.gpus) else None
         started[job.node] += 1
-        micro, batch = known_batches(opt, job, defaults)
-        planned, seconds = plan.get(job.name, (None, None))
-        if micro.startswith("auto") and planned is not None:        # resolved as the trainer will
-            micro, auto_planned = f"{planned}{micro.removeprefix('auto') or ' (auto)'}", True
         label = "CPU" if slot == "cpu" else f"GPU {slot}" if slot else "next free slot"
-        print(job_line(opt, job, label, micro, batch, seconds))
-        cvd = "" if slot == "cpu" else slot or "<slot>"
-        print(f"    CUDA_VISIBLE_DEVICES={cvd} {shlex.join(base + trainer_flags(opt, job))}")
-    if auto_planned:
-        print(f"micro-batch auto: the most the trainer's memory plan fits on one {gpu or 'GPU'} (80 GiB when this "
-              "machine sees no CUDA device) at 95% of its memory; a job confirms it with one real step (not under "
-              "FSDP); see python train_c4.py --estimate")
-    for line in lines + (wall_and_cost(opt, todo, plan, gpus) if plan else []):
+        print(job_line(opt, job, label, answer["jobs"][job.name]))
+        print(f"    CUDA_VISIBLE_DEVICES={'' if slot == 'cpu' else slot or '<slot>'} "
+              f"{shlex.join(trainer_base(opt) + trainer_flags(opt, job))}")
+    if measured:
+        print(f"Times from --calibrate: the median tokens/s of steps {opt.calibrate_steps // 3 + 1}-"
+              f"{opt.calibrate_steps} of each configuration, measured just now (start-up and warm-up excluded): "
+              + ", ".join(f"{key} {rate:,.0f}" for key, rate in measured.items()))
+    for line in answer["assumptions"] + (wall_and_cost(opt, todo, answer["jobs"], node) if todo else []):
         print(line)
     print(f"Dry run: no job was launched and nothing was written to {opt.out} (the calibration ran in a temporary "
           "folder)." if opt.calibrate else "Dry run: nothing was launched or written.")
     return EXIT_OK
+
+
+def plan_header(opt, jobs, node, gpu):
+    nodes = f" x {opt.nodes} nodes (this is node {opt.node_rank})" if opt.nodes > 1 else ""
+    if node.gpus == ["cpu"]:
+        return (f"Plan ({opt.mode}): {len(jobs)} runs; no GPU found: one CPU slot{nodes}, jobs run one at a time; "
+                f"out: {opt.out}")
+    probed = "\nEvery GPU is probed before the first launch; an unhealthy one is left out."
+    if node.documented:
+        where, probed = (f"the documented node, {len(node.gpus)} x {gpu} (no GPU found here: --gpus and --gpu-type "
+                         "plan another)"), ""
+    else:
+        assumed = "" if node.gpu else " (assumed: nvidia-smi names no GPU)"
+        where = f"{len(node.gpus)} x {gpu}{assumed} [GPUs: {' '.join(node.gpus)}]"
+    return (f"Plan ({opt.mode}): {len(jobs)} runs for {where}{nodes}: {slot_count(opt, node.gpus)} slot(s) of "
+            f"{opt.gpus_per_run} GPU(s), launches >= {opt.stagger:g}s apart; out: {opt.out}{probed}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -786,15 +849,13 @@ def submit(command):
 
 def task_time(opt, jobs):
     """One --time for every task of the array: the longest planned run plus the margin, at most --slurm-time.
-    The GPUs are on the compute nodes: the plan assumes the GPU nvidia-smi names here, else an H100."""
-    if not real_trainer():
-        return opt.slurm_time, "no plan (RUN_EXPERIMENTS_TRAINER is set)"
-    plan, _ = plan_jobs(opt, jobs, None, (nvidia_smi("name") or [""])[0])
-    times = [seconds for _, seconds in plan.values()]
-    if not times or None in times:
+    The GPUs are on the compute nodes: the plan assumes the GPU nvidia-smi names here, else the documented node's."""
+    seconds = [answer["seconds"] for answer in plan_jobs(opt, jobs, Node([], (nvidia_smi("name") or [""])[0]))
+               ["jobs"].values()]
+    if not seconds or None in seconds:
         return opt.slurm_time, "no time estimate"
-    wanted = max(times) * SLURM_MARGIN[0] + SLURM_MARGIN[1]
-    return min(wanted, opt.slurm_time), f"the longest planned run {human(max(times))}"
+    longest = max(high for _, high in seconds)      # the slow end of the range: a task cut short is requeued
+    return min(longest * SLURM_MARGIN[0] + SLURM_MARGIN[1], opt.slurm_time), f"the longest planned run {human(longest)}"
 
 
 def submit_slurm(opt, jobs):
@@ -805,18 +866,32 @@ def submit_slurm(opt, jobs):
     if not todo:
         print(f"Nothing to submit: every run in {opt.out} completed or diverged.")
         return EXIT_OK
+    if not opt.dry_run and shutil.which("sbatch") is None:
+        raise RunError("sbatch not found: --slurm submits from a SLURM login node (preview: --slurm --dry-run)")
     opt.out = opt.out.resolve()          # the tasks start in the repository, not in this shell's folder
-    opt.out.mkdir(parents=True, exist_ok=True)
     # one file per submission: a task of an earlier array still reads its own line
     tasks = opt.out / f"slurm-matrix-{time.strftime('%Y%m%d-%H%M%S')}.txt"
-    tasks.write_text("".join(shlex.join(trainer_flags(opt, job)) + "\n" for job in todo))
+    lines = [shlex.join(trainer_flags(opt, job)) for job in todo]
     seconds, why = task_time(opt, todo)
-    array = submit(["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
-                    f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}",
-                    f"--job-name=matrix-{opt.out.name}",
-                    str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)])
-    report = submit(["sbatch", "--parsable", f"--dependency=afterany:{array}", f"--job-name=report-{opt.out.name}",
-                     str(ROOT / "slurm" / "report.sbatch"), str(opt.out)])
+    array_command = ["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
+                     f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}",
+                     f"--job-name=matrix-{opt.out.name}", str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)]
+    report_command = ["sbatch", "--parsable", "--dependency=afterany:ARRAY_JOB_ID",
+                      f"--job-name=report-{opt.out.name}", str(ROOT / "slurm" / "report.sbatch"), str(opt.out)]
+    if opt.dry_run:
+        print(*(f"{job.name:<17} task {i}: {line}" for i, (job, line) in enumerate(zip(todo, lines))), sep="\n")
+        print(f"Dry run: would write {tasks} (the lines above) and submit, with --time from {why}:\n  "
+              f"{shlex.join(array_command)}\n  {shlex.join(report_command)}\nNothing was submitted or written.")
+        return EXIT_OK
+    opt.out.mkdir(parents=True, exist_ok=True)
+    tasks.write_text("".join(line + "\n" for line in lines))
+    try:
+        array = submit(array_command)
+    except RunError:
+        tasks.unlink()                   # no task will read it
+        raise
+    report_command[2] = f"--dependency=afterany:{array}"
+    report = submit(report_command)
     for i, job in enumerate(todo):
         print(f"{job.name:<17} task {array}_{i}")
     print(f"Submitted job array {array}: {len(todo)} run(s), each on one node with {opt.gpus_per_run} GPU(s), "
@@ -1032,7 +1107,7 @@ class Matrix:
         folder.mkdir(parents=True, exist_ok=True)
         for g in gpus.split(","):
             self.gpu_state[g] = "busy"
-        micro, batch = known_batches(self.opt, job, ("trainer default", "trainer default"))
+        micro, batch = job.micro or job.planned.get("micro"), job.batch or job.planned.get("batch")
         self.log("LAUNCH", f"{job.name} gpus={gpus} attempt={job.attempts} micro_batch={micro} global_batch={batch} "
                            f"cmd: CUDA_VISIBLE_DEVICES={'' if gpus == 'cpu' else gpus} {shlex.join(command)}")
         self.last_launch = time.time()
@@ -1155,16 +1230,12 @@ class Matrix:
         self.requeue(job)
 
     def used_batches(self, job):
-        """(micro-batch, global batch) this attempt used: its config.json, else what the launcher passed, else the
-        trainer's default for these flags (the OOM may come before config.json is written)."""
+        """(micro-batch, global batch) this attempt used: its config.json, else what the launcher passed, else what
+        the trainer planned before the first launch (the OOM may come before config.json is written)."""
         config = read_json(self.opt.out / job.name / "config.json", newer_than=job.launched_at).get("config", {})
-        passed = dict(zip(("micro_batch_size", "batch_size"), passed_batches(self.opt, job)))
-        used = {key: config[key] if isinstance(config.get(key), int) else passed[key] for key in passed}
-        if not str(used["micro_batch_size"]).isdigit() and real_trainer():
-            with contextlib.suppress(TrainerRejects):
-                cfg = trainer_config(trainer_flags(self.opt, job))
-                used = {key: value if str(value).isdigit() else getattr(cfg, key) for key, value in used.items()}
-        return [int(v) if str(v).isdigit() else v for v in used.values()]
+        known = {"micro_batch_size": job.micro or job.planned.get("micro"),
+                 "batch_size": job.batch or job.planned.get("batch")}
+        return [config[key] if isinstance(config.get(key), int) else value for key, value in known.items()]
 
     def device_error(self, job):
         """Exit 5: probe the job's GPUs; a GPU that fails the probe, or has now failed two different jobs, is
@@ -1244,9 +1315,7 @@ def check_setup(opt):
              "whole run, or prefetch shards and pass -- --data '/path/c4/*.json.gz'"
              + (" (HF_HUB_OFFLINE is set: only what is in the HF cache can be read)"
                 if os.environ.get("HF_HUB_OFFLINE") else ""))
-    if os.environ.get("RUN_EXPERIMENTS_TRAINER") or opt.dry_run:
-        if not os.environ.get("RUN_EXPERIMENTS_TRAINER") and not (ROOT / "train_c4.py").is_file():
-            warn(f"{ROOT / 'train_c4.py'} not found (the plan is printed anyway)")
+    if os.environ.get("RUN_EXPERIMENTS_TRAINER"):
         return
     if not (ROOT / "train_c4.py").is_file():
         raise RunError(f"{ROOT / 'train_c4.py'} not found")
@@ -1270,11 +1339,14 @@ def main(argv):
         if opt.slurm:
             return submit_slurm(opt, jobs)
         gpus = discover_gpus(opt)
+        node = this_node(opt, gpus)
+        fill_node(opt, jobs, node.gpus)
         if opt.dry_run:
-            return dry_run(opt, jobs, gpus)
+            return dry_run(opt, jobs, node)
         if opt.requests is None:
             raise RunError("the matrix runs through run_experiments.sh (this process only decides): bash "
                            "run_experiments.sh " + shlex.join(argv))
+        check_before_launch(opt, jobs, node)
         try:
             opt.out.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -1286,6 +1358,11 @@ def main(argv):
     except RunError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_FAILED
+    except JobsRefused as error:
+        for line in str(error).splitlines():
+            print(f"{PROG}: error: {line}", file=sys.stderr)
+        print(f"{PROG}: nothing was launched", file=sys.stderr)
+        return EXIT_USAGE
     except LauncherGone:
         return EXIT_FAILED
     except KeyboardInterrupt:        # Ctrl-C during a dry run or its calibration

@@ -7,7 +7,7 @@ Reads every run folder under each RUNS_DIR (a folder with config.json, or with m
 status.json), tolerating the half-written last line of a running job, and merges them: several runs
 folders (e.g. one per node, or a parent holding them) give one report, and two copies of one run are
 refused. Writes to --report-dir:
-results.md (table, verdict, per-run table, plots), results.csv (one row per method x depth),
+results.md (table, published figures, verdict, per-run table, plots), results.csv (one row per arm x depth),
 runs.csv (one row per run) and four PNG plots. The table and the verdict are printed too.
 Exit 0 on success, 2 when no runs are found, a run is found twice or the arguments are wrong.
 
@@ -29,28 +29,55 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from contract import RUN_NAME
+from contract import ARM_DEFAULTS, COEFFICIENT_SUFFIX, RUN_NAME, RUN_NAME_SUFFIX, arm_settings
 
 # --- config / CLI: constants every later section reads ------------------------------------------
 
-METHOD_ORDER = ("baseline", "hc", "mhc")
-METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC"}
-METHOD_STYLE = {"baseline": {"color": "0.15", "ls": (0, (4, 3)), "lw": 1.4, "zorder": 4},   # dashed, on top:
-                "hc": {"color": "tab:red", "ls": "-", "lw": 1.6, "zorder": 3},             # it coincides
-                "mhc": {"color": "tab:blue", "ls": "-", "lw": 2.6, "zorder": 2}}           # with mHC at 1
+METHOD_ORDER = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc")
+CORE_METHODS = METHOD_ORDER[:3]         # the verdict says when one of these is missing at a depth
+METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC", "mhc-lite": "mHC-lite", "identity-hc": "identity-HC"}
+# One line width for all, and a marker shape each at staggered points: baseline and mHC coincide at a gain of 1
+# and their losses lie within 1 %, so neither colour nor width alone keeps both lines visible.
+METHOD_STYLE = {"baseline": {"color": "0.15", "ls": (0, (4, 3)), "marker": "o", "zorder": 4},
+                "hc": {"color": "tab:red", "ls": "-", "marker": "^", "zorder": 3},
+                "mhc": {"color": "tab:blue", "ls": "-", "marker": "s", "zorder": 2},
+                "mhc-lite": {"color": "tab:green", "ls": "-", "marker": "D", "zorder": 2},
+                "identity-hc": {"color": "tab:purple", "ls": (0, (1, 2)), "marker": "v", "zorder": 4}}
+LINE_WIDTH, MARKS = 1.5, 8      # markers per line
+# a method's further arms (other coefficients, iterations or preset) take these colours in turn, dashed when
+# their coefficients are per sequence
+ARM_COLORS = ("tab:orange", "tab:cyan", "tab:brown", "tab:pink", "tab:olive", "tab:gray", "gold", "navy", "lime")
+PRESET_OF_SUFFIX = {suffix: preset for preset, suffix in RUN_NAME_SUFFIX.items()}
+COEFFICIENTS_OF_SUFFIX = {suffix[1:]: kind for kind, suffix in COEFFICIENT_SUFFIX.items()}
 THRESHOLDS = (10.0, 100.0, 1000.0)      # composite gain levels whose first crossing step is reported
 FLAT = 0.05                     # the verdict calls gains within 1 ± FLAT "stayed within", else peaks
 GAP_S = 900.0                   # a longer pause between two log lines is downtime, not wall time
-PLOT_POINTS = 400               # longer curves are cut into this many step bins before plotting
-GRAD_POINTS = 200               # fewer for the gradient norm, whose spikes would otherwise crowd
+PLOT_POINTS = 400               # gain curves with more logged steps are averaged over windows down to this many
+LOSS_POINTS = 60                # step-to-step noise of the loss hides a 1 % gap: averaged down to this many points
+GRAD_POINTS = 60                # the gradient norm too, whose spikes would otherwise crowd the methods apart
 SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
                "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_study",
                "amax_fwd_converged", "amax_bwd_converged", "sinkhorn_converged_err", "sinkhorn_col_err",
                "sinkhorn_bwd_bound")
 LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd")
+# The published figures beside ours (results.md's reference block and the verdict), in one place: where from,
+# the method, the depth of the model (None: not ours to match), the figure, and which of our readings and arms
+# compares: the papers measure per token (our amax_fwd/amax_bwd, token coefficients), the study with its own
+# recipe (our amax_study) on its per-sequence model (--preset seed-study or --coefficients sequence).
+PAPERS_27B = "mHC paper (arXiv 2512.24880), 27B"
+STUDY = "public 1.7B study"
+PUBLISHED = (
+    (PAPERS_27B, "hc", None, "up to about 3000", ("peak_fwd", "peak_bwd"), "token"),
+    (PAPERS_27B, "mhc", None, "at most about 1.6", ("peak_fwd", "peak_bwd"), "token"),
+    (f"{STUDY}, 3 seeds", "hc", 32, "10,924 ± 3,247", ("peak_study",), "sequence"),
+    (f"{STUDY}, stress arm (3x lr)", "hc", 64, "14,765", ("peak_study",), "sequence"),
+    (STUDY, "mhc", 32, "1.00", ("peak_study",), "sequence"),
+)
+READING = {("peak_fwd", "peak_bwd"): "amax_fwd / amax_bwd", ("peak_study",): "amax_study"}
 
 
 class ReportError(Exception):
@@ -141,11 +168,37 @@ class Run:
     status: dict
     series: dict                 # SCALAR_KEYS -> Series of floats (NaN where null/NaN was logged)
     layers: dict                 # LAYER_KEYS -> Series of float32 arrays, one value per sublayer
+    preset: str = ""
+    sinkhorn_iters: int | None = None      # None: the method has no Sinkhorn projection
+    coefficients: str | None = None        # token|sequence; None: the method has no mixing coefficients
     tokens: float = math.nan
     wall_s: float = 0.0
     last_step: int | None = None
     bad_lines: int = 0           # unreadable lines other than a half-written last one
     first_bad_line: int = 0
+
+    @property
+    def arm(self):
+        return Arm(self.method, self.coefficients, self.sinkhorn_iters, self.preset)
+
+
+class Arm(NamedTuple):
+    """What sets a row, a plotted line and its colour apart: runs of two arms are never averaged together."""
+    method: str
+    coefficients: str | None
+    sinkhorn_iters: int | None
+    preset: str
+
+    def sort_key(self):
+        return self.preset, method_key(self.method), self.coefficients == "sequence", self.sinkhorn_iters or 0
+
+    def label(self, with_preset=False):
+        """'HC', 'mHC (100 it)', 'HC (per-sequence) [seed-study]': the method and what sets the arm apart."""
+        default_iters = self.sinkhorn_iters in (None, ARM_DEFAULTS["sinkhorn_iters"])
+        tags = [] if default_iters else [f"{self.sinkhorn_iters} it"]
+        tags += ["per-sequence"] if self.coefficients == "sequence" else []
+        name = METHOD_LABEL.get(self.method, self.method) + (f" ({', '.join(tags)})" if tags else "")
+        return f"{name} [{self.preset}]" if with_preset and self.preset else name
 
 
 def settings(config):
@@ -280,6 +333,18 @@ def identify(folder, config):
         return None
 
 
+def arm_of(folder, config, method):
+    """(preset, Sinkhorn iterations, coefficients) from config.json, else from the run name (hc_d32_s42_seq)."""
+    cfg = settings(config)
+    m = RUN_NAME.match(folder.name)
+    named = m.groupdict() if m else {}
+    preset = cfg.get("preset") if isinstance(cfg.get("preset"), str) else PRESET_OF_SUFFIX.get(named.get("suffix"), "")
+    iters = cfg.get("sinkhorn_iters") if isinstance(cfg.get("sinkhorn_iters"), int) else named.get("sinkhorn_iters")
+    coefficients = cfg.get("coefficients") if isinstance(cfg.get("coefficients"), str) \
+        else COEFFICIENTS_OF_SUFFIX.get(named.get("coefficients"))
+    return (preset, *arm_settings(method, preset, int(iters) if iters else None, coefficients))
+
+
 def load_run(folder):
     """Read one run folder; None (with a warning) when its method or depth cannot be told."""
     config = read_json(folder / "config.json")
@@ -290,6 +355,7 @@ def load_run(folder):
     run = Run(folder.name, folder, *ident, config=config or {},
               status=read_json(folder / "status.json") or {},
               series={k: Series() for k in SCALAR_KEYS}, layers={k: Series() for k in LAYER_KEYS})
+    run.preset, run.sinkhorn_iters, run.coefficients = arm_of(folder, config, run.method)
     clock = WallClock()
     try:
         clock = read_metrics(folder / "metrics.jsonl", run)
@@ -332,12 +398,11 @@ def load_runs(*roots):
 
 
 def refuse_copies(runs):
-    """Two folders of one run (its name, or its method, depth, seed and preset) would count it twice: copies from
-    two nodes, or runs that differ in a setting the table does not separate. Raises ReportError naming both."""
+    """Two folders of one run (its name, or its arm, depth and seed) would count it twice: copies from two nodes,
+    or runs that differ in a setting the table does not separate. Raises ReportError naming both."""
     seen = {}
     for run in runs:
-        keys = [run.name] + ([] if run.seed is None else
-                             [(run.method, run.depth, run.seed, str(settings(run.config).get("preset", "")))])
+        keys = [run.name] + ([] if run.seed is None else [(run.arm, run.depth, run.seed)])
         for key in keys:
             other = seen.setdefault(key, run)
             if other is not run:
@@ -374,6 +439,8 @@ class RunSummary:
     peak_col_err: float          # mHC: largest Sinkhorn column error of the H_res used
     peak_bwd_bound: float        # mHC: largest truncation bound prod(1 + column error) of the as-used amax_bwd
     arm: str                     # the preset it ran under: the matrix's main arm, a stress arm, the demo
+    sinkhorn_iters: int | None   # with the method and the preset: the arm (Arm) the run belongs to
+    coefficients: str | None
     data_seed: int | None
     precision: str               # config.json's precision policy, "unrecorded" for older runs
     max_dev: float               # largest |amax - 1| over both composites and all probe steps
@@ -444,7 +511,8 @@ def summarize(run):
         peak_converged=_peak(np.concatenate([s["amax_fwd_converged"][1], s["amax_bwd_converged"][1]])),
         converged_err=_peak(s["sinkhorn_converged_err"][1]), peak_col_err=_peak(s["sinkhorn_col_err"][1]),
         peak_bwd_bound=_peak(s["sinkhorn_bwd_bound"][1]),
-        arm=str(settings(run.config).get("preset", "")), data_seed=settings(run.config).get("data_seed"),
+        arm=run.preset, sinkhorn_iters=run.sinkhorn_iters, coefficients=run.coefficients,
+        data_seed=settings(run.config).get("data_seed"),
         precision=json.dumps(run.config.get("precision"), sort_keys=True) if run.config.get("precision")
         else "unrecorded",
         max_dev=_peak(dev),
@@ -487,13 +555,14 @@ class Row:
     depth: int
     runs: list
     stats: dict = field(default_factory=dict)     # STAT_FIELDS name -> Stat, plus "wall_h"
-    arm: str = ""
-    label_arm: bool = False                       # more than one arm in the table: the label names it
+    arm: str = ""                                 # the preset
+    label_arm: bool = False                       # more than one preset in the table: the label names it
+    sinkhorn_iters: int | None = None
+    coefficients: str | None = None
 
     @property
     def label(self):
-        name = METHOD_LABEL.get(self.method, self.method)
-        return f"{name} [{self.arm}]" if self.label_arm else name
+        return Arm(self.method, self.coefficients, self.sinkhorn_iters, self.arm).label(self.label_arm)
 
     @property
     def done(self):
@@ -516,20 +585,26 @@ def method_key(method):
     return (METHOD_ORDER.index(method), "") if method in METHOD_ORDER else (len(METHOD_ORDER), method)
 
 
+def summary_arm(s):
+    return Arm(s.method, s.coefficients, s.sinkhorn_iters, s.arm)
+
+
 def aggregate(summaries):
-    """Rows sorted by arm, depth, then method (baseline, HC, mHC, others): arms (presets such as the stress
-    arm) are never averaged together."""
+    """Rows sorted by preset, depth, then arm (baseline, HC, mHC, others; token before sequence coefficients,
+    fewer Sinkhorn iterations first): arms (a preset such as the stress arm, other coefficients or iterations)
+    are never averaged together."""
     groups = {}
     for s in summaries:
-        groups.setdefault((s.arm, s.depth, s.method), []).append(s)
-    several_arms = len({arm for arm, _, _ in groups}) > 1
+        groups.setdefault((summary_arm(s), s.depth), []).append(s)
+    several_presets = len({arm.preset for arm, _ in groups}) > 1
     rows = []
-    for arm, depth, method in sorted(groups, key=lambda k: (k[0], k[1], method_key(k[2]))):
-        runs = sorted(groups[arm, depth, method], key=lambda r: (r.seed is None, r.seed or 0, r.name))
+    for arm, depth in sorted(groups, key=lambda k: (k[0].preset, k[1], k[0].sort_key())):
+        runs = sorted(groups[arm, depth], key=lambda r: (r.seed is None, r.seed or 0, r.name))
         stats = {f: Stat.of([math.nan if f in FINAL_FIELDS and r.state == "diverged" else getattr(r, f)
                              for r in runs], fin) for f, fin in STAT_FIELDS.items()}
         stats["wall_h"] = Stat.of([r.wall_s / 3600 for r in runs])
-        rows.append(Row(method, depth, runs, stats, arm, several_arms))
+        rows.append(Row(arm.method, depth, runs, stats, arm.preset, several_presets, arm.sinkhorn_iters,
+                        arm.coefficients))
     return rows
 
 
@@ -577,14 +652,14 @@ def fmt_step(step):
 
 
 def fmt_stat(stat, fmt, total, with_std=True):
-    """'mean ± std', '± –' for one seed, '(n=k)' when fewer than all seeds had a value;
-    just 'inf' when a seed's value was infinite (the per-run table says which)."""
+    """'mean ± std', 'value (1 seed)' for one seed (no std to give), '(n=k)' when fewer than all seeds
+    had a value; just 'inf' when a seed's value was infinite (the per-run table says which)."""
     if stat.n == 0:
         return "–"
-    if math.isinf(stat.mean) or not with_std:
-        text = fmt(stat.mean)
-    else:
-        text = f"{fmt(stat.mean)} ± {fmt(stat.std, stat.mean) if stat.n > 1 else '–'}"
+    if stat.n == 1:
+        return f"{fmt(stat.mean)} (1 seed)"
+    with_std = with_std and not math.isinf(stat.mean)
+    text = f"{fmt(stat.mean)} ± {fmt(stat.std, stat.mean)}" if with_std else fmt(stat.mean)
     return text if stat.n == total else f"{text} (n={stat.n})"
 
 
@@ -601,8 +676,22 @@ def fmt_diverged(row):
     return "0" if not d else f"{len(d)}: " + ", ".join(f"s{r.seed}@{fmt_step(r.step)}" for r in d)
 
 
+def main_columns():
+    """(header, cell(row) -> str) for the table read first: at most 8 columns, the question's numbers."""
+    def st(name, fmt):
+        return lambda row: fmt_stat(row.stats[name], fmt, len(row.runs))
+    return [
+        ("method", lambda row: row.label), ("depth", lambda row: str(row.depth)),
+        ("seeds done/total", lambda row: f"{row.done}/{len(row.runs)}"),
+        ("final val loss", st("final_val", fmt_loss)),
+        ("peak amax_fwd", st("peak_fwd", fmt_gain)), ("peak amax_bwd", st("peak_bwd", fmt_gain)),
+        (f"first >{THRESHOLDS[0]:g}× step (per seed)", lambda row: per_seed(row, crossing(THRESHOLDS[0]))),
+        ("diverged", fmt_diverged),
+    ]
+
+
 def table_columns():
-    """(header, cell(row) -> str) for the main table, in display order."""
+    """(header, cell(row) -> str) for the wide table with every statistic, in display order."""
     def st(name, fmt, with_std=True):
         return lambda row: fmt_stat(row.stats[name], fmt, len(row.runs), with_std)
     return [
@@ -683,7 +772,7 @@ def markdown(columns, items):
 
 
 TABLE_NOTES = f"""\
-- mean ± std over seeds; std is the sample standard deviation (ddof=1), "–" with a single seed.
+- mean ± std over seeds; std is the sample standard deviation (ddof=1); "(1 seed)": one value, no spread.
   "(n=k)": only k seeds had a (finite) value. Final = the last value logged (a running run
   contributes its latest); diverged runs are left out of the final losses but not of best val loss.
 - seeds done/total: runs with status "completed" / run folders found.
@@ -702,7 +791,9 @@ def csv_rows(rows):
     """Numeric columns for results.csv: *_mean, *_std, *_n per statistic, per-seed lists joined by ';'."""
     out = []
     for row in rows:
-        d = {"method": row.method, "depth": row.depth, "seeds_done": row.done, "seeds_total": len(row.runs),
+        d = {"method": row.method, "depth": row.depth, "coefficients": row.coefficients or "",
+             "sinkhorn_iters": row.sinkhorn_iters or "", "preset": row.arm, "seeds_done": row.done,
+             "seeds_total": len(row.runs),
              "seeds": ";".join(str(r.seed) for r in row.runs)}
         for name, st in row.stats.items():
             d.update({f"{name}_mean": st.mean, f"{name}_std": st.std, f"{name}_n": st.n})
@@ -767,16 +858,22 @@ def _crossed(row, threshold):
     return f"first above {threshold:g}× at step {per_seed(row, crossing(threshold))} (per seed)"
 
 
+def truncation_evidence(converged):
+    """mHC runs with converged gains: (distance of the converged gains from 1, whether every as-used backward
+    gain stays under its truncation bound). Both small/true: the as-used distance from 1 is truncation."""
+    conv_dev = max(abs(r.peak_converged - 1) for r in converged)
+    return conv_dev, all(r.peak_bwd <= r.peak_bwd_bound * (1 + 1e-9) for r in converged)
+
+
 def truncation(row, probed):
     """mHC: whether the as-used gains' distance from 1 is Sinkhorn truncation (words), or ''."""
     converged = [r for r in probed if not math.isnan(r.peak_converged)]
     if not converged:
         return ""
-    conv_dev = max(abs(r.peak_converged - 1) for r in converged)
+    conv_dev, within = truncation_evidence(converged)
     left = max((r.converged_err for r in converged if not math.isnan(r.converged_err)), default=math.nan)
     reached = "" if math.isnan(left) else f" (every row and column sum within {fmt_dev(left)} of 1)"
     bound, err = max(r.peak_bwd_bound for r in converged), max(r.peak_col_err for r in converged)
-    within = all(r.peak_bwd <= r.peak_bwd_bound * (1 + 1e-9) for r in converged)
     if conv_dev < 1e-3 and within:
         return (f" Projected to convergence{reached} the same mixing logits give 1 ± {fmt_dev(conv_dev)}; the as-used "
                 f"backward gain (up to {fmt_gain(max(r.peak_bwd for r in converged))}) stays under the bound "
@@ -785,6 +882,47 @@ def truncation(row, probed):
     return (f" Projected to convergence the same mixing logits give up to 1 ± {fmt_dev(conv_dev)}"
             f"{'' if within else ', and the as-used backward gain exceeds the truncation bound'}: more than "
             "Sinkhorn truncation explains; check the probe.")
+
+
+def published_matches(rows, method, depth, fields, coefficients):
+    """'value (label, depth d)' of each of our rows that compares with one published figure."""
+    found = []
+    for row in rows:
+        if (row.method, row.coefficients) != (method, coefficients) or depth not in (None, row.depth):
+            continue
+        means = [row.stats[f].mean for f in fields if not math.isnan(row.stats[f].mean)]
+        if means:
+            found.append(f"{fmt_gain(max(means))} ({row.label}, depth {row.depth})")
+    return found
+
+
+def reference_block(rows):
+    """results.md's reference block: the published figures, the reading and arm of ours each compares with,
+    and our figure where this report has that arm."""
+    columns = [("published", lambda p: p[0]), ("method", lambda p: METHOD_LABEL[p[1]]),
+               ("depth", lambda p: "–" if p[2] is None else str(p[2])), ("peak composite gain", lambda p: p[3]),
+               ("our reading", lambda p: READING[p[4]]),
+               ("our arm", lambda p: "token coefficients (default)" if p[5] == "token" else
+                "--preset seed-study or --coefficients sequence"),
+               ("ours here", lambda p: "; ".join(published_matches(rows, p[1], p[2], p[4], p[5])) or "no such run")]
+    return [markdown(columns, PUBLISHED), "",
+            "The papers' figures are per token, on a 27B model: compare them with amax_fwd and amax_bwd of our "
+            "token-coefficient arms. The public study's figures use its own recipe (H averaged over the batch, "
+            "multiplied in reverse order, the larger of the largest absolute row and column sums: our amax_study) "
+            "on its own model, whose coefficients come from the streams pooled over the sequence: compare them with "
+            "amax_study of our seed-study arm (--preset seed-study), not with our per-token readings."]
+
+
+def reference_verdict(rows):
+    """One verdict line: our figures beside the published ones they compare with."""
+    pairs = [f"{METHOD_LABEL[method]} {READING[fields]} {' / '.join(ours)} against {figure} ({source}"
+             + (f", depth {depth})" if depth else ")")
+             for source, method, depth, figure, fields, coefficients in PUBLISHED
+             for ours in [published_matches(rows, method, depth, fields, coefficients)] if ours]
+    if not pairs:
+        return ("**published figures**: no arm here compares directly (per-token amax_fwd/amax_bwd of HC or mHC "
+                "for the papers, amax_study of the seed-study arm for the public study); see the reference block.")
+    return "**published figures**: " + "; ".join(pairs) + "."
 
 
 def verdict_gain(row):
@@ -817,20 +955,64 @@ def verdict_loss(rows):
     return f"Final val loss (mean ± sample std): {', '.join(parts)}." if parts else "No val loss logged yet."
 
 
+def arm_depths(rows):
+    """(where, rows) per arm and depth, in table order: 'depth 48', or 'stress arm, depth 48' with several arms."""
+    for arm, depth in sorted({(r.arm, r.depth) for r in rows}):
+        at = [r for r in rows if (r.arm, r.depth) == (arm, depth)]
+        yield (f"{arm} arm, depth {depth}" if at[0].label_arm else f"depth {depth}"), at
+
+
+def headline_gain(row):
+    """A few words on one method's composite gain: 'HC amplifies 45× (above 10× at step 140)', 'mHC 1.000
+    (backward 1.150 from Sinkhorn truncation)'; '' for a baseline at exactly 1 (nothing to say)."""
+    probed = [r for r in row.runs if r.has_probe]
+    if not probed:
+        return f"{row.label} not probed yet"
+    if row.method == "baseline" and max(r.max_dev for r in probed) < 1e-6:
+        return ""
+    fwd, bwd = row.stats["peak_fwd"].mean, row.stats["peak_bwd"].mean
+    converged = [r for r in probed if not math.isnan(r.peak_converged)]
+    conv_dev, within = truncation_evidence(converged) if converged else (math.nan, False)
+    truncated = conv_dev < 1e-3 and within
+    if max(fwd, bwd) >= 1 + FLAT and not truncated:
+        level = THRESHOLDS[0]
+        when = (f"never above {level:g}×" if all(r.first_above[level] is None for r in probed)
+                else f"above {level:g}× at step {per_seed(row, crossing(level))}")
+        return f"{row.label} amplifies {fmt_gain(max(fwd, bwd))}× ({when})"
+    text = f"{row.label} {fmt_gain(fwd)}"
+    if fmt_gain(bwd) == fmt_gain(fwd):
+        return text
+    return f"{text} (backward {fmt_gain(bwd)}{' from Sinkhorn truncation' if truncated else ''})"
+
+
+def headline(rows):
+    """The first lines of results.md: per arm and depth, the gains in one line and the losses in another."""
+    lines = []
+    for where, at in arm_depths(rows):
+        fewest, most = min(len(r.runs) for r in at), max(len(r.runs) for r in at)
+        seeds = f"{most} seed{'s' if most > 1 else ''}" if fewest == most else f"{fewest} to {most} seeds"
+        gains = [g for g in map(headline_gain, at) if g] or ["baseline only"]
+        div = [f"{len(r.diverged)} of {len(r.runs)} {r.label} runs diverged" for r in at if r.diverged]
+        losses = [f"{r.label} {fmt_loss(r.stats['final_val'].mean)}" for r in at if r.stats["final_val"].n]
+        lines.append(f"**{where}** ({seeds}): "
+                     + "; ".join(gains + div) + ".  ")
+        lines.append(f"Final val loss: {', '.join(losses)}." if losses else "No val loss logged yet.")
+        lines.append("")
+    return lines[:-1]
+
+
 def verdict(rows):
     """Markdown lines, one paragraph per arm and depth; missing methods are said, not guessed."""
     lines = []
-    for arm, depth in sorted({(r.arm, r.depth) for r in rows}):
-        at = [r for r in rows if (r.arm, r.depth) == (arm, depth)]
+    for where, at in arm_depths(rows):
         have = {r.method for r in at}
         parts = [verdict_gain(r) for r in at]
-        parts += [f"No {METHOD_LABEL[m]} runs at depth {depth}." for m in METHOD_ORDER if m not in have]
+        parts += [f"No {METHOD_LABEL[m]} runs at depth {at[0].depth}." for m in CORE_METHODS if m not in have]
         div = [f"{len(r.diverged)} of {len(r.runs)} {r.label} runs diverged"
                for r in at if r.diverged]
         if div:
             parts.append("; ".join(div) + ".")
         parts.append(verdict_loss(at))
-        where = f"{arm} arm, depth {depth}" if at[0].label_arm else f"depth {depth}"
         lines.append(f"**{where}**: " + " ".join(parts))
     return lines
 
@@ -849,20 +1031,31 @@ class Band:
     full_hi: np.ndarray
 
 
-def bin_curves(curves, points=PLOT_POINTS, geometric=False):
-    """Band of seeds' (steps, values), or None. With more than `points` distinct steps the steps
-    are cut into `points` equal bins; otherwise every distinct step is its own bin. Non-finite
-    values are skipped; `geometric` averages in log space (for values spanning decades)."""
+def smoothing_window(curves, points):
+    """Steps per averaging window so that the curves keep about `points` points: 1 (every logged step)
+    when they have no more distinct steps than that."""
+    steps = np.unique(np.concatenate([s for s, _ in curves] or [np.array([])]))
+    return 1 if steps.size <= points else math.ceil((steps[-1] - steps[0] + 1) / points)
+
+
+def window_words(window):
+    return "every logged step" if window == 1 else f"mean over {window}-step windows"
+
+
+def bin_curves(curves, window=1, geometric=False):
+    """Band of seeds' (steps, values), or None. Window 1: every distinct step is its own bin; else
+    `window` consecutive steps from the first logged one share a bin. Non-finite values are skipped; `geometric`
+    averages in log space (for values spanning decades)."""
     curves = [(s, np.log(np.where(v > 0, v, np.nan)) if geometric else v) for s, v in curves if s.size]
     if not curves:
         return None
     steps = np.unique(np.concatenate([s for s, _ in curves]))
-    if steps.size <= points:
+    if window == 1:
         x, locate = steps.astype(np.float64), (lambda s: np.searchsorted(steps, s))
     else:
-        edges = np.linspace(steps[0], steps[-1], points + 1)
-        x = (edges[:-1] + edges[1:]) / 2
-        locate = lambda s: np.clip(np.searchsorted(edges, s, side="right") - 1, 0, points - 1)  # noqa: E731
+        first = int(steps[0])
+        x = first + np.arange((int(steps[-1]) - first) // window + 1) * window + (window - 1) / 2
+        locate = lambda s: (np.asarray(s, dtype=np.int64) - first) // window  # noqa: E731
     mean, lo, hi = (np.stack(a) for a in zip(*[_reduce_bins(locate(s), v, x.size) for s, v in curves]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)          # bins that no seed reached
@@ -884,11 +1077,41 @@ def _reduce_bins(bins, values, n):
     return np.bincount(bins, weights=values, minlength=n) / count, lo, hi
 
 
+class Look(NamedTuple):
+    """How one arm is drawn: its legend label and matplotlib line style."""
+    label: str
+    color: str
+    ls: object
+    marker: str
+    zorder: int
+    index: int          # its place among the arms: staggers its markers against the others'
+
+    @property
+    def style(self):
+        return {k: v for k, v in self._asdict().items() if k not in ("label", "index")}
+
+
+def arm_looks(arms):
+    """{arm: Look}: the first plain arm of a method (token coefficients, default iterations) keeps the method's
+    colour; every other arm takes the next of ARM_COLORS, dashed with per-sequence coefficients."""
+    looks, spare = {}, iter(ARM_COLORS * (1 + len(arms) // len(ARM_COLORS)))
+    several_presets = len({a.preset for a in arms}) > 1
+    for arm in sorted(arms, key=Arm.sort_key):
+        plain = arm.coefficients != "sequence" and arm.sinkhorn_iters in (None, ARM_DEFAULTS["sinkhorn_iters"])
+        if plain and arm.method not in {a.method for a in looks}:
+            style = METHOD_STYLE.get(arm.method, {"color": next(spare), "ls": "-", "marker": "P", "zorder": 2})
+        else:
+            style = {"color": next(spare), "ls": "--" if arm.coefficients == "sequence" else "-",
+                     "marker": METHOD_STYLE.get(arm.method, {}).get("marker", "P"), "zorder": 3}
+        looks[arm] = Look(arm.label(several_presets), **style, index=len(looks))
+    return looks
+
+
 def group_runs(runs):
-    """{depth: {method: [runs]}} in display order."""
-    out = {}
-    for r in sorted(runs, key=lambda r: (r.depth, method_key(r.method), r.seed or 0)):
-        out.setdefault(r.depth, {}).setdefault(r.method, []).append(r)
+    """{depth: {Look: [runs]}}, one Look per arm, in display order."""
+    looks, out = arm_looks({r.arm for r in runs}), {}
+    for r in sorted(runs, key=lambda r: (r.depth, r.arm.sort_key(), r.seed or 0)):
+        out.setdefault(r.depth, {}).setdefault(looks[r.arm], []).append(r)
     return out
 
 
@@ -898,20 +1121,24 @@ def new_figure(n_rows, n_cols, height=3.3, width=6.2):
     return fig, fig.subplots(n_rows, n_cols, squeeze=False)
 
 
-def style_of(method):
-    return METHOD_STYLE.get(method, {"color": "tab:green", "ls": "-", "lw": 1.6, "zorder": 2})
+def line_style(look, n_points):
+    """Matplotlib keywords of an arm's line of n_points: markers spaced evenly, shifted per arm so that
+    coinciding lines show their markers side by side."""
+    every = max(MARKS, n_points // MARKS)
+    shift = look.index * every // MARKS % every
+    return {**look.style, "lw": LINE_WIDTH, "ms": 5, "mfc": "white", "markevery": (shift, every)}
 
 
-def draw_method(ax, method, runs, key, points=PLOT_POINTS, geometric=False, envelope=False):
-    """One method's mean line on ax with its seed min–max band, or with a thin line through the
+def draw_method(ax, look, runs, key, window=1, geometric=False, envelope=False):
+    """One arm's mean line on ax with its seed min–max band, or with a thin line through the
     largest value of each bin (`envelope`, for spikes); an X where a run diverged.
     Returns the plotted arrays (for axis scaling)."""
-    band = bin_curves([r.series[key].arrays() for r in runs], points, geometric)
+    band = bin_curves([r.series[key].arrays() for r in runs], window, geometric)
     if band is None or not np.isfinite(band.line).any():
         return []
-    style = style_of(method)
     ok = np.isfinite(band.line)
-    label = f"{METHOD_LABEL.get(method, method)} ({_seeds(len(runs))})"
+    style = line_style(look, int(ok.sum()))
+    label = f"{look.label} ({_seeds(len(runs))})"
     ax.plot(band.x[ok], band.line[ok], label=label, **style)
     if envelope:
         ax.plot(band.x[ok], band.full_hi[ok], color=style["color"], lw=0.7, alpha=0.75, zorder=1)
@@ -921,11 +1148,11 @@ def draw_method(ax, method, runs, key, points=PLOT_POINTS, geometric=False, enve
         if len(runs) > 1:
             ax.fill_between(band.x[ok], plotted[1], plotted[2], color=style["color"], alpha=0.18, lw=0,
                             zorder=style["zorder"] - 1)
-    mark_diverged(ax, method, runs, key)
+    mark_diverged(ax, look, runs, key)
     return plotted
 
 
-def mark_diverged(ax, method, runs, key):
+def mark_diverged(ax, look, runs, key):
     """An X at the last finite value of each diverged run, so a stopped line is not misread."""
     pts = []
     for r in runs:
@@ -935,17 +1162,19 @@ def mark_diverged(ax, method, runs, key):
             pts.append((s[ok[-1]], v[ok[-1]], r.seed))
     if pts:
         xs, ys, seeds = zip(*pts)
-        label = f"{METHOD_LABEL.get(method, method)} diverged (seed {', '.join(map(str, seeds))})"
-        ax.plot(xs, ys, ls="none", marker="X", ms=9, mec="black", mew=0.8, color=style_of(method)["color"],
+        label = f"{look.label} diverged (seed {', '.join(map(str, seeds))})"
+        ax.plot(xs, ys, ls="none", marker="X", ms=9, mec="black", mew=0.8, color=look.color,
                 zorder=5, label=label)
 
 
-def plot_panel(ax, by_method, key, title, legend_outside=False, **kw):
-    """All methods of one depth on one axis; returns the plotted arrays (empty if none)."""
+def plot_panel(ax, by_method, key, title, points=PLOT_POINTS, legend_outside=False, **kw):
+    """All arms of one depth on one axis, averaged over one window of steps (named in the title) that
+    leaves about `points` points; returns the plotted arrays (empty if none)."""
+    window = smoothing_window([r.series[key].arrays() for runs in by_method.values() for r in runs], points)
     plotted = []
-    for method, runs in by_method.items():
-        plotted += draw_method(ax, method, runs, key, **kw)
-    ax.set_title(title, fontsize=10)
+    for look, runs in by_method.items():
+        plotted += draw_method(ax, look, runs, key, window, **kw)
+    ax.set_title(f"{title} ({window_words(window)})", fontsize=10)
     ax.set_xlabel("step")
     ax.grid(True, which="major", alpha=0.3)
     if plotted and legend_outside:
@@ -999,11 +1228,11 @@ def plot_loss(runs, path):
     groups = group_runs(runs)
     fig, axes = new_figure(len(groups), 2)
     for (depth, by_method), (ax_t, ax_v) in zip(groups.items(), axes):
-        focus_loss(ax_t, plot_panel(ax_t, by_method, "loss", f"depth {depth}: train loss"))
-        focus_loss(ax_v, plot_panel(ax_v, by_method, "val_loss", f"depth {depth}: validation loss"))
+        focus_loss(ax_t, plot_panel(ax_t, by_method, "loss", f"depth {depth}: train loss", LOSS_POINTS))
+        focus_loss(ax_v, plot_panel(ax_v, by_method, "val_loss", f"depth {depth}: validation loss", LOSS_POINTS))
         for ax in (ax_t, ax_v):
             ax.set_ylabel("loss (nats/token)")
-    fig.suptitle(f"Loss: line = mean over seeds (train: averaged in {PLOT_POINTS} step bins), "
+    fig.suptitle("Loss: line = mean over seeds of each window's mean (window in each title), "
                  "band = seed min–max; y axis zoomed past the first 10% of steps", fontsize=11)
     return save(fig, path)
 
@@ -1023,14 +1252,14 @@ def plot_grad_norm(runs, path):
     fig, axes = new_figure(len(groups), 1, width=11.5)
     for (depth, by_method), (ax,) in zip(groups.items(), axes):
         vals = plot_panel(ax, by_method, "grad_norm", f"depth {depth}: pre-clip gradient norm",
-                          points=GRAD_POINTS, geometric=True, envelope=True, legend_outside=True)
+                          GRAD_POINTS, geometric=True, envelope=True, legend_outside=True)
         ax.set_ylabel("grad norm (pre-clip)")
         scale_y(ax, vals, spread=10.0)
         clip = clip_value(by_method)
         if clip:
             mark_level(ax, clip, f"clip {clip:g}", vals)
-    fig.suptitle(f"Pre-clip gradient norm in {GRAD_POINTS} step bins: thick line = geometric mean "
-                 "(mean over seeds), thin line = largest value of any seed in the bin (spikes)", fontsize=11)
+    fig.suptitle("Pre-clip gradient norm: line = geometric mean per window (mean over seeds), "
+                 "thin line = largest value of any seed in the window (spikes)", fontsize=11)
     return save(fig, path)
 
 
@@ -1285,12 +1514,14 @@ def matrix_notes(summaries):
 
 def results_markdown(roots, rows, summaries, verdict_lines, plots, notes):
     n = len(summaries)
-    parts = [f"# Results: {', '.join(map(str, roots))}", "",
+    parts = [f"# Results: {', '.join(map(str, roots))}", "", *headline(rows), "",
+             "## Table", "", markdown(main_columns(), rows), "",
              f"{n} run{'s' if n != 1 else ''}, {len(rows)} method × depth rows; "
-             f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py.", "",
-             "## Table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
-             "## Amplification: three readings", "", markdown(gain_columns(), rows), "", GAIN_NOTES, "",
+             f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by report.py. Notes under the full table.", "",
              "## Verdict", "", *[f"- {v}" for v in verdict_lines], "",
+             "## Published figures", "", *reference_block(rows), "",
+             "## Amplification: three readings", "", markdown(gain_columns(), rows), "", GAIN_NOTES, "",
+             "## Full table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
              "## Runs", "", markdown(run_columns(), summaries), "", "## Plots", ""]
     parts += [f"![{p.stem}]({p.name})" for p in plots] + [f"- {note}" for note in notes]
     return "\n".join(parts) + "\n"
@@ -1308,9 +1539,9 @@ def report(roots, out=None, heatmap_run=None, with_plots=True):
                           "or metrics.jsonl and status.json)")
     heat = pick_heatmap_run(runs, heatmap_run)
     summaries = sorted((summarize(r) for r in runs),
-                       key=lambda s: (s.arm, s.depth, method_key(s.method), s.seed or 0, s.name))
+                       key=lambda s: (s.arm, s.depth, summary_arm(s).sort_key(), s.seed or 0, s.name))
     rows = aggregate(summaries)
-    verdict_lines = verdict(rows)
+    verdict_lines = verdict(rows) + [reference_verdict(rows)]
     out = Path(out) if out is not None else default_out(roots)
     out.mkdir(parents=True, exist_ok=True)
     plots, notes = write_plots(runs, heat, out) if with_plots else ([], ["plots skipped (--no-plots)."])
@@ -1318,8 +1549,8 @@ def report(roots, out=None, heatmap_run=None, with_plots=True):
     write_csv(out / "results.csv", csv_rows(rows))
     write_csv(out / "runs.csv", run_csv_rows(summaries))
     buf = io.StringIO()
-    print(markdown(table_columns(), rows), "", markdown(gain_columns(), rows), *matrix_notes(summaries), "",
-          "\n\n".join(verdict_lines), *notes, sep="\n", file=buf)
+    print(*headline(rows), "", markdown(main_columns(), rows), "", markdown(gain_columns(), rows),
+          *matrix_notes(summaries), "", "\n\n".join(verdict_lines), *notes, sep="\n", file=buf)
     names = ", ".join(["results.csv", "runs.csv", *(p.name for p in plots)])
     print(f"\nwrote {out / 'results.md'}, {names}", file=buf)
     return rows, buf.getvalue()

@@ -3,12 +3,16 @@
 #
 #   bash run_experiments.sh [--full|--quick|--stress|--demo] [options] [-- extra train_c4.py flags]
 #   bash run_experiments.sh --help          (all options, exit statuses, files written, environment)
+#   bash run_experiments.sh --check [--out DIR]   (the GPU path on this node's first GPU: benchmarks/gpu_check.py)
 #
 # This file is process control only: it starts matrix.py, which parses the flags, plans the matrix and
 # decides (which job next, on which GPUs, what an exit code means), and carries out its requests: take
 # the lock, probe GPUs, launch a job in its own process group, wait for exits and signals, signal the
 # jobs. The requests and their answers are listed in matrix.py's docstring. --help, --dry-run and
 # --summary are answered by matrix.py alone.
+#
+# A dropped SSH session does not stop a matrix: SIGHUP is ignored, and when the output goes to a terminal it
+# is relayed, so that writes to a terminal that has gone away fail in the relay, not in matrix.py.
 #
 # Environment: RUN_EXPERIMENTS_PYTHON (python for matrix.py and the default trainer; default .venv/bin/python
 # next to this script, else python3), RUN_EXPERIMENTS_PROBE (GPU health probe command; gets the GPU index
@@ -32,6 +36,11 @@ else
     echo "$PROG: no .venv found in $ROOT: run 'bash setup.sh' first (using $PY for now)" >&2
 fi
 command -v "$PY" >/dev/null 2>&1 || { echo "$PROG: error: python '$PY' not found; run 'bash setup.sh'" >&2; exit 1; }
+CHECK=0 CHECK_ARGS=()    # --check: the rest goes to the check, which refuses what it does not take
+for arg in "$@"; do
+    if [[ $arg == --check ]]; then CHECK=1; else CHECK_ARGS+=("$arg"); fi
+done
+((CHECK)) && exec "$PY" "$ROOT/benchmarks/gpu_check.py" "${CHECK_ARGS[@]}"
 if ! command -v setsid >/dev/null 2>&1; then
     echo "$PROG: error: setsid not found (util-linux): it puts each job in its own process group" >&2
     exit 1
@@ -174,9 +183,19 @@ answer() {   # answer REQUEST...: its lines, the signals received meanwhile, the
     echo end
 }
 
+relay() {   # copies lines to stdout while it can; a write to a hung-up terminal fails here and reading goes on,
+    # so matrix.py never blocks on a full pipe or dies of a broken one. Ctrl-C is for the launcher, not for this.
+    trap '' INT HUP
+    local line
+    while IFS= read -r line || [[ -n $line ]]; do printf '%s\n' "$line" 2>/dev/null; done
+}
+
 # ---------------------------------------------------------------------------------------------
 # The conversation: two named pipes to matrix.py, requests one per line in shell-quoted words
 # ---------------------------------------------------------------------------------------------
+trap '' HUP              # inherited by matrix.py and the jobs: a dropped SSH session stops nothing
+[[ ! -t 1 ]] || exec 1> >(relay)
+[[ ! -t 2 ]] || exec 2> >(relay >&2)
 PIPES=$(mktemp -d "${TMPDIR:-/tmp}/run_experiments.XXXXXX") || exit 1
 trap 'rm -rf "$PIPES"' EXIT
 mkfifo "$PIPES/requests" "$PIPES/replies" || exit 1

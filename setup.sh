@@ -65,7 +65,9 @@ cfg = T.parse_config(["--preset", "tiny", "--residual", "mhc"])
 logits = T.GPT(cfg)(torch.zeros(1, 8, dtype=torch.long))
 assert logits.shape == (1, 8, 256) and torch.isfinite(logits).all()
 cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "CPU only"
-print(f"setup.sh: ready (torch {torch.__version__}, {cuda}); try: bash run_experiments.sh --demo")
+print(f"setup.sh: ready (torch {torch.__version__}, {cuda}). Next: bash run_experiments.sh --demo (CPU minutes)"
+      + (" or --check (this node's GPU path)" if torch.cuda.is_available() else "")
+      + "; the trainer is .venv/bin/python train_c4.py --help (or run 'source .venv/bin/activate' first)")
 PY
 
 if [[ $PREFETCH -gt 0 ]]; then

@@ -20,10 +20,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import plan  # noqa: E402
 import train_c4 as T  # noqa: E402
 from bench_step import Variant  # noqa: E402
-
-GiB = 2 ** 30
+from plan import GiB  # noqa: E402
 
 
 def measured_peak(cfg: T.Config, micro: int, device: torch.device, steps: int = 2) -> float | None:
@@ -57,13 +57,13 @@ def main(argv=None) -> int:
         preset = ["--preset", "tiny"] if args.smoke else []
         cfg = T.parse_config([*preset, "--depth", str(depth), "--residual", args.residual])
         micro = min(args.micro_batch, cfg.batch_size)
-        plan = T.memory_plan(cfg, micro)
+        memory = plan.memory_plan(T.GPT, cfg, micro)
         peak = measured_peak(cfg, micro, device)
         rows.append({"depth": depth, "residual": args.residual, "micro_batch": micro,
-                     "planned_allocated_gib": round(plan.allocated / GiB, 2),
-                     "planned_total_gib": round(plan.total / GiB, 2), "card_gib": round(plan.card / GiB, 1),
+                     "planned_allocated_gib": round(memory.allocated / GiB, 2),
+                     "planned_total_gib": round(memory.total / GiB, 2), "card_gib": round(memory.card / GiB, 1),
                      "measured_peak_gib": None if peak is None else round(peak / GiB, 2),
-                     "measured_over_planned": None if peak is None else round(peak / plan.allocated, 3)})
+                     "measured_over_planned": None if peak is None else round(peak / memory.allocated, 3)})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": T.device_name(device),

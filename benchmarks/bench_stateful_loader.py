@@ -1,4 +1,4 @@
-"""torchdata's StatefulDataLoader in place of our loader processes (LoaderProcesses, _StepShares), reading the
+"""torchdata's StatefulDataLoader in place of our loader processes (Loader, _StepShares), reading the
 same streams in the same worker split: exact resume, resume under another worker count, and tokens/s.
 
     python benchmarks/bench_stateful_loader.py [--seconds 15] [--workers 2] [--snapshot-every 1 1000]
@@ -64,7 +64,7 @@ def build(data: str, streams: int, micro: int, workers: int, snapshot: int) -> S
 
 
 def steps(loader: StatefulDataLoader, count: int, workers: int) -> list[torch.Tensor]:
-    """`count` whole steps: the workers' shares put back in batch order, as LoaderProcesses does."""
+    """`count` whole steps: the workers' shares put back in batch order, as Loader does."""
     shares, out = iter(loader), []
     for _ in range(count):
         parts = [next(shares) for _ in range(workers)]
@@ -129,7 +129,7 @@ def main() -> None:
         print(f"StatefulDataLoader, snapshot every {snapshot}: {delivered:,.0f} tokens/s, training process "
               f"{cpu:.3f} CPU s per M tokens")
     delivered, cpu = measure(args.data, args.streams, args.seconds, args.micro, args.workers)
-    print(f"LoaderProcesses ({args.workers} workers): {delivered:,.0f} tokens/s, training process {cpu:.3f} CPU s "
+    print(f"Loader ({args.workers} processes): {delivered:,.0f} tokens/s, training process {cpu:.3f} CPU s "
           f"per M tokens")
     print(f"load average {os.getloadavg()[0]:.1f}")
 

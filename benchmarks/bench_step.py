@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py                          # CPU fp32, widths 256 and 512, depth 4, seq 256, B 8, n 4
     python benchmarks/bench_step.py --compile                # the same with torch.compile per block
+    python benchmarks/bench_step.py --kernels reference,fused   # HC and mHC on both paths, each against its baseline
     python benchmarks/bench_step.py --device cuda --dtype bf16 --width 2048 --depth 8 --seq 1024 --record
     python benchmarks/bench_step.py --memory                 # saved-activation bytes, with and without checkpointing
     python benchmarks/bench_step.py --smoke                  # CI: a tiny model, two steps, no timing claims
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(50304: at width 512 its head is 2/3 of the FLOPs and dilutes the stream cost)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of baseline,hc,mhc")
     p.add_argument("--compile", action="store_true", help="torch.compile each block, as the trainer's --compile")
+    p.add_argument("--kernels", default="auto",
+                   help="the trainer's --kernels (auto, reference, fused), or a comma-separated list: every variant "
+                   "once per path, labelled @path, timed interleaved (the baseline too: its two runs show the noise)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compile happens here)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
@@ -81,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.heads_given = args.heads
     at_width(args, args.widths[0])
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not args.kernels or not set(args.kernels) <= {"auto", "reference", "fused"} \
+            or len(set(args.kernels)) < len(args.kernels):
+        p.error("--kernels must be distinct values of auto,reference,fused")
     if not set(args.variants) <= set(VARIANTS) or not args.variants:
         p.error(f"--variants must be a subset of {','.join(VARIANTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -92,7 +100,7 @@ def at_width(args, width: int) -> None:
     args.width, args.heads = width, args.heads_given or max(1, width // 64)
 
 
-def config(args, residual: str, checkpointing: bool | None = None, module=T) -> T.Config:
+def config(args, residual: str, checkpointing: bool | None = None, module=T, kernels: str | None = None) -> T.Config:
     argv = ["--residual", residual, "--depth", str(args.depth), "--width", str(args.width), "--heads", str(args.heads),
             "--expansion", str(args.n), "--seq-len", str(args.seq), "--tokenizer", args.tokenizer,
             "--micro-batch-size", str(args.micro_batch), "--batch-size", str(args.micro_batch),
@@ -101,7 +109,23 @@ def config(args, residual: str, checkpointing: bool | None = None, module=T) -> 
         argv.append("--activation-checkpointing")
     if args.compile:
         argv.append("--compile")
+    if (kernels or args.kernels[0]) != "auto":               # trainers from before --kernels know only their one path
+        argv += ["--kernels", kernels or args.kernels[0]]
     return module.parse_config(argv)
+
+
+def build_model(cfg: T.Config, device: torch.device, module=T, use_flash: bool = False):
+    """The trainer's GPT on the kernel path a run of it would take on this device."""
+    if hasattr(module, "use_fused_kernels"):
+        return module.GPT(cfg, use_flash, module.use_fused_kernels(cfg, device))
+    return module.GPT(cfg, use_flash)
+
+
+def trainers(args) -> list[tuple[str, object, str]]:
+    """(label, trainer module, --kernels) for each set of variants: this trainer once per --kernels path (labelled by
+    it when there are several), then each --against trainer on its own default path."""
+    current = [("", T, args.kernels[0])] if len(args.kernels) == 1 else [(k, T, k) for k in args.kernels]
+    return current + [(*load_trainer(a), "auto") for a in args.against]
 
 
 def load_trainer(label_path: str):
@@ -125,7 +149,7 @@ class Variant:
         # the trainer's attention kernel: flash-attn on CUDA in bf16 when installed, SDPA otherwise. Built where
         # it runs: a 2.5B-parameter model initialised on the host first would take minutes
         with torch.device(device):
-            self.model = T.GPT(cfg, T.use_flash_attention(cfg, device, self.dtype))
+            self.model = build_model(cfg, device, T, T.use_flash_attention(cfg, device, self.dtype))
         if cfg.compile:
             # every block of every variant here shares Block.forward's code object, and dynamo allows 8 graphs
             # per code object: 3 variants x (training, probe) x trainers would fall back to eager silently.
@@ -185,9 +209,9 @@ def spread(values: list[float]) -> float:
 
 
 def run_timing(args, device: torch.device) -> dict:
-    trainers = [("", T)] + [load_trainer(a) for a in args.against]
-    variants = [Variant(config(args, name, module=module), device, module, label)
-                for label, module in trainers for name in args.variants]
+    labelled = trainers(args)
+    variants = [Variant(config(args, name, module=module, kernels=kernels), device, module, label)
+                for label, module, kernels in labelled for name in args.variants]
     compile_s = {}
     for v in variants:
         compile_s[v.name] = round(sum(timed(v.step, device)[0] for _ in range(args.warmup)), 2)
@@ -211,7 +235,7 @@ def run_timing(args, device: torch.device) -> dict:
             "cpu_ms_per_step": round(statistics.median(v.cpu_times) * 1e3, 2),
             "cpu_noise": round(spread(v.cpu_times), 3), "fastest_ms": round(min(v.times) * 1e3, 2),
             "mfu": round(tok_s * T.flops_per_token(v.cfg, v.non_embedding) / peak, 4) if peak else None}
-    for label, _ in trainers if "baseline" in args.variants else []:
+    for label, _, _ in labelled if "baseline" in args.variants else []:
         at = f"@{label}" if label else ""
         base = out["variants"]["baseline" + at]["ms_per_step"]
         for name in ("hc", "mhc"):
@@ -240,7 +264,7 @@ def saved_activation_bytes(args, residual: str, checkpointing: bool, device: tor
     inputs that activation checkpointing holds to recompute from, deduplicated by storage; parameters excluded."""
     cfg = config(args, residual, checkpointing)
     torch.manual_seed(0)
-    model = T.GPT(cfg).to(device)
+    model = build_model(cfg, device).to(device)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, torch.UntypedStorage] = {}
 
@@ -298,7 +322,7 @@ def run_explain(args, device: torch.device) -> int:
     (grad on) and for the instability probe's call (no grad, eval, return_mixing)."""
     for name in args.variants:
         cfg = config(args, name)
-        model = T.GPT(cfg).to(device)
+        model = build_model(cfg, device).to(device)
         x = torch.randn(args.micro_batch, cfg.seq_len, model.streams, cfg.width, device=device, requires_grad=True)
         for call, kwargs in (("training", {}), ("probe", {"return_mixing": True})):
             torch._dynamo.reset()

@@ -16,6 +16,9 @@ Knobs (environment):
   FAKE_STEP_SLEEP         seconds per step (0.02)
   FAKE_DEFAULT_MICRO      default --micro-batch-size (8); FAKE_DEFAULT_BATCH default --batch-size (32)
   FAKE_NO_CONFIG          when set, config.json is not written (tests the launcher's fallback)
+  FAKE_STEP_SECONDS       --plan-jobs: the planned seconds per step (default: no time estimate)
+`--plan-jobs` answers the launcher's check before its first launch as train_c4.py does (JSON in, JSON out):
+each job's flags parsed by this parser (bad ones: the error), its micro-batch and batch, its time.
 Test-only files in the run folder: fake.pid (the live process), invocations.jsonl (one line per start
 that ended by itself: argv, CUDA_VISIBLE_DEVICES, start and end step, micro-batch, exit code).
 """
@@ -49,10 +52,16 @@ def parse_pairs(text):
     return pairs
 
 
-def main():
-    env = os.environ
-    p = argparse.ArgumentParser(description="fake train_c4.py for launcher tests")
-    p.add_argument("--residual", choices=["baseline", "hc", "mhc"], default="mhc")
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def build_parser(env):
+    p = OneLineErrorParser(description="fake train_c4.py for launcher tests")
+    p.add_argument("--residual", choices=["baseline", "hc", "mhc", "mhc-lite", "identity-hc"], default="mhc")
+    p.add_argument("--sinkhorn-iters", type=int, default=20)
+    p.add_argument("--coefficients", choices=["token", "sequence"])
     p.add_argument("--depth", type=int, default=32)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--run-name")
@@ -60,12 +69,42 @@ def main():
     p.add_argument("--steps", type=int, default=int(env.get("FAKE_STEPS", "5")))
     p.add_argument("--micro-batch-size", type=int, default=int(env.get("FAKE_DEFAULT_MICRO", "8")))
     p.add_argument("--batch-size", type=int, default=int(env.get("FAKE_DEFAULT_BATCH", "32")))
-    p.add_argument("--preset", choices=["tiny", "demo", "part1", "c4"], default="c4")
+    p.add_argument("--preset", choices=["tiny", "demo", "part1", "c4", "stress", "seed-study"], default="c4")
     p.add_argument("--resume", choices=["auto", "never"], default="auto")
     p.add_argument("--parallel", choices=["ddp", "fsdp"])
     p.add_argument("--data", default="c4")
     p.add_argument("--wandb", default="disabled")
-    args = p.parse_args()  # argparse exits 2 on bad arguments, as the real trainer does
+    for flag in ("--data-seed", "--eval-every", "--metrics-every", "--ckpt-every"):
+        p.add_argument(flag, type=int)
+    return p
+
+
+def plan_jobs(request, env):
+    """train_c4.py --plan-jobs's answer, from this parser and the FAKE_ knobs."""
+    answers, step_seconds = [], env.get("FAKE_STEP_SECONDS")
+    for job in request["jobs"]:
+        try:
+            args = build_parser(env).parse_args(job["flags"])
+        except ValueError as error:
+            answers.append({"error": f"{error} (see --help)"})
+            continue
+        seconds = float(step_seconds) * (args.steps - job["done_steps"]) if step_seconds else None
+        answers.append({"micro": args.micro_batch_size, "batch": args.batch_size, "memory": None,
+                        "seconds": [seconds, 2 * seconds] if seconds else None, "basis": "fake"})
+    return {"gpu": request["gpu"] or "FAKE GPU", "assumptions": ["Step times: fake"],
+            "jobs": answers}
+
+
+def main():
+    env = os.environ
+    if sys.argv[1:] == ["--plan-jobs"]:
+        print(json.dumps(plan_jobs(json.load(sys.stdin), env)))
+        sys.exit(EXIT_OK)
+    try:
+        args = build_parser(env).parse_args()
+    except ValueError as error:         # bad arguments: one line and exit 2, as the real trainer does
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
     run = args.run_name or f"{args.residual}_d{args.depth}_s{args.seed}"
     run_dir = os.path.join(args.out, run)
@@ -105,7 +144,8 @@ def main():
         write_json(os.path.join(run_dir, "config.json"),
                    {"config": {"residual": args.residual, "depth": args.depth, "seed": args.seed,
                                "micro_batch_size": args.micro_batch_size, "batch_size": args.batch_size,
-                               "steps": args.steps, "run_name": run}})
+                               "steps": args.steps, "run_name": run, "preset": args.preset,
+                               "sinkhorn_iters": args.sinkhorn_iters, "coefficients": args.coefficients}})
     write_json(status_path, {"state": "running", "step": step, "exit_code": None, "reason": "",
                              "updated": time.time()})
     print(f"fake trainer: {run} from step {step}, micro {args.micro_batch_size}, "

@@ -57,7 +57,7 @@ def test_two_ranks_times_two_loader_processes_read_disjoint_documents_whose_unio
     documents = []
     for rank in range(2):
         batches = T.RankBatches(files, T.ByteTokenizer(), cfg, rank=rank, world=2, micro=4)   # a step per batch
-        loader, by_stream = T.LoaderProcesses(batches, workers=2, timeout=60), {v: [] for v in batches.streams}
+        loader, by_stream = T.Loader(batches, workers=2, timeout=60), {v: [] for v in batches.streams}
         for _ in range(15):
             x, y = loader.next_batch()
             for v, window in zip(batches.owners, torch.cat([x, y[:, -1:]], dim=1)):
@@ -80,10 +80,7 @@ def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_p
     expected = [reference.next_batch() for _ in range(80)]
     seen, state = [], None
     for segment in range(4):
-        if kind == "thread":
-            loader = T.Prefetcher(fresh(), depth=4, timeout=30)
-        else:
-            loader = T.LoaderProcesses(fresh(), workers=2, timeout=30)
+        loader = T.Loader(fresh(), workers=0 if kind == "thread" else 2, timeout=30, depth=4)
         if state is not None:
             loader.load_state_dict([state])                  # before the first batch, as a resume does
         seen += [loader.next_batch() for _ in range(20)]     # whole steps: checkpoints are taken between steps
@@ -100,7 +97,7 @@ def test_a_batch_smaller_than_the_stream_count_resumes_exactly_through_loader_pr
     cfg = T.parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4"])
     reference = T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2)
     expected = [reference.next_batch()[0] for _ in range(12)]
-    loader = T.LoaderProcesses(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    loader = T.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
     seen = [loader.next_batch()[0] for _ in range(6)]
     state = loader.state_dict()
     loader.close()
@@ -117,36 +114,22 @@ def test_a_loader_process_error_arrives_as_one_clean_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("not json\n{\"no_text\": 1}\n")
     cfg = T.parse_config(["--preset", "tiny", "--data-streams", "2"])
-    loader = T.LoaderProcesses(T.RankBatches([str(bad)], T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    loader = T.Loader(T.RankBatches([str(bad)], T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
     with pytest.raises(T.ConfigError, match="holds no usable document") as error:
         loader.next_batch()
     assert "Traceback" not in str(error.value)
     loader.close()
 
 
-def test_a_stalled_loader_process_raises_instead_of_hanging(tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [0, 1])               # the thread, a loader process
+def test_a_stalled_loader_raises_instead_of_hanging(tmp_path, monkeypatch, workers):
     files = write_shards(tmp_path)
-    monkeypatch.setattr(T.TokenWindows, "take", lambda self, count: time.sleep(60))   # inherited by the fork
+    monkeypatch.setattr(T.RankBatches, "read_step", lambda self, streams: time.sleep(3))   # inherited by the fork
     cfg = T.parse_config(["--preset", "tiny"])
-    loader = T.LoaderProcesses(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=1, timeout=2)
+    loader = T.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=workers, timeout=1)
     with pytest.raises(T.DataUnavailable, match="--data-timeout"):
         loader.next_batch()
     loader.close()
-
-
-def test_a_stalled_loader_raises_instead_of_hanging():
-    class Stalled:
-        skipped = 0
-
-        def next_batch(self):
-            time.sleep(60)
-
-        def state_dict(self):
-            return {}
-
-    loader = T.Prefetcher(Stalled(), depth=1, timeout=0.5)
-    with pytest.raises(T.DataUnavailable, match="--data-timeout"):
-        loader.next_batch()
 
 
 def test_hub_errors_are_retried_with_backoff_from_the_saved_position(tmp_path, monkeypatch):

@@ -458,7 +458,7 @@ def test_dry_run_launches_nothing_and_writes_nothing(tmp_path):
         for depth in (32, 48):
             for seed in (42, 123, 456):
                 assert f"{method}_d{depth}_s{seed}" in r.stdout
-    assert r.stdout.count("micro-batch 4, global batch 64") == 18
+    assert r.stdout.count("micro-batch 4, global batch 64") == 18        # the fake trainer's answers
     assert "CUDA_VISIBLE_DEVICES=0 " in r.stdout and "--run-name hc_d48_s42" in r.stdout
     assert "next free slot" in r.stdout
 
@@ -492,9 +492,36 @@ def test_dry_run_of_quick_demo_and_multi_gpu_default_trainer(tmp_path):
     assert r.returncode == 0
     assert "torch.distributed.run --standalone --nproc_per_node=2" in r.stdout
     assert "--parallel fsdp" in r.stdout and "CUDA_VISIBLE_DEVICES=0,1 " in r.stdout
-    if (ROOT / "train_c4.py").exists():   # the plan shows the trainer's own resolved defaults
-        assert re.search(r"micro-batch \d+ \(trainer default\), global batch \d+ \(trainer default\)", r.stdout)
+    # the plan shows the trainer's own resolution of auto, for 2 GPUs under FSDP
+    assert re.search(r"micro-batch \d+ \(auto\), global batch 32, [\d.]+ of 80 GiB", r.stdout)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_job_the_trainer_refuses_stops_the_matrix_before_any_launch(tmp_path):
+    out = tmp_path / "runs"
+    r = launch(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0", "--", "--lrr", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "train_c4.py refuses hc_d2_s1 and 1 more job(s): unrecognized arguments: --lrr 1" in r.stderr
+    assert not (out / "hc_d2_s1").exists() and not (out / "matrix.log").exists()
+
+
+def test_quick_fills_the_node_or_says_why_not(tmp_path):
+    r = launch(tmp_path, "--quick", "--dry-run", "--gpus", "0,1,2,3,4,5,6,7")
+    assert r.returncode == 0, r.stderr
+    assert "--quick: 4 run(s) on 8 GPUs: 2 GPUs per run (FSDP)" in r.stdout
+    assert r.stdout.count("--parallel fsdp") == 4 and "CUDA_VISIBLE_DEVICES=6,7 " in r.stdout
+    r = launch(tmp_path, "--quick", "--dry-run")             # no GPU here: the documented node's 8 GPUs
+    assert r.returncode == 0 and "2 GPUs per run" in r.stdout and "the documented node, 8 x" in r.stdout
+    r = launch(tmp_path, "--quick", "--dry-run", "--gpus", "0,1,2,3,4,5,6,7", "--gpus-per-run", "1")
+    assert "leave 4 of 8 GPUs idle: --gpus-per-run 1 was given" in r.stdout
+
+
+def test_a_calibration_that_cannot_run_says_why_and_exits_non_zero(tmp_path):
+    r = launch(tmp_path, "--demo", "--dry-run", "--calibrate", "--methods", "hc", "--", "--lrr", "1")
+    assert r.returncode == 2 and "refuses hc_d4_s42: unrecognized arguments: --lrr 1" in r.stderr
+    assert "Calibrating" not in r.stdout
+    r = launch(tmp_path, "--demo", "--dry-run", "--calibrate", "--methods", "hc")       # the fake times no step
+    assert r.returncode == 1 and "--calibrate: hc_d4 exited 0 without a timed step" in r.stderr
 
 
 def test_summary_runs_nothing_and_shows_the_report(tmp_path):
@@ -582,7 +609,7 @@ def test_a_probe_that_fails_silently_is_quarantined_with_a_reason(tmp_path):
     assert reasons and reasons[0].startswith("gpu=0 failed the start-up probe: exit status 1, no output;"), reasons
 
 
-@pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh", ROOT / "benchmarks" / "gpu_check.sh",
+@pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh",
                                     ROOT / "slurm" / "run.sbatch", ROOT / "slurm" / "report.sbatch", *sorted((ROOT / "tests" / "fake_slurm").iterdir())],
                          ids=lambda path: path.name)
 def test_shellcheck_is_clean(script):
@@ -664,11 +691,63 @@ def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes
 def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):
     import matrix
     monkeypatch.setenv("RUN_EXPERIMENTS_NVIDIA_SMI", "false")
-    monkeypatch.setattr(matrix, "real_trainer", lambda: True)
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: ({"a": (4, 3600.0), "b": (2, 7200.0)}, []))
+    answers = {"a": {"seconds": [1800.0, 3600.0]}, "b": {"seconds": [3600.0, 7200.0]}}
+    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": answers})
     opt = matrix.parse_options(["--slurm", "--out", str(tmp_path)])
     assert matrix.task_time(opt, [])[0] == 7200 * 1.25 + 600
     opt = matrix.parse_options(["--slurm", "--slurm-time", "2:30:00", "--out", str(tmp_path)])
     assert matrix.task_time(opt, [])[0] == 9000 and matrix.hms(9000) == "2:30:00"
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: ({"a": (4, None)}, []))
+    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": {"a": {"seconds": None}}})
     assert matrix.task_time(opt, []) == (9000, "no time estimate")
+
+
+def test_a_dropped_ssh_session_stops_nothing(tmp_path):
+    """An SSH session that drops: SIGHUP to the launcher's process group, and its terminal gone (writes to it
+    fail). The matrix goes on to the end; matrix.log and the runs hold what it did."""
+    import pty
+    out, runs = tmp_path / "runs", ("hc_d2_s1", "mhc_d2_s1")
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--out", str(out), "--stagger", "0", "--methods", "hc,mhc",
+                             "--depths", "2", "--seeds", "1", "--gpus", "0,1", "--watch-every", "1"],
+                            env=launcher_env(tmp_path, FAKE_STEPS=40, FAKE_STEP_SLEEP=0.1), stdin=tty,
+                            stdout=tty, stderr=tty, cwd=ROOT, start_new_session=True)
+    os.close(tty)
+    try:
+        wait_for(lambda: all(status(out, r)["step"] >= 2 for r in runs), what="progress")
+        os.killpg(proc.pid, signal.SIGHUP)
+        os.close(terminal)                  # from here on every write to the terminal fails
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert all(status(out, r)["state"] == "completed" for r in runs)
+    assert "all 2 runs finished" in events(out, "END")[-1][2]
+
+
+def test_check_without_a_gpu_says_so_in_one_line_and_exits_1(tmp_path):
+    """--check runs benchmarks/gpu_check.py with the launcher's python; on this CPU machine it has nothing to check,
+    and a `--check && --full` on a node without a working GPU must not go on."""
+    pytest.importorskip("torch")
+    r = subprocess.run(["bash", str(SCRIPT), "--check", "--out", str(tmp_path / "runs")], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env=launcher_env(tmp_path, RUN_EXPERIMENTS_PYTHON=PY))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("run_experiments.sh --check: no CUDA GPU visible") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+    r = subprocess.run(["bash", str(SCRIPT), "--check", "--full"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=launcher_env(tmp_path, RUN_EXPERIMENTS_PYTHON=PY))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unrecognized arguments: --full" in r.stderr
+
+
+def test_slurm_dry_run_previews_the_submission_and_without_sbatch_nothing_is_left_behind(tmp_path):
+    env = launcher_env(tmp_path, PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                                       if not (Path(p) / "sbatch").exists()))
+    args = ("--slurm", "--residual", "hc,mhc", "--depth", "2", "--seed", "1")
+    r = launch(tmp_path, *args, "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "hc_d2_s1          task 0: --residual hc --depth 2 --seed 1" in r.stdout
+    assert "sbatch --parsable --array=0-1 --nodes=1 --gpus-per-node=1 --time=24:00:00" in r.stdout
+    assert "--dependency=afterany:ARRAY_JOB_ID" in r.stdout and "Nothing was submitted or written." in r.stdout
+    assert not (tmp_path / "runs").exists()
+    r = launch(tmp_path, *args, env=env)
+    assert r.returncode == 1 and "error: sbatch not found: --slurm submits from a SLURM login node" in r.stderr
+    assert not list(tmp_path.rglob("slurm-matrix-*"))

@@ -1,8 +1,11 @@
-"""The planner of train_c4.py: parameter counts, the memory plan against the real tensors and the bytes autograd
-saves, the depth 32 / 48 plans behind the public reproduction's out-of-memory story, --micro-batch-size auto,
-and the launcher's queue-based time and cost estimate."""
+"""The planner (plan.py, beside train_c4.py): parameter counts, the memory plan against the real tensors and the
+bytes autograd saves, the depth 32 / 48 plans behind the public reproduction's out-of-memory story,
+--micro-batch-size auto, and the launcher's plan: the check of every job before the first launch, the time and
+cost ranges of the documented node, the GPU check's timings."""
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +15,11 @@ import torch
 import torch.nn as nn
 
 import matrix
+import plan
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
-CARD = 80 * T.GiB
+CARD = 80 * plan.GiB
 SMALL_CONFIGS = ([], ["--width", "48", "--heads", "3", "--depth", "3", "--expansion", "3"],
                  ["--tokenizer", "gpt2", "--width", "32", "--heads", "4", "--expansion", "2", "--seq-len", "64"])
 
@@ -30,7 +34,7 @@ def nbytes(tensors) -> int:
 def test_parameter_counts_equal_the_real_model(residual, flags):
     cfg = T.parse_config(["--preset", "tiny", "--residual", residual, *flags])
     model = T.GPT(cfg)
-    counts, numels = T.count_parameters(cfg), T.parameter_numels(cfg)
+    counts, numels = T.count_parameters(cfg), plan.parameter_numels(T.GPT, cfg)
     assert counts["total"] == numels["total"] == sum(p.numel() for p in model.parameters())
     assert counts["embedding"] == model.wte.weight.numel() + model.wpe.weight.numel()
     assert counts["streams"] == sum(p.numel() for name, p in model.named_parameters() if "_conn." in name)
@@ -49,17 +53,17 @@ def test_weight_gradient_optimizer_and_cast_terms_equal_the_real_tensors(residua
     model(idx, idx)[1].backward()
     optimizer.step()
     params = list(model.parameters())
-    plan = T.memory_plan(cfg, micro=2)
-    assert plan.terms["weights"] == nbytes(params)
-    assert plan.terms["gradients"] == nbytes(p.grad for p in params)
-    assert plan.terms["optimizer"] == nbytes(v for state in optimizer.state.values() for v in state.values())
+    memory = plan.memory_plan(T.GPT, cfg, micro=2)
+    assert memory.terms["weights"] == nbytes(params)
+    assert memory.terms["gradients"] == nbytes(p.grad for p in params)
+    assert memory.terms["optimizer"] == nbytes(v for state in optimizer.state.values() for v in state.values())
     # autocast copies exactly the matmul weights outside the fp32 mixing code (the tied head is the embedding)
     matmul = [m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear) and "_conn" not in name]
-    assert plan.terms["autocast weight cache"] == nbytes(matmul) // 2
+    assert memory.terms["autocast weight cache"] == nbytes(matmul) // 2
     P = sum(p.numel() for p in params)
-    fsdp = T.memory_plan(T.parse_config([*flags, "--parallel", "fsdp"]), 2, world=2)
+    fsdp = plan.memory_plan(T.GPT, T.parse_config([*flags, "--parallel", "fsdp"]), 2, world=2)
     assert fsdp.terms["weights"] == 4 * P / 2 and "autocast weight cache" not in fsdp.terms
-    assert T.memory_plan(cfg, 2, world=2).terms["ddp buckets"] == 4 * P
+    assert plan.memory_plan(T.GPT, cfg, 2, world=2).terms["ddp buckets"] == 4 * P
 
 
 def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
@@ -85,7 +89,7 @@ def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
         for block in model.blocks:
             hooks += [conn.register_forward_pre_hook(held_by_checkpoint) for conn in (block.attn_conn, block.mlp_conn)]
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
-            T._CudaAutocastOnCpu() if bf16 else torch.autocast("cpu", enabled=False), \
+            plan._CudaAutocastOnCpu() if bf16 else torch.autocast("cpu", enabled=False), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         model(idx, idx)
     for hook in hooks:
@@ -101,8 +105,8 @@ def test_activation_term_is_within_15_percent_of_what_autograd_saves(residual, d
     flags = ["--residual", residual, "--dtype", dtype, "--tokenizer", tokenizer, "--width", "40", "--heads", "4",
              "--depth", "5", "--seq-len", "24"] + (["--activation-checkpointing"] if checkpointing else [])
     cfg = T.parse_config(flags)
-    plan = T.memory_plan(cfg, micro=3)
-    predicted = sum(v for k, v in plan.terms.items() if k.startswith("act:") and k != "act: backward peak")
+    memory = plan.memory_plan(T.GPT, cfg, micro=3)
+    predicted = sum(v for k, v in memory.terms.items() if k.startswith("act:") and k != "act: backward peak")
     torch.manual_seed(0)
     model = T.GPT(cfg)
     measured = autograd_saved_bytes(model, torch.randint(0, model.wte.num_embeddings, (3, 24)), dtype == "bf16")
@@ -116,17 +120,17 @@ def test_the_fit_is_linear_in_width_and_depth_and_per_token():
     """A third width, a fourth depth and other token counts land on the fitted lines (to the byte, up to the
     per-sequence position indices)."""
     cfg = T.parse_config(["--residual", "mhc", "--heads", "4", "--tokenizer", "byte", "--dtype", "bf16"])
-    fit = T.activation_profile("mhc", 4, 4, "byte", cfg.sinkhorn_iters, True, False)
+    fit = plan.activation_profile(T.GPT, plan.profile_key(cfg, False))
     per_token = lambda k, C: fit[k][0] * C + fit[k][1]  # noqa: E731
     for width, depth, micro, seq in ((24, 4, 3, 20), (32, 2, 1, 40)):
-        measured = T._saved_per_token(cfg, width, depth, True, micro, seq)
+        measured = plan._saved_per_token(T.GPT, cfg, width, depth, True, micro, seq)
         total = sum(v for k, v in measured.items() if k != "weight_casts")
         planned = depth * per_token("block", width) + per_token("rest", width) + per_token("loss", width)
         assert total == pytest.approx(planned, rel=2e-3)
 
 
-def plan_for(depth: int, micro: int) -> T.MemoryPlan:
-    return T.memory_plan(T.parse_config(["--depth", str(depth), "--dtype", "bf16"]), micro, card=CARD)
+def plan_for(depth: int, micro: int) -> plan.MemoryPlan:
+    return plan.memory_plan(T.GPT, T.parse_config(["--depth", str(depth), "--dtype", "bf16"]), micro, card=CARD)
 
 
 def test_depth_32_fits_80_gb_at_micro_batch_8_and_depth_48_does_not(capsys):
@@ -136,11 +140,11 @@ def test_depth_32_fits_80_gb_at_micro_batch_8_and_depth_48_does_not(capsys):
     plans = {(d, m): plan_for(d, m) for d, m in ((32, 32), (32, 16), (32, 8), (48, 8), (48, 4))}
     with capsys.disabled():
         print()
-        for (depth, micro), plan in plans.items():
-            acts = sum(v for k, v in plan.terms.items() if k.startswith("act:"))
-            print(f"depth {depth} micro-batch {micro:2d}: total {plan.total / T.GiB:6.1f} GiB of 80 "
-                  f"(parameters, gradients, optimizer, bf16 copies {(plan.allocated - acts) / T.GiB:5.1f}, "
-                  f"activations {acts / T.GiB:5.1f}, overhead {(plan.total - plan.allocated) / T.GiB:4.1f})")
+        for (depth, micro), memory in plans.items():
+            acts = sum(v for k, v in memory.terms.items() if k.startswith("act:"))
+            print(f"depth {depth} micro-batch {micro:2d}: total {memory.total / plan.GiB:6.1f} GiB of 80 "
+                  f"(parameters, gradients, optimizer, bf16 copies {(memory.allocated - acts) / plan.GiB:5.1f}, "
+                  f"activations {acts / plan.GiB:5.1f}, overhead {(memory.total - memory.allocated) / plan.GiB:4.1f})")
     assert plans[32, 8].total <= CARD < plans[48, 8].total
     assert plans[32, 16].total > CARD and plans[32, 32].total > CARD
     assert plans[48, 4].total < plans[48, 8].total
@@ -150,25 +154,24 @@ def test_auto_picks_the_largest_micro_batch_within_the_margin_and_less_for_deepe
     picked = {}
     for depth in (32, 48):
         cfg = T.parse_config(["--depth", str(depth), "--dtype", "bf16"])
-        micro, plan = T.auto_micro_batch(cfg, 1, CARD)
-        assert plan.total <= (1 - T.AUTO_MARGIN) * CARD and 32 % micro == 0
-        larger = [d for d in T.divisors_descending(32) if d > micro]
-        assert all(T.memory_plan(cfg, d, 1, CARD).total > (1 - T.AUTO_MARGIN) * CARD for d in larger)
+        micro, memory = plan.auto_micro_batch(T.GPT, cfg, 1, CARD)
+        assert memory.total <= (1 - plan.AUTO_MARGIN) * CARD and 32 % micro == 0
+        larger = [d for d in plan.divisors_descending(32) if d > micro]
+        assert all(plan.memory_plan(T.GPT, cfg, d, 1, CARD).total > (1 - plan.AUTO_MARGIN) * CARD for d in larger)
         picked[depth] = micro
     assert picked[48] < picked[32]
-    with pytest.raises(T.ConfigError, match="micro-batch 1 already needs"):
-        T.auto_micro_batch(T.parse_config(["--depth", "48"]), 1, 40 * T.GiB)
+    with pytest.raises(plan.PlanError, match="micro-batch 1 already needs"):
+        plan.auto_micro_batch(T.GPT, T.parse_config(["--depth", "48"]), 1, 40 * plan.GiB)
 
 
-def test_batch_plan_resolves_auto_on_cuda_from_the_plan_and_on_the_cpu_by_a_cap(monkeypatch, capsys):
+def test_batch_plan_resolves_auto_on_cuda_from_the_plan_and_on_the_cpu_by_a_cap():
     cfg = T.parse_config(["--depth", "48", "--gpu-memory-gb", "80"])
     assert cfg.micro_batch_size == "auto"                  # the c4 preset's default
-    assert T.batch_plan(cfg, 1) == (8, 4) and "CPU" in capsys.readouterr().out
-    assert T.batch_plan(T.parse_config(["--batch-size", "12"]), 1) == (6, 2)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    micro, accum = T.batch_plan(cfg, 1)
-    assert micro * accum == 32 and micro == T.auto_micro_batch(cfg, 1)[0]
-    assert "planned" in capsys.readouterr().out
+    micro, accum, why = T.batch_plan(cfg, 1, on_gpu=False)
+    assert (micro, accum) == (8, 4) and "CPU" in why
+    assert T.batch_plan(T.parse_config(["--batch-size", "12"]), 1, on_gpu=False)[:2] == (6, 2)
+    micro, accum, why = T.batch_plan(cfg, 1, on_gpu=True)
+    assert micro * accum == 32 and micro == plan.auto_micro_batch(T.GPT, cfg, 1)[0] and "planned" in why
     assert T.parse_config(["--preset", "demo"]).micro_batch_size == "16"     # presets keep their numbers
 
 
@@ -202,16 +205,40 @@ def test_estimate_prints_the_plan_without_building_the_model(capsys):
                                         ("cpu", None)])
 def test_gpu_peak_is_the_exact_device_names_and_unknown_devices_get_none(name, peak):
     """A PCIe H100 is not credited with the SXM's peak; a name not listed gets no MFU rather than a wrong one."""
-    assert T.gpu_peak_flops(name) == peak
+    assert plan.gpu_peak_flops(name) == peak
 
 
 def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, monkeypatch):
     T.main(["--estimate", "--depth", "32"])
-    assert "40% MFU on 1 x NVIDIA H100 80GB HBM3 (assumed: no CUDA device here)" in capsys.readouterr().out
-    monkeypatch.setattr(T.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(T.torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A6000")
-    T._print_time_estimate(T.parse_config([]), world=1, flops=1e10)
+    assert "on 1 x NVIDIA H100 80GB HBM3 (assumed: no CUDA device here)" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A6000")
+    T.main(["--estimate", "--depth", "32", "--gpu-memory-gb", "48"])
     assert "no estimate, the dense bf16 peak of NVIDIA RTX A6000 is not known" in capsys.readouterr().out
+
+
+def test_the_launcher_never_imports_the_trainer_and_the_planner_not_at_module_level():
+    """matrix.py asks train_c4.py --plan-jobs in a subprocess; plan.py takes the model class from its caller."""
+    def imports(path: Path, top_level_only: bool) -> set:
+        tree = ast.parse(path.read_text())
+        nodes = tree.body if top_level_only else list(ast.walk(tree))
+        return {alias.name for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names} | {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
+    assert "train_c4" not in imports(ROOT / "matrix.py", top_level_only=False)
+    assert "train_c4" not in imports(ROOT / "plan.py", top_level_only=True)
+    assert "plan" in imports(ROOT / "train_c4.py", top_level_only=True)
+
+
+def test_the_training_loop_reads_in_one_sitting_with_the_planner_beside_it():
+    """design.md's section order; the training loop at most 380 lines, no function of train_c4.py over 40."""
+    source = (ROOT / "train_c4.py").read_text()
+    lines = source.splitlines()
+    loop, main = (lines.index(next(line for line in lines if line.startswith(f"# {name}"))) for name in
+                  ("training loop", "main:"))
+    assert main - loop <= 380
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 40]
+    assert not long
 
 
 def test_queue_schedule_of_18_jobs_on_8_gpus_by_hand():
@@ -232,17 +259,56 @@ def launcher(tmp_path, *args, **env):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment)
 
 
-def test_dry_run_estimates_wall_time_and_cost_from_flops(tmp_path):
-    r = launcher(tmp_path, "--dry-run", "--gpus", "0,1,2,3,4,5,6,7", "--methods", "mhc", "--seeds", "42,123,456",
+def hours(line: str) -> tuple[float, float]:
+    low, high = re.search(r"([\d.]+)-([\d.]+) h", line).groups()
+    return float(low), float(high)
+
+
+def test_dry_run_without_gpus_plans_the_documented_node_per_method_with_ranges(tmp_path):
+    r = launcher(tmp_path, "--dry-run", "--methods", "baseline,mhc", "--seeds", "42,123,456",
                  "--price-per-gpu-hour", "3")
     assert r.returncode == 0, r.stderr
-    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("mhc_d")}
-    assert "micro-batch 4 (trainer default)" in lines["mhc_d32_s42"]          # auto, planned for 80 GiB
-    assert "micro-batch 2 (trainer default)" in lines["mhc_d48_s42"]
-    assert lines["mhc_d48_s42"].endswith(" h") and "40% MFU" in r.stdout and "H100, assumed" in r.stdout
-    assert "Wall time: 6 job(s) on 8 slot(s)" in r.stdout and "Cost at $3.00 per GPU-hour: 8 GPU(s)" in r.stdout
+    assert "for the documented node, 8 x NVIDIA H100 80GB HBM3 (no GPU found here" in r.stdout
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(("mhc_d", "baseline_d"))}
+    assert "micro-batch 4 (auto), global batch 32, " in lines["mhc_d32_s42"]        # auto, planned for 80 GiB
+    assert "micro-batch 2 (auto)" in lines["mhc_d48_s42"] and " of 80 GiB" in lines["mhc_d48_s42"]
+    for depth in (32, 48):          # the stream mixing costs time: mHC's range lies above the baseline's
+        baseline, mhc = hours(lines[f"baseline_d{depth}_s42"]), hours(lines[f"mhc_d{depth}_s42"])
+        assert baseline[0] < baseline[1] and mhc[0] > baseline[0] and mhc[1] > baseline[1]
+    assert "x 1.18-1.48 for the stream mixing" in r.stdout and "checkpoint writes" in r.stdout
+    wall = re.search(r"Wall time: 12 job\(s\) on 8 slot\(s\).*", r.stdout).group()
+    cost = re.search(r"Cost at \$3.00 per GPU-hour: 8 GPU\(s\) x .* = \$([\d,]+)-\$([\d,]+) for the node", r.stdout)
+    assert hours(wall)[0] < hours(wall)[1] and cost and int(cost[1].replace(",", "")) < int(cost[2].replace(",", ""))
     assert not (tmp_path / "runs").exists()
     assert "goes with --dry-run" in launcher(tmp_path, "--calibrate").stderr
+
+
+def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
+    """{out}/gpu_check/result.json (docs/planning.md) replaces the assumed MFU for the GPU it was measured on."""
+    check = tmp_path / "runs" / "gpu_check" / "result.json"
+    check.parent.mkdir(parents=True)
+    check.write_text(json.dumps({"gpu": "NVIDIA H200", "methods": {
+        "mhc": {"step_seconds": 2.0, "tokens_per_step": 32768, "flops_per_token": 1.0e10, "gpus": 1}}}))
+    r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1", "--gpu-type",
+                 "NVIDIA H200")
+    assert r.returncode == 0, r.stderr
+    assert "8 x NVIDIA H200" in r.stdout and "mhc step timed by the GPU check" in r.stdout
+    # 10,000 steps of 2 s at 1e10 FLOPs per token, scaled to depth 32's 1.055e10 and spread 0.9-1.2, plus the rest
+    low, high = hours(next(line for line in r.stdout.splitlines() if line.startswith("mhc_d32_s1")))
+    assert 5.2 < low < 5.6 and 7.0 < high < 7.7
+    r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1")
+    assert r.returncode == 0 and "GPU check" not in r.stdout          # measured on another GPU than planned
+
+
+def test_every_job_is_refused_before_any_launch_for_bad_flags_or_memory(tmp_path):
+    r = launcher(tmp_path, "--demo", "--", "--lrr", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "train_c4.py refuses baseline_d4_s42 and 2 more job(s): unrecognized arguments: --lrr 1" in r.stderr
+    assert "nothing was launched" in r.stderr and not list((tmp_path / "runs").glob("*_d4_s42"))
+    r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "48", "--seeds", "1", "--",
+                 "--micro-batch-size", "16")
+    assert r.returncode == 2
+    assert re.search(r"refuses mhc_d48_s1: .* plans [\d.]+ GiB per GPU, more than the 80 GiB", r.stderr)
 
 
 @pytest.mark.slow
@@ -251,6 +317,6 @@ def test_demo_dry_run_calibrates_on_the_cpu(tmp_path):
                  RUN_EXPERIMENTS_CALIBRATE_STEPS="4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Calibrating mhc_d4 on the CPU: 4 steps" in r.stdout
-    assert "Times from --calibrate" in r.stdout and "mhc_d4: " in r.stdout and " tokens/s" in r.stdout
+    assert "Times from --calibrate" in r.stdout and "mhc_d4 " in r.stdout and "calibrated just now" in r.stdout
     assert "Wall time: 1 job(s) on 1 slot(s)" in r.stdout and "no GPU-hours" in r.stdout
     assert not (tmp_path / "runs").exists()

@@ -78,9 +78,9 @@ def hc_seed2(root):
     ])
 
 
-def table_cells(out_dir, label, depth):
-    """{header: cell} of the main-table row `label` (e.g. 'HC') at `depth` in results.md."""
-    lines = (out_dir / "results.md").read_text().splitlines()
+def table_cells(out_dir, label, depth, section="## Full table"):
+    """{header: cell} of the row `label` (e.g. 'HC') at `depth` of the first table after `section` in results.md."""
+    lines = (out_dir / "results.md").read_text().split(section + "\n", 1)[1].splitlines()
     header = next(ln for ln in lines if ln.startswith("| method |"))
     heads = [h.strip() for h in header.strip("|").split("|")]
     for ln in lines:
@@ -145,14 +145,40 @@ def test_markdown_table_cells(tmp_path):
     assert rows[0]["first_above_100_per_seed"] == "4;never"
 
 
-def test_single_seed_std_is_dash(tmp_path):
+def test_single_seed_says_1_seed_not_a_dash_for_its_std(tmp_path):
     hc_seed1(tmp_path)
     assert report.main([str(tmp_path), "--no-plots"]) == 0
     c = table_cells(tmp_path / "report", "HC", 4)
-    assert c["final train loss"] == "2.000 ± –"
-    assert c["peak amax_fwd"] == "150 ± –"
+    assert c["final train loss"] == "2.000 (1 seed)"
+    assert c["peak amax_fwd"] == "150 (1 seed)"
+    assert "± –" not in (tmp_path / "report" / "results.md").read_text()
     (row,) = report.collect(tmp_path)
     assert math.isnan(row.stats["final_loss"].std)
+
+
+def test_results_open_with_a_headline_per_depth_then_a_main_table_of_at_most_8_columns(tmp_path):
+    hc_seed1(tmp_path), hc_seed2(tmp_path)
+    write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.0, 1.0, 1e-7, 1.0)},
+                                      {**train(2, 1.0, 3.0, 0.5, 20), **mhc_probe(1.145, 1.0000004, 0.031, 1.16)},
+                                      {"step": 2, "time": 1.5, "val_loss": 3.1}])
+    write_run(tmp_path, "baseline_d8_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}])
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    lines = (tmp_path / "report" / "results.md").read_text().splitlines()
+    assert lines[2] == ("**depth 4** (1 to 2 seeds): HC amplifies 100× (above 10× at step 3 / 2); "
+                        "mHC 1.000 (backward 1.145 from Sinkhorn truncation).  ")
+    assert lines[3] == "Final val loss: HC 3.375, mHC 3.100."
+    assert lines[5].startswith("**depth 8** (1 seed): baseline only.")
+    table = next(i for i, line in enumerate(lines) if line.startswith("| method |"))
+    assert lines[table - 2] == "## Table" and table < 12
+    assert lines[table].count("|") - 1 <= 8
+    assert table_cells(tmp_path / "report", "HC", 4, "## Table")["final val loss"] == "3.375 ± 0.177"
+    text = "\n".join(lines)
+    assert text.index("## Table") < text.index("## Amplification") < text.index("## Full table")
+
+
+def mhc_probe(used_bwd, converged_bwd, col_err, bound):
+    return {**probe(1.0, used_bwd), "amax_study": used_bwd, "amax_fwd_converged": 1.0,
+            "amax_bwd_converged": converged_bwd, "sinkhorn_col_err": col_err, "sinkhorn_bwd_bound": bound}
 
 
 def test_threshold_must_be_exceeded_not_reached(tmp_path):
@@ -202,7 +228,7 @@ def test_truncated_last_line_and_no_eval(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "unreadable" not in err          # a half-written last line is expected, not warned about
     c = table_cells(tmp_path / "report", "baseline", 4)
-    assert c["final train loss"] == "3.000 ± –"
+    assert c["final train loss"] == "3.000 (1 seed)"
     assert c["best val loss"] == "–" and c["final val loss"] == "–"
     assert c["seeds done/total"] == "0/1"
     assert "No val loss logged yet" in out
@@ -247,8 +273,8 @@ def test_diverged_run_is_listed_as_diverged(tmp_path):
     c = table_cells(tmp_path / "report", "HC", 4)
     assert c["diverged"] == "1: s2@3"
     assert c["seeds done/total"] == "1/2"
-    assert c["final train loss"] == "2.000 ± – (n=1)"
-    assert c["final val loss"] == "3.500 ± – (n=1)"      # the diverged run's last val is left out
+    assert c["final train loss"] == "2.000 (1 seed)"
+    assert c["final val loss"] == "3.500 (1 seed)"      # the diverged run's last val is left out
     assert c["best val loss"] == "3.700 ± 0.283"        # but its best val counts: (3.5 + 3.9) / 2
     assert c["peak amax_fwd"] == "inf"
     assert c["peak amax_bwd"] == "460 ± 481"       # (120 + 800) / 2 ± 680 / sqrt(2), NaN ignored
@@ -278,7 +304,7 @@ def test_plot_curves_average_seeds_step_by_step():
     assert band.line.tolist() == [1.0, 3.0, 3.0, 8.0]
     assert band.seed_lo.tolist() == [1.0, 2.0, 3.0, 8.0] and band.seed_hi.tolist() == [1.0, 4.0, 3.0, 8.0]
     long = (np.arange(1000), np.arange(1000, dtype=float))
-    band = report.bin_curves([long], points=10)
+    band = report.bin_curves([long], window=100)
     assert band.x.size == 10 and band.line[0] == pytest.approx(np.mean(np.arange(100)), abs=1.0)
 
 
@@ -303,11 +329,6 @@ def test_verdict_states_numbers_and_missing_methods(tmp_path):
     assert "No HC runs at depth 8." in d8 and "No mHC runs at depth 8." in d8
 
 
-def mhc_probe(used_bwd, converged_bwd, col_err, bound):
-    return {**probe(1.0, used_bwd), "amax_study": used_bwd, "amax_fwd_converged": 1.0,
-            "amax_bwd_converged": converged_bwd, "sinkhorn_col_err": col_err, "sinkhorn_bwd_bound": bound}
-
-
 def test_amplification_table_shows_the_three_readings_and_mhc_truncation(tmp_path):
     hc_seed1(tmp_path)
     with_study = tmp_path / "hc_d4_s1" / "metrics.jsonl"
@@ -316,18 +337,19 @@ def test_amplification_table_shows_the_three_readings_and_mhc_truncation(tmp_pat
     write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.0, 1.0, 1e-7, 1.0)},
                                       {**train(2, 1.0, 3.0, 0.5, 20), **mhc_probe(1.145, 1.0000004, 0.031, 1.16)}])
     assert report.main([str(tmp_path), "--no-plots"]) == 0
-    lines = (tmp_path / "report" / "results.md").read_text().split("## Amplification: three readings")[1]
+    text = (tmp_path / "report" / "results.md").read_text()
+    lines = text.split("## Amplification: three readings")[1].split("\n## ")[0]
     header = next(ln for ln in lines.splitlines() if ln.startswith("| method |"))
     heads = [h.strip() for h in header.strip("|").split("|")]
     rows = {ln.split("|")[1].strip(): dict(zip(heads, (c.strip() for c in ln.strip("|").split("|"))))
             for ln in lines.splitlines() if ln.startswith("| HC |") or ln.startswith("| mHC |")}
     hc, mhc = rows["HC"], rows["mHC"]
     assert (hc["amax_fwd (paper)"], hc["amax_bwd (paper)"], hc["abs-value bound"], hc["study recipe"]) == \
-        ("160 ± –", "120 ± –", "300 ± –", "240 ± –")
+        ("160 (1 seed)", "120 (1 seed)", "300 (1 seed)", "240 (1 seed)")
     assert hc["first >100× (per seed)"] == "4" and hc["first >1000× (per seed)"] == "never"
     assert hc["mHC converged"] == "–"
     assert (mhc["amax_bwd (paper)"], mhc["mHC converged"], mhc["mHC Sinkhorn column error"],
-            mhc["mHC truncation bound"]) == ("1.145 ± –", "1.000 ± –", "0.031 ± –", "1.160 ± –")
+            mhc["mHC truncation bound"]) == ("1.145 (1 seed)", "1.000 (1 seed)", "0.031 (1 seed)", "1.160 (1 seed)")
     (line,) = report.verdict(report.collect(tmp_path))
     assert "the as-used backward gain (up to 1.145) stays under the bound 1.160 that Sinkhorn column errors " \
            "of up to 0.031 allow: its distance from 1 is truncation" in line
@@ -396,6 +418,46 @@ def test_plots_are_valid_pngs(tmp_path):
         assert f"]({name})" in (out / "results.md").read_text()
     assert (out / "results.csv").read_text().startswith("method,depth,")
     assert "hc_d4_s2" in (out / "runs.csv").read_text()
+
+
+def drawn_figures(monkeypatch):
+    """The figures report.py saves, kept for inspection instead of written."""
+    figures = []
+    monkeypatch.setattr(report, "save", lambda fig, path: figures.append(fig) or path)
+    return figures
+
+
+def test_loss_and_grad_norm_are_averaged_over_a_window_the_titles_name(tmp_path, monkeypatch):
+    for method in ("baseline", "hc", "mhc"):
+        write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, 50.0, n=600))
+    runs = report.load_runs(tmp_path)
+    figures = drawn_figures(monkeypatch)
+    report.plot_loss(runs, tmp_path / "loss.png"), report.plot_grad_norm(runs, tmp_path / "grad_norm.png")
+    (train_ax, val_ax), (grad_ax,) = figures[0].axes[:2], figures[1].axes[:1]
+    assert train_ax.get_title() == "depth 4: train loss (mean over 10-step windows)"       # 600 steps / 60
+    assert val_ax.get_title() == "depth 4: validation loss (every logged step)"           # 60 evaluations
+    assert grad_ax.get_title() == "depth 4: pre-clip gradient norm (mean over 10-step windows)"
+    assert "400 step bins" not in figures[0].get_suptitle()
+    baseline = next(line for line in train_ax.get_lines() if line.get_label().startswith("baseline"))
+    x, y = baseline.get_data()
+    assert len(x) == 60 and x[0] == pytest.approx(5.5)           # steps 1-10, centred at 5.5
+    raw = [5.0 - step / 600 + 0.05 * (step % 3) for step in range(11, 21)]
+    assert y[1] == pytest.approx(sum(raw) / 10)                   # the mean of steps 11-20
+
+
+def test_every_method_line_stays_visible_where_they_coincide(tmp_path, monkeypatch):
+    for method in ("baseline", "hc", "mhc"):
+        write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, 1.0 if method != "hc" else 50.0))
+    figures = drawn_figures(monkeypatch)
+    report.plot_amax(report.load_runs(tmp_path), tmp_path / "amax.png")
+    lines = {ln.get_label().split()[0]: ln for ln in figures[0].axes[0].get_lines()
+             if ln.get_label().endswith("(1 seed)")}
+    assert set(lines) == {"baseline", "HC", "mHC"}
+    assert len({ln.get_linewidth() for ln in lines.values()}) == 1          # no thick line covers a thin one
+    assert len({ln.get_marker() for ln in lines.values()}) == 3
+    # baseline and mHC lie on each other at 1: their markers sit at different steps
+    marked = {name: set(ln.get_xdata()[ln.get_markevery()[0]::ln.get_markevery()[1]]) for name, ln in lines.items()}
+    assert marked["baseline"] and marked["mHC"] and not marked["baseline"] & marked["mHC"]
 
 
 def test_heatmap_defaults_to_the_largest_hc_run_and_can_be_named(tmp_path):

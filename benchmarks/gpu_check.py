@@ -1,0 +1,253 @@
+"""The GPU path checked in one command of under 10 minutes on one GPU: what a CPU machine cannot check.
+
+    bash run_experiments.sh --check [--out runs]      # this script, with the venv's python
+
+Parts, each under its own time limit, one PASS/FAIL line each:
+  bf16, attention   the card's bf16 support; flash-attn installed, else PyTorch SDPA's flash backend run
+  timings           the trainer (train_c4.py, bundled sample, GPT-2 BPE, bf16) for a few steps per method
+                    (baseline, hc, mhc) x --kernels (reference, fused) x (eager, --compile), at width 2048,
+                    depth 4, 8 x 1024 tokens per step: median step time, tokens/s, MFU, peak memory
+  compile           every --compile run finished
+  memory plan       the trainer's --estimate allocated peak against the measured one (mHC, eager)
+  tokens/s, MFU     the measured baseline against the plan's assumption (40% of the card's bf16 peak)
+  FSDP              the trainer under torchrun --parallel fsdp (one process): a checkpoint, then a resume
+
+Writes {out}/gpu_check/: result.json (the format is in the README, section "On a GPU node"; the dry run's
+planner reads its per-method step seconds), each part's log, and the run folders of the timed runs.
+Without a CUDA GPU it prints one line and exits 1: nothing was checked.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "run_experiments.sh --check"
+BUDGET_S = 570                     # the whole check, so that it ends within 10 minutes with its start-up
+METHODS, KERNELS, MODES = ("baseline", "hc", "mhc"), ("reference", "fused"), ("eager", "compile")
+STEPS, WARM_STEPS = 10, 4          # median over the steps after the first WARM_STEPS (compile, allocator, loader)
+ASSUMED_MFU = 0.40                 # what the planner assumes without a measurement
+SIZE = ["--data", "sample", "--tokenizer", "gpt2", "--dtype", "bf16", "--width", "2048", "--depth", "4",
+        "--seq-len", "1024", "--batch-size", "8", "--micro-batch-size", "8", "--warmup", "2",
+        "--eval-every", "1000", "--eval-batches", "1", "--metrics-every", "1000", "--layer-metrics-every", "1000",
+        "--log-every", "1", "--ckpt-every", "1000", "--data-workers", "1", "--wandb", "disabled", "--resume", "never"]
+TOKENS_PER_STEP = 8 * 1024
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{PROG}: error: {message} (it takes --out DIR only)\n")
+
+
+def parse_args(argv):
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs", help="the runs folder; results go to OUT/gpu_check (default runs)")
+    args = p.parse_args(argv)
+    if not args.out:
+        p.error("--out must not be empty")
+    return args
+
+
+class Check:
+    """Runs the parts in order, each with a time limit taken from what is left of BUDGET_S."""
+
+    def __init__(self, folder):
+        self.folder, self.started, self.parts = folder, time.monotonic(), {}
+
+    def left(self):
+        return BUDGET_S - (time.monotonic() - self.started)
+
+    def run(self, name, command, limit):
+        """Run one command to name.log; its exit status (124: out of time, or no time left to start it)."""
+        limit = min(limit, self.left())
+        if limit < 10:
+            return 124
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+        with open(self.folder / f"{name}.log", "w") as log:
+            try:
+                return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                      timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                return 124
+
+    def verdict(self, part, ok, detail):
+        self.parts[part] = "PASS" if ok else "FAIL"
+        print(f"{self.parts[part]}  {part:<12} {detail}", flush=True)
+
+
+def environment(check):
+    """bf16 and attention, from one small program on the card."""
+    probe = ("import importlib.util, torch, torch.nn.functional as F\n"
+             "from torch.nn.attention import SDPBackend, sdpa_kernel\n"
+             "print('bf16', torch.cuda.is_bf16_supported())\n"
+             "print('flash_attn', importlib.util.find_spec('flash_attn') is not None)\n"
+             "q = torch.randn(2, 16, 1024, 128, device='cuda', dtype=torch.bfloat16)\n"
+             "with sdpa_kernel(SDPBackend.FLASH_ATTENTION):\n"
+             "    F.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
+             "print('sdpa_flash True')\n")
+    code = check.run("environment", [sys.executable, "-c", probe], 90)
+    said = dict(line.split() for line in (check.folder / "environment.log").read_text().splitlines()
+                if re.fullmatch(r"\w+ (True|False)", line))
+    check.verdict("bf16", said.get("bf16") == "True", "torch.cuda.is_bf16_supported()")
+    attention = "flash-attn installed" if said.get("flash_attn") == "True" else "PyTorch SDPA flash backend"
+    check.verdict("attention", said.get("sdpa_flash") == "True" or said.get("flash_attn") == "True",
+                  f"{attention} (exit {code}; environment.log)")
+
+
+def supports_kernels():
+    """Whether this train_c4.py has --kernels (otherwise only its one path is timed)."""
+    done = subprocess.run([sys.executable, "train_c4.py", "--help"], capture_output=True, text=True, cwd=ROOT)
+    return "--kernels" in done.stdout
+
+
+def step_stats(run_dir):
+    """Median step seconds, tokens/s, MFU and the peak memory over the steps after the warm-up, or None."""
+    try:
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    steps = [r for r in lines if isinstance(r.get("step_time_s"), (int, float)) and r["step"] > WARM_STEPS]
+    if not steps:
+        return None
+    mfus = [r["mfu"] for r in steps if isinstance(r.get("mfu"), (int, float))]
+    return {"step_s": statistics.median(r["step_time_s"] for r in steps),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+            "mfu": statistics.median(mfus) if mfus else None,
+            "mem_peak_gb": max((r.get("mem_peak_gb") or 0.0) for r in steps)}
+
+
+def timings(check, runs):
+    """Every method x kernels x mode that has time left: {method: {"kernels/mode": stats or None}}."""
+    kernels = KERNELS if supports_kernels() else ("default",)
+    table = {m: {} for m in METHODS}
+    for mode in MODES:                     # eager first: the plan's numbers before the slower compile runs
+        for path in kernels:
+            for method in METHODS:
+                name = f"{method}_{path}_{mode}"
+                flags = [*SIZE, "--residual", method, "--steps", str(STEPS), "--out", str(runs), "--run-name", name]
+                flags += [] if path == "default" else ["--kernels", path]
+                code = check.run(name, [sys.executable, "train_c4.py", *flags, *(["--compile"] if mode == "compile"
+                                                                                   else [])], 240)
+                stats = step_stats(runs / name) if code == 0 else None
+                shutil.rmtree(runs / name / "checkpoints", ignore_errors=True)    # GBs each, not needed
+                table[method][f"{path}/{mode}"] = stats
+                shown = "out of time" if code == 124 else f"exit {code}" if code else \
+                    f"{stats['step_s']:.3f} s/step, {stats['tokens_per_s']:,.0f} tok/s" if stats else "no timed steps"
+                print(f"      {name:<26} {shown}", flush=True)
+    return table
+
+
+def fastest(table):
+    """Per method, the stats of its fastest timed path (what a run with the right flags gets)."""
+    best = {}
+    for method, paths in table.items():
+        timed = {path: s for path, s in paths.items() if s}
+        if timed:
+            path = min(timed, key=lambda p: timed[p]["step_s"])
+            best[method] = {**timed[path], "path": path}
+    return best
+
+
+def planned_allocated_gb(check):
+    """The allocated peak (GB) that the trainer's --estimate plans for the timed mHC run, or None."""
+    command = [sys.executable, "train_c4.py", *SIZE, "--residual", "mhc", "--estimate"]
+    check.run("estimate", command, 60)
+    try:
+        found = re.search(r"allocated peak.*?= ([0-9.]+) GB", (check.folder / "estimate.log").read_text())
+    except OSError:                        # no time was left to run it
+        found = None
+    return float(found.group(1)) if found else None
+
+
+def judge(check, table, planned):
+    best = fastest(table)
+    compiled = [s for paths in table.values() for path, s in paths.items() if path.endswith("/compile")]
+    check.verdict("compile", bool(compiled) and all(compiled), f"{sum(map(bool, compiled))} of "
+                  f"{len(compiled)} --compile runs timed")
+    eager = [s for path, s in table["mhc"].items() if s and path.endswith("/eager")]
+    measured = max((s["mem_peak_gb"] for s in eager), default=None)
+    plan = f"the planned {planned:.1f} GB allocated" if planned else "no plan read (estimate.log)"
+    check.verdict("memory plan", planned is not None and measured is not None and measured <= planned,
+                  f"mHC measured peak {measured or 0:.1f} GB against {plan}")
+    base = best.get("baseline", {})
+    mfu = base.get("mfu")
+    planned_tps = base["tokens_per_s"] * ASSUMED_MFU / mfu if mfu else None
+    plan = (f"the planned {planned_tps:,.0f} ({TOKENS_PER_STEP / planned_tps:.3f} s/step) at {ASSUMED_MFU:.0%} MFU; "
+            "PASS from half of it" if planned_tps else "no plan without the card's bf16 peak")
+    check.verdict("tokens/s", bool(planned_tps) and base["tokens_per_s"] >= planned_tps / 2,
+                  f"baseline {base.get('tokens_per_s', 0):,.0f} ({base.get('step_s', 0):.3f} s/step) against {plan}")
+    check.verdict("MFU", mfu is not None, f"baseline {mfu:.1%} against the planned {ASSUMED_MFU:.0%}" if mfu is not None
+                  else "unknown: the trainer has no bf16 peak for this card (GPU_PEAK_BF16_FLOPS)")
+    for method, s in best.items():
+        print(f"      {method:<9} {s['step_s']:.3f} s/step ({s['path']}), {s['tokens_per_s']:,.0f} tok/s, "
+              f"MFU {s['mfu'] or 0:.1%}, peak {s['mem_peak_gb']:.1f} GB", flush=True)
+
+
+def fsdp(check, runs):
+    """A torchrun run with --parallel fsdp that checkpoints at step 3, then its resume to step 6."""
+    flags = [*SIZE, "--width", "1024", "--ckpt-every", "3", "--residual", "mhc", "--parallel", "fsdp",
+             "--out", str(runs), "--run-name", "fsdp"]           # a later flag wins over SIZE's
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "train_c4.py"]
+    first = check.run("fsdp", [*torchrun, *flags, "--steps", "3"], 120)
+    second = check.run("fsdp_resume", [*torchrun, *flags, "--steps", "6", "--resume", "auto",
+                                       "--allow-changed-settings"], 120)
+    try:
+        status = json.loads((runs / "fsdp" / "status.json").read_text())
+    except (OSError, ValueError):
+        status = {}
+    check.verdict("FSDP", first == 0 and second == 0 and status.get("step") == 6,
+                  f"exits {first}, {second}; resumed run at step {status.get('step')} of 6 (fsdp.log, fsdp_resume.log)")
+
+
+def write_result(folder, device, parts, table):
+    """result.json: the planner reads step_seconds (per method, its fastest path) and tokens_per_step."""
+    best = fastest(table)
+    result = {"format": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **device,
+              "trainer_flags": SIZE, "tokens_per_step": TOKENS_PER_STEP, "parts": parts,
+              "step_seconds": {m: s["step_s"] for m, s in best.items()},
+              "paths": {m: s["path"] for m, s in best.items()}, "timings": table}
+    tmp = folder / "result.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(folder / "result.json")          # a reader never sees half a file
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print(f"{PROG}: no CUDA GPU visible (torch {torch.__version__}, "
+              f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'a CPU-only build'}): nothing was checked; "
+              "run it on the GPU node", file=sys.stderr)
+        return 1
+    folder = Path(args.out) / "gpu_check"
+    runs = folder / "runs"
+    try:
+        runs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"{PROG}: cannot create {runs}: {error.strerror}", file=sys.stderr)
+        return 1
+    check = Check(folder)
+    print(f"{PROG}: {torch.cuda.get_device_name()}, torch {torch.__version__}; logs and run folders in {folder}",
+          flush=True)
+    environment(check)
+    fsdp(check, runs)                    # before the timings, which take whatever time is left
+    planned = planned_allocated_gb(check)
+    table = timings(check, runs)
+    judge(check, table, planned)
+    device = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    write_result(folder, device, check.parts, table)
+    failed = [part for part, verdict in check.parts.items() if verdict == "FAIL"]
+    print(f"{PROG}: {len(check.parts) - len(failed)} of {len(check.parts)} parts passed"
+          + (f"; failed: {', '.join(failed)} (their logs in {folder})" if failed else "")
+          + f"; {folder / 'result.json'} written in {time.monotonic() - check.started:.0f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,640 @@
+"""plan.py: the planner beside the trainer. Will a run fit on a GPU, which micro-batch, how long, what it costs.
+
+    python train_c4.py --estimate --depth 48        # the size, the memory plan of one GPU and the time of one run
+    bash run_experiments.sh --dry-run               # every job of the matrix planned for the node, wall time, cost
+
+Never imports train_c4 (the trainer imports this file): where a plan needs the model, the caller passes the model
+class (train_c4.GPT) as `gpt`, and configs are train_c4.Config objects. docs/planning.md says how each term is
+derived, what is measured and what is assumed.
+Parts, in file order: the GPUs (peak, memory), FLOPs per token; the memory plan (activations measured on tiny
+models on the CPU); the micro-batch (auto's search and its one real trial); --estimate's text; the time of a run
+(per method, with evaluation, probes and checkpoint writes, as a range); the launcher's check of every job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from contract import EXIT_BAD_CONFIG
+
+
+class PlanError(Exception):
+    """A batch split or micro-batch that cannot work: one line, and the trainer's exit code for bad settings."""
+    exit_code = EXIT_BAD_CONFIG
+
+
+# ----------------------------------------------------------------------------------------------
+# the GPUs: peak, memory; FLOPs per token
+
+# dense bf16 peak of one GPU (NVIDIA's spec sheets: half the figure "with sparsity"), for MFU, keyed by the
+# exact name torch.cuda.get_device_name and nvidia-smi report: the three H100s differ by a third, so a
+# GPU not listed gets mfu = null rather than a neighbour's peak
+GPU_PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,            # H100 SXM
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,                      # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L40S": 362e12,
+}
+# the memory of each card (spec sheet, GB as GiB: PyTorch shows a little less, 79.2 of an H100's 80), planned
+# against where the card is named but not visible (the launcher's dry run, nvidia-smi on another node)
+GPU_MEMORY_GIB = {
+    "NVIDIA H100 80GB HBM3": 80, "NVIDIA H100 PCIe": 80, "NVIDIA H100 NVL": 94, "NVIDIA H200": 141,
+    "NVIDIA H200 NVL": 141, "NVIDIA GH200 480GB": 96, "NVIDIA A100-SXM4-40GB": 40, "NVIDIA A100-SXM4-80GB": 80,
+    "NVIDIA A100-PCIE-40GB": 40, "NVIDIA A100 80GB PCIe": 80, "NVIDIA B200": 180, "NVIDIA L40S": 48,
+}
+# the documented node's GPU (README: 8 x H100 SXM), what a plan assumes where no GPU can be asked
+ASSUMED_GPU = "NVIDIA H100 80GB HBM3"
+
+
+def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
+    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
+    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The dense bf16 peak of the device named `name` (device_name), None where it is not known."""
+    return GPU_PEAK_BF16_FLOPS.get(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# the memory one GPU needs: parameters exactly, activations measured on tiny models, overheads assumed
+
+GiB = 2 ** 30
+DEFAULT_GPU_MEMORY_GIB = 80.0   # the card planned for when no CUDA device is visible (an H100 80GB shows 79.2)
+# Framework overhead per process, assumed (it cannot be measured without a GPU): the CUDA context with the
+# cuBLAS workspaces and the kernels of the first step (0.5-1 GiB on an H100), NCCL's buffers when there are
+# peers, and the caching allocator's fragmentation (reserved minus allocated) as a share of the allocated
+# peak: a few per cent when every step repeats the same shapes
+CUDA_CONTEXT_BYTES, NCCL_BYTES, FRAGMENTATION = 1.0 * GiB, 1.0 * GiB, 0.05
+AUTO_MARGIN = 0.05      # auto fills at most 95% of the card by the plan: a model of the memory, not a measurement
+CPU_AUTO_MICRO = 8      # auto on the CPU, where there is no device memory to plan against
+# grad_fn nodes that only view or cast: followed from a saved tensor, they lead to the parameter that
+# autocast copied to bf16 (memory per model, not per token)
+_VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                 "UnsqueezeBackward0", "ExpandBackward0", "UnsafeViewBackward0"}
+
+
+class _CudaAutocastOnCpu(torch.overrides.TorchFunctionMode):
+    """CPU autocast with CUDA's casting policy where the two differ for this model: on CUDA, layer_norm and
+    sum run in fp32 (a bf16 input is cast, and layer_norm saves the fp32 copy); the CPU keeps bf16."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (torch.is_autocast_enabled("cpu") and args and isinstance(args[0], torch.Tensor)
+                and args[0].dtype == torch.bfloat16):
+            if func is F.layer_norm:
+                args = (args[0].float(), *args[1:])
+            elif func in (torch.sum, torch.Tensor.sum) and kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        return func(*args, **kwargs)
+
+
+class _SavedTensorCounter:
+    """Saved-tensor and module hooks that add up, by the module being run, the bytes autograd keeps."""
+
+    def __init__(self, model: nn.Module):
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.param_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen, self.counts, self.casts, self.where = set(), {}, set(), ["other"]
+
+    def count(self, t: torch.Tensor, label) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.seen or storage.data_ptr() in self.param_storage or storage.nbytes() == 0:
+            return
+        self.seen.add(storage.data_ptr())
+        fn = t.grad_fn
+        while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
+            fn = fn.next_functions[0][0]
+        if id(getattr(fn, "variable", None)) in self.names:
+            self.casts.add(self.names[id(fn.variable)])
+        else:
+            label = "loss" if type(t.grad_fn).__name__ == "LogSoftmaxBackward0" else label
+            self.counts[label] = self.counts.get(label, 0) + storage.nbytes()
+
+    def pack(self, t):
+        self.count(t, self.where[-1])
+        return t
+
+    def enter(self, label, checkpointed=False):
+        def hook(module, args):
+            self.where.append(label)
+            if checkpointed:
+                self.count(args[0], label)       # non-reentrant checkpointing keeps the sublayer's input alive
+        return hook
+
+    def leave(self, module, args, output):
+        self.where.pop()
+
+
+def saved_bytes(model: nn.Module, idx: torch.Tensor, bf16: bool) -> dict:
+    """The bytes one training forward keeps for the backward pass, by where they were saved: (block, 'attn' or
+    'mlp', 'body' or 'streams'), 'loss' (the log-probabilities) or 'other' (embedding, collapse, head); with
+    activation checkpointing, the sublayer inputs the checkpoints hold. Measured with saved-tensor hooks on the
+    CPU, each storage counted once; parameters are not counted, 'weight_casts' names those autocast copied."""
+    counter, handles = _SavedTensorCounter(model), []
+    for i, block in enumerate(model.blocks):
+        for part in ("attn", "mlp"):
+            conn, body = getattr(block, f"{part}_conn"), getattr(block, part)
+            handles += [conn.register_forward_pre_hook(counter.enter((i, part, "streams"),
+                                                                     block.activation_checkpointing)),
+                        body.register_forward_pre_hook(counter.enter((i, part, "body"))),
+                        conn.register_forward_hook(counter.leave), body.register_forward_hook(counter.leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
+                _CudaAutocastOnCpu() if bf16 else contextlib.nullcontext(), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(idx, idx)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {**counter.counts, "weight_casts": counter.casts}
+
+
+def _saved_per_token(gpt: type, cfg: Config, width: int, depth: int, bf16: bool, micro: int = 2,
+                     seq_len: int = 16) -> dict:
+    small = dataclasses.replace(cfg, width=width, depth=depth, seq_len=seq_len, compile=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = gpt(small)
+        idx = torch.randint(0, model.wte.num_embeddings, (micro, seq_len))
+        saved = saved_bytes(model, idx, bf16)
+    casts = saved.pop("weight_casts")
+    return {"weight_casts": casts, **{k: v / (micro * seq_len) for k, v in saved.items()}}
+
+
+def profile_key(cfg: Config, checkpointing: bool) -> Config:
+    """The settings activation_profile depends on, all others at their defaults: one measurement serves every
+    depth, width, batch and seed (type(cfg) is train_c4.Config, so this file needs no import of it)."""
+    return type(cfg)(residual=cfg.residual, expansion=cfg.expansion, heads=cfg.heads, tokenizer=cfg.tokenizer,
+                     sinkhorn_iters=cfg.sinkhorn_iters, dtype="fp32" if cfg.dtype == "fp32" else "bf16",
+                     activation_checkpointing=checkpointing)
+
+
+@functools.cache
+def activation_profile(gpt: type, profiled: Config) -> dict:
+    """Activation bytes per token as (a, b) with bytes = a * width + b, measured on the real GPT on the CPU at
+    widths 2 and 4 x heads (the real head count: per-head terms like attention's logsumexp are exact) and depths
+    2 and 3, with the real vocabulary. Keys: 'block' (the depth difference), its parts 'attention', 'mlp' and
+    'streams' (the n-stream states, mixing coefficients and the sublayer outputs written into the streams),
+    'sublayer' (the larger sublayer: what checkpointing recomputes at once), 'loss' (log-probabilities),
+    'rest' (embedding, expansion, collapse, head); 'weight_casts': the parameters autocast copies to bf16.
+    `profiled`: profile_key's config, `gpt`: the model class (train_c4.GPT)."""
+    widths, rows, bf16 = (2 * profiled.heads, 4 * profiled.heads), [], profiled.dtype != "fp32"
+    for width in widths:
+        d2, d3 = (_saved_per_token(gpt, profiled, width, depth, bf16) for depth in (2, 3))
+        total = {name: sum(v for k, v in d.items() if k != "weight_casts") for name, d in (("d2", d2), ("d3", d3))}
+        part = {(p, s): d2.get((1, p, s), 0.0) for p in ("attn", "mlp") for s in ("body", "streams")}
+        row = {"block": total["d3"] - total["d2"], "loss": d2.get("loss", 0.0),
+               "attention": part["attn", "body"], "mlp": part["mlp", "body"],
+               "sublayer": max(part[p, "body"] + part[p, "streams"] for p in ("attn", "mlp"))}
+        row["streams"] = row["block"] - row["attention"] - row["mlp"]
+        row["rest"] = total["d2"] - 2 * row["block"] - row["loss"]
+        rows.append(row)
+    fit = {"weight_casts": frozenset(map(_any_block, d2["weight_casts"] | d3["weight_casts"]))}
+    for key in rows[0]:
+        a = (rows[1][key] - rows[0][key]) / (widths[1] - widths[0])
+        fit[key] = (a, rows[0][key] - a * widths[0])
+    return fit
+
+
+def _any_block(name: str) -> str:
+    """'blocks.7.attn.inner.qkv.weight' -> '*.attn.inner.qkv.weight': the same parameter in every block."""
+    return ".".join(["*"] + name.split(".")[2:]) if name.startswith("blocks.") else name
+
+
+def shape_key(cfg: Config) -> Config:
+    """The settings the parameters' shapes depend on, all others at their defaults: building the model, even on the
+    meta device, takes a second at depth 48 (its initialisation runs), so one build serves every seed and schedule."""
+    return type(cfg)(residual=cfg.residual, depth=cfg.depth, width=cfg.width, heads=cfg.heads,
+                     expansion=cfg.expansion, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer)
+
+
+def parameter_numels(gpt: type, cfg: Config) -> dict:
+    """numel per parameter name (block parameters summed over the blocks as '*.attn.inner.qkv.weight'...),
+    with 'total', 'tensors' and 'block' (one block's), from the model built on the meta device."""
+    return _parameter_numels(gpt, shape_key(cfg))
+
+
+@functools.cache
+def _parameter_numels(gpt: type, cfg: Config) -> dict:
+    with torch.device("meta"):
+        model = gpt(cfg)
+    numels = {"total": 0, "tensors": 0, "block": sum(p.numel() for p in model.blocks[0].parameters())}
+    for name, p in model.named_parameters():
+        numels[_any_block(name)] = numels.get(_any_block(name), 0) + p.numel()
+        numels["total"] += p.numel()
+        numels["tensors"] += 1
+    return numels
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device, term by term (insertion order is print order); `notes` says how each was derived."""
+    micro: int
+    world: int
+    card: float
+    terms: dict
+    notes: dict
+
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated should show (mem_peak_gb in metrics.jsonl, in GB)."""
+        return sum(v for k, v in self.terms.items() if not k.startswith("overhead"))
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def gpu_memory_bytes(cfg: Config) -> float:
+    if cfg.gpu_memory_gb > 0:
+        return cfg.gpu_memory_gb * GiB
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return DEFAULT_GPU_MEMORY_GIB * GiB
+
+
+def memory_plan(gpt: type, cfg: Config, micro: int, world: int = 1, card: float | None = None) -> MemoryPlan:
+    """The memory one GPU needs to train `cfg` at this micro-batch (dtype auto plans bf16, as on CUDA).
+    Parameter terms are exact; activations are activation_profile scaled to the real width, depth and tokens."""
+    bf16 = cfg.dtype != "fp32"
+    fit, full = (activation_profile(gpt, profile_key(cfg, checkpointing))
+                 for checkpointing in (cfg.activation_checkpointing, False))
+    terms, notes = {}, {}
+
+    def term(name: str, value: float, note: str) -> None:
+        terms[name], notes[name] = value, note
+
+    numels = parameter_numels(gpt, cfg)
+    _parameter_terms(cfg, numels, world, full["weight_casts"], term)
+    _activation_terms(cfg, numels["wte.weight"] // cfg.width, micro, fit, full, term)
+    allocated = sum(terms.values())
+    term("overhead: CUDA context", CUDA_CONTEXT_BYTES + (NCCL_BYTES if world > 1 else 0),
+         "assumed: context, cuBLAS workspaces, kernels" + (", NCCL buffers" if world > 1 else ""))
+    term("overhead: fragmentation", FRAGMENTATION * allocated, f"assumed: {FRAGMENTATION:.0%} of the allocated peak")
+    return MemoryPlan(micro, world, gpu_memory_bytes(cfg) if card is None else card, terms, notes)
+
+
+def _parameter_terms(cfg: Config, numels: dict, world: int, weight_casts: set, term) -> None:
+    """Weights, gradients, AdamW, and the copies DDP, FSDP or autocast add: exact from the parameter counts."""
+    P, block, shards = numels["total"], numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
+    sharded = f" / {shards} ranks" if shards > 1 else ""
+    term("weights", 4 * P / shards, f"{P:,} fp32 parameters{sharded}")
+    term("gradients", 4 * P / shards, f"fp32{sharded}")
+    term("optimizer", 8 * P / shards + 4 * numels["tensors"],
+         f"AdamW: 2 fp32 states per parameter{sharded}, a step count per tensor")
+    if world > 1 and cfg.parallel == "ddp":
+        term("ddp buckets", 4 * P, "DDP's all-reduce buckets: a second fp32 copy of the gradients")
+    if shards > 1:
+        unsharded = 2 if cfg.dtype != "fp32" else 4
+        term("fsdp all-gathered", unsharded * (P - (cfg.depth - 2) * block) + (unsharded + 4) * block,
+             "whole parameters of the root and of 2 blocks (running + prefetched), one block's whole gradients")
+    elif cfg.dtype != "fp32":
+        # autocast caches its bf16 copies until the forward ends (checkpointing or not), and the backward keeps them
+        cast = sum(numels[name] for name in weight_casts)
+        term("autocast weight cache", 2 * cast, f"bf16 copies of the {cast:,} matmul weights")
+
+
+def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict, term) -> None:
+    """What the forward saves (`fit`: as configured; `full`: without checkpointing) and the backward's own peak."""
+    C, L, tokens = cfg.width, cfg.depth, micro * cfg.seq_len
+    per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
+    if cfg.activation_checkpointing:
+        term("act: checkpointed inputs", tokens * L * per_token["block"],
+             f"{L} blocks x {micro} x {cfg.seq_len} tokens x {per_token['block'] / 1024:.1f} KiB (stream states held)")
+    else:
+        parts = ", ".join(f"{k} {per_token[k] / 1024:.1f}" for k in ("attention", "mlp", "streams"))
+        term("act: blocks", tokens * L * per_token["block"],
+             f"{L} blocks x {micro} x {cfg.seq_len} tokens x ({parts} KiB)")
+    term("act: embedding, head", tokens * per_token["rest"],
+         "embedding, n-stream expansion, collapse, final norm, head input")
+    loss = tokens * per_token["loss"]
+    term("act: log-probabilities", loss,
+         f"fp32 log_softmax over the {vocab:,}-token vocabulary")
+    # the backward's own peak on top of what is saved: the loss backward holds two more fp32 buffers of the
+    # logits' size (the gradients into and out of log_softmax); with checkpointing, one sublayer is recomputed
+    recompute = tokens * (full["sublayer"][0] * C + full["sublayer"][1]) if cfg.activation_checkpointing else 0.0
+    term("act: backward peak", max(2 * loss, recompute),
+         "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
+
+
+def memory_floor(cfg: Config, vocab: int, micro: int, world: int) -> float:
+    """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
+    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state and a sublayer
+    output per block and the fp32 log-probabilities with their two backward buffers, and the validation token ids.
+    The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
+    C = cfg.width
+    parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
+    shards = world if world > 1 and cfg.parallel == "fsdp" else 1
+    activations = micro * cfg.seq_len * 4 * (2 * cfg.depth * C + 3 * vocab)
+    return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
+
+
+def check_memory(cfg: Config, vocab: int, micro: int, world: int, device: torch.device) -> None:
+    """memory_floor against this GPU's memory or this machine's: a run that cannot fit ends before it allocates."""
+    if device.type == "cuda":
+        available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(device)})"
+    else:
+        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    need = memory_floor(cfg, vocab, micro, world)
+    if need > available:
+        raise PlanError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more than "
+                        f"the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "
+                        "--micro-batch-size or --eval-batches (--estimate shows the plan)")
+
+
+# ----------------------------------------------------------------------------------------------
+# the micro-batch: auto's search by the plan, and on CUDA its one real trial
+
+def check_batch_split(cfg: Config, world: int, micro: int | None = None) -> None:
+    """--batch-size splits evenly over the processes and, given a micro-batch, into whole micro-batches on each."""
+    if cfg.batch_size % (world * (micro or 1)):
+        into = f"{world} process(es)" if micro is None else f"--micro-batch-size {micro} x {world} process(es)"
+        raise PlanError(f"--batch-size {cfg.batch_size} is not divisible by {into}")
+
+
+def divisors_descending(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def auto_micro_batch(gpt: type, cfg: Config, world: int, card: float | None = None) -> tuple[int, MemoryPlan]:
+    """The largest micro-batch dividing the per-process batch whose plan fills at most 1 - AUTO_MARGIN of the card."""
+    for micro in divisors_descending(cfg.batch_size // world):
+        plan = memory_plan(gpt, cfg, micro, world, card)
+        if plan.total <= (1 - AUTO_MARGIN) * plan.card:
+            return micro, plan
+    raise PlanError(f"micro-batch 1 already needs {plan.total / GiB:.1f} GiB of this {plan.card / GiB:.1f} GiB GPU "
+                      "(see --estimate): use --activation-checkpointing, or --parallel fsdp over more GPUs")
+
+
+def cpu_auto_micro_batch(cfg: Config, world: int) -> int:
+    return next(d for d in divisors_descending(cfg.batch_size // world) if d <= CPU_AUTO_MICRO)
+
+
+def resolve_micro_batch(gpt: type, cfg: Config, world: int, on_gpu: bool, card: float | None = None) -> tuple[int, str]:
+    """The micro-batch a run uses and, for auto, why: on a GPU the largest the memory plan fits; on the CPU, where
+    there is no device memory to plan against, the per-process batch capped at CPU_AUTO_MICRO."""
+    check_batch_split(cfg, world)
+    if cfg.micro_batch_size != "auto":
+        micro, why = int(cfg.micro_batch_size), ""
+    elif on_gpu:
+        micro, plan = auto_micro_batch(gpt, cfg, world, card)
+        why = (f"planned {plan.total / GiB:.1f} of {plan.card / GiB:.1f} GiB, at most {1 - AUTO_MARGIN:.0%} "
+               "of the card; --estimate shows the plan")
+    else:
+        micro = cpu_auto_micro_batch(cfg, world)
+        why = (f"CPU: the per-process batch {cfg.batch_size // world} capped at {CPU_AUTO_MICRO}, no GPU memory to "
+               "plan against")
+    check_batch_split(cfg, world, micro)
+    return micro, why
+
+
+def confirm_micro_batch(cfg: Config, dist, local: nn.Module, dtype: torch.dtype, micro: int) -> int:
+    """--micro-batch-size auto on CUDA: one real forward and backward of `local` (the unwrapped model: no
+    all-reduce in the trial) at the planned micro-batch, with the memory of AdamW's states (allocated at its first
+    step) set aside; on out-of-memory, the next divisor at most half as large. Not under FSDP, whose collectives
+    would hang the ranks that did not fail: the plan stands there."""
+    if cfg.micro_batch_size != "auto" or dist.device.type != "cuda" or (dist.world > 1 and cfg.parallel == "fsdp"):
+        return micro
+    while not _fits_one_step(cfg, dist.device, local, dtype, micro):
+        if micro == 1:
+            raise torch.OutOfMemoryError("micro-batch 1 does not fit in one real forward and backward")
+        micro = next(d for d in divisors_descending(cfg.batch_size // dist.world) if d <= micro // 2)
+    if dist.world > 1:                       # every rank must use the same micro-batch
+        agreed = torch.tensor(micro, device=dist.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        micro = int(agreed)
+    torch.cuda.reset_peak_memory_stats(dist.device)
+    if dist.is_main:
+        print(f"micro-batch auto: {micro}, confirmed by one forward and backward on {torch.cuda.get_device_name()}",
+              flush=True)
+    return micro
+
+
+def _fits_one_step(cfg: Config, device: torch.device, local: nn.Module, dtype: torch.dtype, micro: int) -> bool:
+    states = idx = loss = None
+    try:
+        # held, not used: the room AdamW's exp_avg and exp_avg_sq take at the first optimizer step
+        states = torch.empty(8 * sum(p.numel() for p in local.parameters()), dtype=torch.uint8, device=device)
+        idx = torch.zeros(micro, cfg.seq_len, dtype=torch.long, device=device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            _, loss = local(idx, idx)
+        loss.backward()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        states = idx = loss = None      # released before the next, smaller trial allocates its own
+        local.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# --estimate's text
+
+def print_memory_plan(plan: MemoryPlan) -> None:
+    width = max(map(len, plan.terms)) + 2
+    for key, value in plan.terms.items():
+        print(f"  {key:<{width}}{value / GiB:7.2f} GiB  {plan.notes[key]}")
+    short = plan.total - plan.card
+    verdict = f"does NOT fit, {short / GiB:.1f} GiB short" if short > 0 else f"fits, {-short / GiB:.1f} GiB to spare"
+    print(f"  {'allocated peak':<{width}}{plan.allocated / GiB:7.2f} GiB  = {plan.allocated / 1e9:.1f} GB: "
+          "compare mem_peak_gb in metrics.jsonl")
+    print(f"  {'total':<{width}}{plan.total / GiB:7.2f} GiB  of {plan.card / GiB:.1f} GiB: {verdict}")
+
+
+def parameter_summary(params: dict) -> str:
+    """count_parameters' counts in words, as --estimate and a run's log show them."""
+    return (f"{params['total']:,} parameters ({params['embedding']:,} embedding, {params['non_embedding']:,} "
+            f"non-embedding, {params['streams']:,} in the residual connections)")
+
+
+
+def print_estimate(gpt: type, cfg: Config, params: dict) -> None:
+    """Model size, work per token, the memory plan of one GPU and the time of the run: the model is built on the
+    meta device and the activations are measured on tiny copies on the CPU, so nothing of the real size is
+    allocated. `params`: train_c4.count_parameters(cfg)."""
+    print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {parameter_summary(params)}")
+    flops = flops_per_token(cfg, params["non_embedding"])
+    print(f"{flops:.4g} training FLOPs per token; {cfg.tokens_per_step:,} tokens per step; "
+          f"{cfg.steps * cfg.tokens_per_step:,} tokens in {cfg.steps:,} steps")
+    world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    micro, auto_line = _estimate_micro_batch(gpt, cfg, world)
+    strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
+    print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
+          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}:")
+    print_memory_plan(memory_plan(gpt, cfg, micro, world))
+    if cfg.residual != "baseline":
+        fit = activation_profile(gpt, profile_key(cfg, False))["streams"]
+        streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
+        print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
+              f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
+    print(auto_line)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    estimate = run_time(cfg, params, world, name or ASSUMED_GPU)
+    where = f"{world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}"
+    if estimate is None:
+        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
+    else:
+        print(f"time on {where}: {range_text(estimate.step, 's')} per step, {range_text(estimate.total, 'h')} for "
+              f"{cfg.steps:,} steps ({estimate.basis}; evaluation, probes, checkpoints and start-up included)")
+
+
+def _estimate_micro_batch(gpt: type, cfg: Config, world: int) -> tuple[int, str]:
+    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
+    check_batch_split(cfg, world)
+    try:
+        auto, _ = auto_micro_batch(gpt, cfg, world)
+        auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
+                     "of the card)")
+    except PlanError as error:
+        auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
+    micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1
+    check_batch_split(cfg, world, micro)
+    return micro, auto_line
+
+
+# ----------------------------------------------------------------------------------------------
+# the time of a run, as a range (low, high): training steps, evaluation, probes, checkpoint writes, start-up
+
+# the share of the GPU's dense bf16 peak a baseline step reaches: assumed (no GPU has timed this trainer yet);
+# 40% is the usual for dense 1-3B models in bf16, the range what public GPT-2-style runs of that size report
+MFU_RANGE = (0.45, 0.30)
+# step time over the baseline's where no GPU check has timed it: docs/benchmarks.md's CPU ratios (eager and
+# compiled, widths 256-512, 1-2 threads) span these; a GPU may hide or add host overhead (the same page)
+METHOD_COST = {"baseline": (1.0, 1.0), "hc": (1.16, 1.37), "mhc": (1.18, 1.48)}
+MEASURED_SPREAD = (0.9, 1.2)     # around a measured step time: another depth or micro-batch moves it
+CHECKPOINT_GBPS = (2.0, 0.5)     # a checkpoint's files written at local NVMe speed, down to a network disk's
+# imports, model build, the data streams' first batches, the first step's kernels: minutes for a 2.5B model on a
+# GPU node (assumed), seconds for the CPU's small presets
+STARTUP_S = {"gpu": (60.0, 300.0), "cpu": (5.0, 30.0)}
+# an evaluation or probe sequence costs a forward: about a third of a training step's forward and backward
+FORWARD_SHARE = 1 / 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTime:
+    step: tuple[float, float]       # seconds per optimizer step
+    total: tuple[float, float]      # seconds of the run's remaining steps with everything else it does
+    basis: str                      # where the step time comes from
+
+
+def range_text(values: tuple[float, float], unit: str) -> str:
+    scale = {"s": 1, "h": 3600}[unit]
+    low, high = (v / scale for v in values)
+    return f"{low:.2g}-{high:.2g} {unit}" if unit == "s" else f"{low:.1f}-{high:.1f} {unit}"
+
+
+def step_seconds(cfg: Config, flops: float, world: int, gpu: str, measured: dict | None = None
+                 ) -> tuple[tuple[float, float], str] | None:
+    """(low, high) seconds of one optimizer step and their basis: `measured` (the launcher's calibration, or the
+    GPU check's result for this GPU, docs/planning.md) if given, else the FLOP count at MFU_RANGE of the GPU's peak
+    times METHOD_COST. None where neither is known."""
+    work = cfg.tokens_per_step * flops
+    if measured and measured.get("flops_per_s"):
+        seconds = work / (measured["flops_per_s"] * world / measured.get("gpus", 1))
+        return (seconds * MEASURED_SPREAD[0], seconds * MEASURED_SPREAD[1]), measured["basis"]
+    peak = gpu_peak_flops(gpu)
+    if not peak:
+        return None
+    cost = METHOD_COST.get(cfg.residual, METHOD_COST["mhc"])
+    low, high = (work * c / (mfu * peak * world) for mfu, c in zip(MFU_RANGE, cost))
+    overhead = "" if cost == (1.0, 1.0) else f", x {cost[0]:.2f}-{cost[1]:.2f} for the stream mixing (CPU-measured)"
+    return (low, high), (f"{cfg.residual} from the FLOP count at {MFU_RANGE[1]:.0%}-{MFU_RANGE[0]:.0%} MFU of "
+                         f"the {peak / 1e12:.0f} TFLOP/s bf16 peak{overhead}")
+
+
+def run_time(cfg: Config, params: dict, world: int, gpu: str, measured: dict | None = None,
+             done_steps: int = 0) -> RunTime | None:
+    """The remaining steps of a run and what else it does on the way, in seconds, as (low, high)."""
+    step = step_seconds(cfg, flops_per_token(cfg, params["non_embedding"]), world, gpu, measured)
+    if step is None:
+        return None
+    (low, high), basis = step
+    steps = max(0, cfg.steps - done_steps)
+    # forward-only work, in optimizer steps: the validation set at every evaluation, the probe batch at every probe
+    forward_steps = FORWARD_SHARE * (steps // cfg.eval_every * cfg.eval_batches
+                                     + steps // cfg.metrics_every * cfg.probe_sequences / cfg.batch_size)
+    checkpoint_bytes = steps // cfg.ckpt_every * 12 * params["total"]      # fp32 weights and AdamW's two states
+    startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
+    total = tuple((steps + forward_steps) * s + checkpoint_bytes / (gbps * 1e9) + start
+                  for s, gbps, start in zip((low, high), CHECKPOINT_GBPS, startup))
+    return RunTime((low, high), total, basis)
+
+
+def measured_rate(check: dict, method: str, gpu: str) -> dict | None:
+    """The GPU check's timing of `method` ({out}/gpu_check/result.json, format in docs/planning.md) as work per
+    second, if it was measured on this GPU."""
+    timing = (check.get("methods") or {}).get(method) or {}
+    try:
+        rate = timing["tokens_per_step"] * timing["flops_per_token"] / timing["step_seconds"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    if check.get("gpu") != gpu or not rate > 0:
+        return None
+    return {"flops_per_s": rate, "gpus": timing.get("gpus", 1), "basis": f"{method} step timed by the GPU check"}
+
+
+# ----------------------------------------------------------------------------------------------
+# the launcher's check of every job before its first launch (train_c4.py --plan-jobs answers with this)
+
+def card_bytes(cfg: Config, gpu: str, card_gib: float | None = None) -> float:
+    """The memory of one GPU of the launcher's node: --gpu-memory-gb, else what nvidia-smi said (card_gib), else
+    the named card's, else DEFAULT_GPU_MEMORY_GIB."""
+    if cfg.gpu_memory_gb > 0:
+        return cfg.gpu_memory_gb * GiB
+    return (card_gib or GPU_MEMORY_GIB.get(gpu, DEFAULT_GPU_MEMORY_GIB)) * GiB
+
+
+def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, card: float, job: dict) -> dict:
+    """One job as the launcher plans it: micro-batch, memory (on a GPU: the plan must fit the card, else PlanError),
+    time (None where unknown). `job`: done_steps, and the launcher's calibration (tokens_per_s) or the GPU check's
+    timing (check) if any."""
+    answer = {"micro": micro, "auto": cfg.micro_batch_size == "auto", "batch": cfg.batch_size, "memory": None,
+              "seconds": None, "step_seconds": None, "basis": None}
+    if gpu != "cpu":
+        plan = memory_plan(gpt, cfg, micro, world, card)
+        if plan.total > plan.card:
+            raise PlanError(f"{cfg.run_name} at micro-batch {micro} plans {plan.total / GiB:.1f} GiB per GPU, more "
+                            f"than the {plan.card / GiB:.0f} GiB of one {gpu}: pass a smaller -- --micro-batch-size, "
+                            "-- --activation-checkpointing, or --gpus-per-run 2 or more (python train_c4.py "
+                            "--estimate shows the plan)")
+        answer["memory"] = f"{plan.total / GiB:.1f} of {plan.card / GiB:.0f} GiB"
+    flops = flops_per_token(cfg, params["non_embedding"])
+    if job.get("tokens_per_s"):
+        measured = {"flops_per_s": job["tokens_per_s"] * flops, "gpus": world, "basis": "calibrated just now"}
+    else:
+        measured = measured_rate(job.get("check") or {}, cfg.residual, gpu)
+    estimate = run_time(cfg, params, world, gpu, measured, job.get("done_steps") or 0)
+    if estimate is not None:
+        answer.update(seconds=list(estimate.total), step_seconds=list(estimate.step), basis=estimate.basis)
+    return answer
+
+
+def node_answer(gpu: str, jobs: list[dict]) -> dict:
+    """--plan-jobs' answer: the GPU planned for, the assumptions behind every time (printed by the dry run), and
+    the jobs' answers."""
+    bases = sorted({job["basis"] for job in jobs if job.get("basis")})
+    startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
+    return {"gpu": gpu, "jobs": jobs, "assumptions": [
+        "Step times: " + ("; ".join(bases) if bases else "none known for this GPU"),
+        f"Each time includes evaluation and probes (forward passes at {FORWARD_SHARE:.2f} of a step per sequence), "
+        f"checkpoint writes (fp32 weights and AdamW states at {CHECKPOINT_GBPS[1]:g}-{CHECKPOINT_GBPS[0]:g} GB/s) and "
+        f"start-up ({startup[0]:.0f}-{startup[1]:.0f} s); low end: the fast assumptions together, "
+        "high end: the slow ones (docs/planning.md)"]}

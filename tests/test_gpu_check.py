@@ -1,0 +1,59 @@
+"""benchmarks/gpu_check.py (run_experiments.sh --check) off the GPU: how its timings become result.json, the
+file the planner reads. The check itself needs a CUDA GPU; test_launcher.py holds its one line without one."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def timed_run(folder, seconds):
+    """A run folder whose first steps are slow (compile, warm-up) and whose later ones take `seconds`."""
+    folder.mkdir(parents=True)
+    lines = [{"step": 0, "time": 0.0, "amax_fwd": 1.0}]
+    lines += [{"step": step, "time": float(step), "loss": 5.0,
+               "step_time_s": 30.0 if step <= 2 else seconds + step / 1000,
+               "tokens_per_s": 8192 / seconds, "mfu": 0.3, "mem_peak_gb": 10.0 + step} for step in range(1, 11)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder
+
+
+def test_step_stats_are_medians_past_the_warm_up(tmp_path):
+    stats = gpu_check.step_stats(timed_run(tmp_path / "hc", 0.5))
+    assert stats["step_s"] == pytest.approx(0.5 + 7.5 / 1000)       # steps 5..10: median of 0.505 .. 0.510
+    assert stats["tokens_per_s"] == pytest.approx(8192 / 0.5) and stats["mfu"] == 0.3
+    assert stats["mem_peak_gb"] == 20.0
+    assert gpu_check.step_stats(tmp_path / "missing") is None
+
+
+def test_result_json_gives_the_planner_each_methods_fastest_step_seconds(tmp_path):
+    table = {"baseline": {"reference/eager": gpu_check.step_stats(timed_run(tmp_path / "b", 0.3))},
+             "hc": {"reference/eager": gpu_check.step_stats(timed_run(tmp_path / "r", 0.5)),
+                    "fused/eager": gpu_check.step_stats(timed_run(tmp_path / "f", 0.4)),
+                    "fused/compile": None},                 # out of time: kept as null, not dropped
+             "mhc": {"reference/eager": None}}
+    gpu_check.write_result(tmp_path, {"gpu": "NVIDIA H100 80GB HBM3"}, {"bf16": "PASS"}, table)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["step_seconds"] == {"baseline": pytest.approx(0.3075), "hc": pytest.approx(0.4075)}
+    assert result["paths"]["hc"] == "fused/eager" and "mhc" not in result["step_seconds"]
+    assert result["tokens_per_step"] == 8 * 1024 and result["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert result["timings"]["hc"]["fused/compile"] is None and result["parts"] == {"bf16": "PASS"}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_each_part_is_judged_against_the_plan(tmp_path, capsys):
+    check = gpu_check.Check(tmp_path)
+    timed = {"step_s": 0.3, "tokens_per_s": 27_000, "mfu": 0.25, "mem_peak_gb": 16.0}
+    table = {"baseline": {"reference/eager": timed, "reference/compile": timed},
+             "hc": {"reference/eager": timed, "reference/compile": None},          # a compiled run that failed
+             "mhc": {"reference/eager": timed, "reference/compile": timed}}
+    gpu_check.judge(check, table, planned=15.8)
+    assert check.parts == {"compile": "FAIL", "memory plan": "FAIL", "tokens/s": "PASS", "MFU": "PASS"}
+    out = capsys.readouterr().out
+    assert "FAIL  compile      2 of 3 --compile runs timed" in out
+    assert "mHC measured peak 16.0 GB against the planned 15.8 GB allocated" in out
+    assert "against the planned 43,200 (0.190 s/step) at 40% MFU" in out       # 27,000 tok/s at 25% MFU
