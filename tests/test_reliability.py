@@ -273,8 +273,8 @@ def gloo_job(tmp_path):
     """The launcher on one pretend GPU, running a 2-process gloo job under torchrun whose ranks ignore SIGTERM
     (as ranks stuck in a collective would); every rank still alive is killed when the test ends."""
     from test_launcher import launcher_env, start
-    torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2 {ROOT}/tests/gloo_rank.py"
-    env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=torchrun, RUN_EXPERIMENTS_STOP_TIMEOUT=1)
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=f"{sys.executable} {ROOT}/tests/gloo_rank.py",
+                       RUN_EXPERIMENTS_STOP_TIMEOUT=1)
     proc = start(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", env=env)
     run_dir, seen = tmp_path / "runs" / "hc_d2_s1", set()
     yield proc, run_dir, seen
