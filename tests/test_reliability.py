@@ -341,7 +341,10 @@ def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(
     folder, witness = tmp_path / RUN / "checkpoints" / "step-20", tmp_path / "pwned"
     cfg = T.parse_config(["--preset", "tiny"])
     model = T.GPT(cfg)
-    T._vectorise_scalars(model)
+    for module in model.modules():                     # as FSDP holds them: scalars as 1-element vectors
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0:
+                setattr(module, name, torch.nn.Parameter(param.detach().reshape(1)))
     optimizer = T.make_optimizer(model, cfg)
     model(*[torch.zeros(2, cfg.seq_len, dtype=torch.long)] * 2)[1].backward()
     optimizer.step()
