@@ -230,8 +230,8 @@ def read_json(path):
         obj = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        warn(f"cannot read {path}: {e}")
+    except (OSError, ValueError, RecursionError) as e:     # RecursionError: nested too deeply to parse
+        warn(f"cannot read {path}: {type(e).__name__ if isinstance(e, RecursionError) else e}")
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -251,6 +251,13 @@ class LineProblems:
             warn(f"{self.path}:{first}: {kind}" + (f" ({count} lines like it)" if count > 1 else ""))
 
 
+def whole_number(value):
+    """A step as the trainer writes it: a whole number (1e400 parses as inf, 2.5 is no step): else ValueError."""
+    if type(value) is int or (type(value) is float and value.is_integer()):
+        return int(value)
+    raise ValueError(f"not a whole number: {value!r}")
+
+
 def read_metrics(path, run):
     """Parse metrics.jsonl once, line by line, into run.series / run.layers / run.tokens."""
     clock, problems = WallClock(), LineProblems(path)
@@ -259,8 +266,8 @@ def read_metrics(path, run):
         for lineno, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
-                step = int(rec["step"])
-            except (ValueError, KeyError, TypeError, IndexError):
+                step = whole_number(rec["step"])
+            except (ValueError, KeyError, TypeError, IndexError, RecursionError):
                 if line.strip():
                     bad, last_bad = bad + 1, True
                     run.first_bad_line = run.first_bad_line or lineno
@@ -477,7 +484,7 @@ def gpu_count(config):
     if str(config.get("device") or cfg.get("device") or "").lower().startswith("cpu"):
         return 0
     ws = config.get("world_size", cfg.get("world_size", 1))
-    return int(ws) if isinstance(ws, (int, float)) and ws > 0 else 1
+    return int(ws) if isinstance(ws, (int, float)) and 0 < ws < math.inf else 1
 
 
 def summarize(run):
@@ -489,7 +496,8 @@ def summarize(run):
     val = s["val_loss"][1]
     n_gpus = gpu_count(run.config)
     status_step = run.status.get("step")
-    step = max([x for x in (run.last_step, status_step) if isinstance(x, (int, float))], default=None)
+    step = max([x for x in (run.last_step, status_step) if isinstance(x, (int, float)) and math.isfinite(x)],
+               default=None)
     return RunSummary(
         name=run.name, method=run.method, depth=run.depth, seed=run.seed,
         state=str(run.status.get("state", "unknown")), step=None if step is None else int(step),
@@ -1391,9 +1399,13 @@ def read_matrix(root, log="matrix.log"):
         if len(parts) >= 3 and parts[1] in LAUNCHER_STATES and parts[2] in runs:
             gpus = next((p[5:] for p in parts if p.startswith("gpus=")), runs[parts[2]][1])
             runs[parts[2]] = [LAUNCHER_STATES[parts[1]], gpus]
-    return Matrix(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp(), int(fields.get("slots", 1)),
-                  int(fields.get("gpus_per_run", 1)), float(fields.get("price_per_gpu_hour", 0)),
-                  fields.get("gpus") == "cpu", runs)
+    try:
+        return Matrix(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp(), int(fields.get("slots", 1)),
+                      int(fields.get("gpus_per_run", 1)), float(fields.get("price_per_gpu_hour", 0)),
+                      fields.get("gpus") == "cpu", runs)
+    except ValueError as e:
+        warn(f"{root / log}: its last QUEUE line is unreadable ({e}); the matrix's progress is left out")
+        return None
 
 
 def job_seconds(status):

@@ -106,13 +106,35 @@ probe_gpus() {   # probe_gpus LOGDIR GPU...: all at once; answers "GPU STATUS" p
     done
 }
 
-launch() {   # launch RUN GPUS LOG CMD...: in a new process group, so that SIGTERM reaches every process of a
-    # job (torchrun and its ranks) and a Ctrl-C in the terminal reaches only the launcher
+launch() {   # launch RUN GPUS LOG CMD...: in a new process group, so that a Ctrl-C in the terminal reaches only
+    # the launcher; every process of the job inherits the tag RUN_EXPERIMENTS_JOB (job_processes)
     local run=$1 gpus=$2 log=$3
     shift 3
     [[ $gpus != cpu ]] || gpus=""   # the CPU slot: its job sees no GPU
-    CUDA_VISIBLE_DEVICES=$gpus setsid "$@" >>"$log" 2>&1 </dev/null {REQUESTS}<&- {REPLIES}>&- &
+    CUDA_VISIBLE_DEVICES=$gpus RUN_EXPERIMENTS_JOB="$$/$run" setsid "$@" >>"$log" 2>&1 </dev/null \
+        {REQUESTS}<&- {REPLIES}>&- &
     RUNNING[$!]=$run
+}
+
+job_processes() {   # job_processes RUN: every live process of the job, by its tag. torchrun starts each rank in a
+    # session of its own, outside the job's process group, and a rank outlives a torchrun killed outright
+    local file
+    grep -lzx "RUN_EXPERIMENTS_JOB=$$/$1" /proc/[0-9]*/environ 2>/dev/null | while IFS= read -r file; do
+        file=${file#/proc/}
+        echo "${file%/environ}"
+    done
+}
+
+session_of() {   # session_of PID: its session id (/proc/PID/stat's sixth field, after the parenthesised name)
+    local stat
+    read -r stat <"/proc/$1/stat" 2>/dev/null || return
+    read -r _ _ _ stat _ <<<"${stat##*) }"
+    echo "$stat"
+}
+
+end_leftovers() {   # end_leftovers RUN: SIGKILL to what a job left running (ranks of a torchrun that died)
+    local pid
+    for pid in $(job_processes "$1"); do kill -KILL "$pid" 2>/dev/null; done
 }
 
 wait_for_jobs() {   # wait_for_jobs MS POLL_MS: until a job exits, a signal arrives or MS pass; "exited RUN STATUS"
@@ -122,6 +144,7 @@ wait_for_jobs() {   # wait_for_jobs MS POLL_MS: until a job exits, a signal arri
         for pid in "${!RUNNING[@]}"; do
             kill -0 "$pid" 2>/dev/null && continue
             exit_status_of "$pid"; status=$?
+            end_leftovers "${RUNNING[$pid]}"
             echo "exited ${RUNNING[$pid]} $status"
             unset "RUNNING[$pid]"
             exited=1
@@ -133,9 +156,16 @@ wait_for_jobs() {   # wait_for_jobs MS POLL_MS: until a job exits, a signal arri
     done
 }
 
-signal_jobs() {   # signal_jobs SIGNAL: every running job's process group
-    local pid
-    for pid in "${!RUNNING[@]}"; do kill "-$1" -- "-$pid" 2>/dev/null; done
+signal_jobs() {   # signal_jobs SIGNAL: every running job's process group and torchrun's ranks (each a session
+    # leader); SIGKILL to all of a job's processes, SIGTERM not to the loader processes (the trainer ends them)
+    local pid rank
+    for pid in "${!RUNNING[@]}"; do
+        kill "-$1" -- "-$pid" 2>/dev/null
+        for rank in $(job_processes "${RUNNING[$pid]}"); do
+            [[ $rank != "$pid" ]] || continue           # the job's leader: signalled once, with its group
+            [[ $1 == KILL || $(session_of "$rank") == "$rank" ]] && kill "-$1" "$rank" 2>/dev/null
+        done
+    done
 }
 
 answer() {   # answer REQUEST...: its lines, the signals received meanwhile, then "end"
@@ -193,7 +223,7 @@ if ((${#RUNNING[@]})); then   # matrix.py died with jobs running: they save a ch
     echo "$PROG: error: matrix.py exited ($status) with ${#RUNNING[@]} job(s) running; stopping them" \
         "(each saves a checkpoint); the same command resumes" >&2
     signal_jobs TERM
-    for pid in "${!RUNNING[@]}"; do exit_status_of "$pid"; done
+    for pid in "${!RUNNING[@]}"; do exit_status_of "$pid"; end_leftovers "${RUNNING[$pid]}"; done
     ((status)) || status=1
 fi
 exit "$status"

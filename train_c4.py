@@ -13,8 +13,8 @@ fused.py (the model's hand-written speed-ups, --kernels) and plan.py (memory pla
 
 from __future__ import annotations
 
-import argparse, contextlib, ctypes, dataclasses, errno, functools, glob, hashlib, importlib.metadata, io
-import itertools, json, math, multiprocessing, os, pickle, queue, random, re, secrets, shutil, signal
+import argparse, contextlib, ctypes, dataclasses, errno, fcntl, functools, glob, hashlib, importlib.metadata, io
+import itertools, json, math, multiprocessing, os, pickle, queue, random, re, secrets, shutil, signal, socket
 import subprocess, sys, tempfile, textwrap, threading, time, warnings
 from datetime import timedelta
 from pathlib import Path
@@ -1248,10 +1248,21 @@ def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete-looking checkpoint folders, oldest first (temp folders are never listed)."""
+    """Checkpoint folders `step-N`, oldest first (temp and set-aside folders are never listed)."""
     root = run_dir / "checkpoints"
-    found = [d for d in root.glob("step-*") if d.name[5:].isdigit()] if root.is_dir() else []
+    found = [d for d in root.glob("step-*") if d.name[5:].isascii() and d.name[5:].isdigit()] if root.is_dir() else []
     return sorted(found, key=lambda d: int(d.name[5:]))
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a checkpoint that failed verification or loading to `rejected-step-N` (never listed, never loaded,
+    kept for inspection), so that the run writes that step again; an older rejected copy of it is replaced."""
+    aside = folder.with_name(f"rejected-{folder.name}")
+    if aside.is_symlink() or aside.is_file():
+        aside.unlink()
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    return aside
 
 
 def _sha256(path: Path) -> str:
@@ -1299,8 +1310,6 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
     final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included."""
     root = run_dir / "checkpoints"
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
-    if final.exists():
-        return                                     # the same step, already saved before a resume
     from torch.distributed.checkpoint import CheckpointException
     try:
         if dist.is_main:
@@ -1322,9 +1331,10 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
     except (OSError, CheckpointException) as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = checkpoint_dirs(run_dir)
-        intact = f"the previous checkpoint {kept[-1].name} is intact" if kept else "no earlier checkpoint exists"
-        raise TrainerError(f"could not write checkpoint step-{step} ({_first_cause(error)}); {intact}, and so is "
-                           "metrics.jsonl; free disk space (or fix the permission) and rerun to resume") from error
+        intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
+                  "metrics.jsonl is intact (no earlier checkpoint exists)")
+        raise TrainerError(f"could not write checkpoint step-{step} ({_first_cause(error)}); {intact}; free disk "
+                           "space (or fix the permission) and rerun to resume") from error
     barrier(dist)
 
 
@@ -1339,17 +1349,24 @@ def _write_shards(sharded: dict, tmp: Path, dist: Dist) -> list[str]:
 
 
 def _seal(tmp: Path, final: Path, marker: dict) -> None:
-    """The marker, then the rename: a checkpoint folder under its final name is always complete."""
+    """The marker, then the rename: a checkpoint folder under its final name is always complete. One already
+    there under that name was not resumed from, so it failed to verify or load: it is set aside, not kept."""
     (tmp / MARKER).write_text(json.dumps(marker))
     _fsync_path(tmp / MARKER)
+    if final.exists() or final.is_symlink():
+        set_aside(final)
     os.replace(tmp, final)
     _fsync_path(final.parent)
 
 
 def _checkpoint_problem(folder: Path, marker: dict | None, dist: Dist) -> str | None:
     """What is wrong with this rank's share of the files (the ranks share the hashing), or None."""
+    if folder.is_symlink():
+        return "is a symbolic link, not a folder this run wrote"
     if marker is None:
         return "has no valid completion marker"
+    if folder.name.startswith("step-") and folder.name != f"step-{marker.get('step')}":
+        return f"holds step {marker.get('step')!r} under the name {folder.name}"
     for name, digest in list(marker["files"].items())[dist.rank::dist.world]:
         if not (folder / name).is_file():
             return f"is missing {name}"
@@ -1379,33 +1396,123 @@ def _first_cause(error: BaseException) -> str:
 
 
 def _read_marker(folder: Path) -> dict | None:
+    """The marker, when it names plain files inside the folder with their sha256 digests."""
     try:
         marker = json.loads((folder / MARKER).read_text())
-        return marker if isinstance(marker.get("files"), dict) else None
-    except (OSError, ValueError, AttributeError):
+        files = marker.get("files")
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
+    plain = isinstance(files, dict) and all(isinstance(d, str) and not name.startswith("/") and ".." not in name
+                                            for name, d in files.items())
+    return marker if plain else None
 
 
-def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] | None:
-    """(folder, its top-level .pt files loaded safely (weights_only), its marker) for the newest
-    checkpoint that verifies, older ones as fallback; every rank takes the same decision. DCP's
-    files (format "sharded") are verified here and loaded by the caller."""
-    candidates = all_ranks_gather(dist, [d.name for d in checkpoint_dirs(run_dir)])[0]  # rank 0's listing
-    for folder_name in reversed(candidates):
-        folder = run_dir / "checkpoints" / folder_name
+def _contents_problem(files: dict, marker: dict) -> str | None:
+    """What a verified checkpoint lacks for a resume: its step and tokens, every rank's data state, and (unless
+    DCP holds them) the model and optimizer; None when complete."""
+    state = files.get("train_state.pt")
+    if not (isinstance(state, dict) and type(state.get("step")) is int and type(state.get("tokens")) is int
+            and state["step"] == marker["step"] and state["tokens"] >= 0):
+        return "holds no valid train_state.pt (its step and tokens)"
+    ranks = sorted(name for name in files if name.startswith("rank"))
+    if marker.get("world_size") != len(ranks) or set(ranks) != {f"rank{r}.pt" for r in range(len(ranks))}:
+        return f"holds the data states of {len(ranks)} rank(s), its marker says {marker.get('world_size')!r}"
+    needed = ["model.pt", "optimizer.pt"] if marker.get("format") != "sharded" else []
+    missing = [name for name in ranks + needed if not isinstance(files.get(name), dict)]
+    if not missing and needed and not all(isinstance(t, torch.Tensor) for t in files["model.pt"].values()):
+        missing = ["model.pt's tensors"]
+    return f"is missing {missing[0]}" if missing else None
+
+
+def agreed_problem(dist: Dist, problem: str | None) -> str | None:
+    """Every rank takes the same decision: the first rank's problem, or None when none has one."""
+    return next((p for p in all_ranks_gather(dist, problem) if p), None)
+
+
+def verified_checkpoints(folders: list[Path], dist: Dist, log):
+    """In the order given, (folder, its top-level .pt files loaded safely (weights_only), its marker) of each
+    checkpoint that verifies; each one that does not is logged. DCP's files (format "sharded") are verified
+    here and loaded by the caller, which falls back to the next one when its load fails."""
+    for folder in folders:
         marker = _read_marker(folder)
-        problem = _checkpoint_problem(folder, marker, dist)
-        problem = next((p for p in all_ranks_gather(dist, problem) if p), None)
+        problem = agreed_problem(dist, _checkpoint_problem(folder, marker, dist))
         files = {}
         if problem is None:
             try:
                 files = _load_verified(folder, marker)
+                problem = _contents_problem(files, marker)
             except Exception as error:                     # a crafted or damaged pickle lands here
                 problem = f"cannot be loaded safely ({_first_cause(error)})"
-            problem = next((p for p in all_ranks_gather(dist, problem) if p), None)
+            problem = agreed_problem(dist, problem)
         if problem is None:
-            return folder, files, marker
-        log(f"checkpoint {folder.name} {problem}; falling back to the previous one")
+            yield folder, files, marker
+        else:
+            log(f"checkpoint {folder.name} {problem}; falling back to the previous one")
+
+
+def newest_first(run_dir: Path, dist: Dist) -> list[Path]:
+    """The run's checkpoint folders as rank 0 lists them, newest first: every rank takes the same decisions."""
+    return [run_dir / "checkpoints" / name for name in all_ranks_gather(dist, [
+        d.name for d in checkpoint_dirs(run_dir)[::-1]])[0]]
+
+
+def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] | None:
+    """The newest checkpoint that verifies (verified_checkpoints), or None."""
+    return next(verified_checkpoints(newest_first(run_dir, dist), dist, log), None)
+
+
+def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
+    """Refuse to continue a run folder made by a different model, or any existing run under --resume never;
+    refuse changed training settings unless --allow-changed-settings. Returns the allowed changes
+    ({key: [old, new]})."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return {}
+    if cfg.resume == "never":
+        raise ConfigError(f"{run_dir} already holds a run and --resume never refuses to overwrite it; "
+                          "choose another --run-name or --out")
+    try:
+        old = json.loads(path.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+        old = None
+    if not isinstance(old, dict):
+        raise log.refuse(f"{path} is unreadable (no \"config\" record); move that run folder away or choose another "
+                         "--run-name")
+    for key in MODEL_KEYS:
+        if old.get(key) != getattr(cfg, key):
+            raise ConfigError(f"{run_dir} was trained with {key}={old.get(key)!r} but this command has "
+                              f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
+    changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
+    if changes and not cfg.allow_changed_settings:
+        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
+                          "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
+                          "the new ones")
+    return changes
+
+
+def resume_from(run_dir: Path, dist: Dist, load, log) -> tuple[Path, dict] | None:
+    """(folder, files) of the newest checkpoint that verifies and that `load(folder, files, marker)` takes (it
+    returns a problem or None); the newer ones are then set aside, to be written again. None without checkpoints;
+    when every one fails, refused and recorded (log.refuse): starting over would overwrite a run's history."""
+    problems = []
+
+    def fall_back(line: str) -> None:
+        problems.append(line.removeprefix("checkpoint "))
+        log.info(line)
+
+    for folder, files, marker in verified_checkpoints(newest_first(run_dir, dist), dist, fall_back):
+        problem = agreed_problem(dist, load(folder, files, marker))
+        if problem is None:
+            barrier(dist)                                   # every rank has read what it needs of the newer ones
+            for newer in checkpoint_dirs(run_dir)[::-1] if dist.is_main else []:
+                if newer == folder:
+                    break
+                log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
+            return folder, files
+        fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
+    if problems:
+        raise log.refuse(f"no checkpoint of {run_dir} is usable (newest: {problems[0].split(';')[0]}); move that "
+                         "folder away or choose another --run-name to start over")
     return None
 
 
@@ -1424,48 +1531,70 @@ def set_rng_state(state: dict) -> None:
 
 
 def consolidate(source: Path, out: Path) -> str:
-    """Write one file with the model's weights from a checkpoint (FSDP's sharded ones included): a GPT
-    state_dict that torch.load(out, weights_only=True) reads without a process group. `source` is a
-    checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
-    folder, marker = _complete_checkpoint(source)
-    run_dir = folder.parent.parent
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())["config"]
-    except (OSError, ValueError, KeyError):
-        raise ConfigError(f"{run_dir / 'config.json'} is missing or unreadable: the model cannot be rebuilt") from None
-    cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Config)}})
+    """Write the model's weights from a checkpoint (FSDP's sharded ones included), loadable without a process
+    group: OUT, a GPT state_dict for torch.load(OUT, weights_only=True), and beside it OUT's stem .safetensors
+    (no pickle at all; the head, tied to the embedding, left out) with OUT's stem .json, the model's config.
+    `source` is a checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
+    folder, marker = _complete_checkpoint(source.resolve())
+    cfg = _saved_config(folder.parent.parent)
     state = _saved_model_state(folder, sharded=marker.get("format") == "sharded")
     with torch.device("meta"):
         reference = GPT(cfg).state_dict()
     state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
     if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
-        raise ConfigError(f"checkpoint {folder} does not match the model of {run_dir / 'config.json'}")
+        raise ConfigError(f"checkpoint {folder} does not match the model of {folder.parent.parent / 'config.json'}")
     # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
     state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
     state["lm_head.weight"] = state["wte.weight"]
+    _write_weights(out, state, cfg, folder)
+    count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
+    return (f"{out} and {out.with_suffix('.safetensors').name}: {count:,} parameters of {cfg.residual} depth "
+            f"{cfg.depth} from {folder}")
+
+
+def _saved_config(run_dir: Path) -> Config:
+    """The run's Config from its config.json, checked as a command line would be (a bad value is one line)."""
+    path = run_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text())["config"]
+        fields = {f.name for f in dataclasses.fields(Config)}
+        cfg = Config(**{k: v for k, v in saved.items() if k in fields - {"micro_batch_size"}})  # saved: the one used
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
+        raise ConfigError(f"{path} is missing or unreadable: the model cannot be rebuilt") from None
+    try:
+        for field in dataclasses.fields(Config):
+            value = getattr(cfg, field.name)
+            if not (type(value) is type(field.default) or type(field.default) is float and type(value) is int):
+                raise ConfigError(f"{field.name} is {value!r}, not of the type {type(field.default).__name__}")
+            if value not in (CHOICES.get(field.name) or (value,)):
+                raise ConfigError(f"{field.name} is {value!r}, not one of {', '.join(CHOICES[field.name])}")
+        validate(cfg)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}; the model cannot be rebuilt") from None
+    return cfg
+
+
+def _write_weights(out: Path, state: dict, cfg: Config, folder: Path) -> None:
+    from safetensors.torch import save_file as save_safetensors
+    untied = {key: tensor.contiguous() for key, tensor in state.items() if key != "lm_head.weight"}
+    model_config = {key: getattr(cfg, key) for key in MODEL_KEYS}
     try:
         write_atomically(out, functools.partial(save_file, state))
+        write_atomically(out.with_suffix(".safetensors"), lambda tmp: save_safetensors(untied, tmp))
+        write_atomically(out.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(model_config, indent=1)))
     except OSError as error:
         raise TrainerError(f"could not write {out} ({_first_cause(error)}); {folder} is untouched") from error
-    count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
-    return f"{out}: {count:,} parameters of {cfg.residual} depth {cfg.depth} from {folder}"
 
 
 def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
     """`source` itself when it is a complete checkpoint, else the newest complete one of the run folder."""
-    one = Dist(0, 1, torch.device("cpu"))
-    for folder in [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1]:
-        marker = _read_marker(folder)
-        problem = _checkpoint_problem(folder, marker, one)
-        if problem is None:
-            try:
-                _load_verified(folder, marker)
-                return folder, marker
-            except Exception as error:                     # a crafted or damaged pickle lands here
-                problem = f"cannot be loaded safely ({_first_cause(error)})"
-        print(f"checkpoint {folder} {problem}", file=sys.stderr)
-    raise ConfigError(f"{source} holds no complete, safely loadable checkpoint; pass a run folder or one of its "
-                      "checkpoints/step-N folders")
+    folders, skipped = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1], []
+    for folder, _, marker in verified_checkpoints(folders, Dist(0, 1, torch.device("cpu")), skipped.append):
+        print(*(f"warning: {line}" for line in skipped), sep="\n", file=sys.stderr, end="\n" if skipped else "")
+        return folder, marker
+    newest = f" (newest: {skipped[0].removeprefix('checkpoint ').split(';')[0]})" if skipped else ""
+    raise ConfigError(f"{source} holds no complete, safely loadable checkpoint{newest}; pass a run folder or one of "
+                      "its checkpoints/step-N folders")
 
 
 def _saved_model_state(folder: Path, sharded: bool) -> dict:
@@ -1506,6 +1635,8 @@ def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
         raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
     if out.is_dir():
         raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--consolidate: {out.parent} is not a folder; create it first")
     check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
     return source, out
 
@@ -1513,8 +1644,29 @@ def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
 # ----------------------------------------------------------------------------------------------
 # logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
 
+STATUS_RESERVE_BYTES = 1 << 20     # far more than any status.json; random bytes, which no file system compresses
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+
+
+def lock_run_folder(run_dir: Path):
+    """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
+    so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
+    handle = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip()[:200] or "another process"
+        handle.close()
+        raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
+                          "--run-name or --out") from None
+    handle.truncate(0)
+    handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
 
 
 def _same_file(stream, path: Path) -> bool:
@@ -1533,6 +1685,11 @@ class RunLog:
         self.live = {}      # what status.json shows of a running run besides its state (README, "A run's folder")
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_run_folder(run_dir)
+            # freed when status.json finds the disk full, so that the final state is still recorded
+            self.reserve = run_dir / ".status-reserve"
+            with contextlib.suppress(OSError):
+                self.reserve.write_bytes(os.urandom(STATUS_RESERVE_BYTES))
             # the launcher already appends our stdout to train.log; writing it twice would double every line
             tee = not _same_file(sys.stdout, run_dir / "train.log")
             self.log_file = open(run_dir / "train.log", "a", buffering=1) if tee else None
@@ -1553,7 +1710,12 @@ class RunLog:
             return
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
-            kept = [line for line in _complete_json_lines(path) if json.loads(line)["step"] <= keep_through_step]
+            records = _metrics_records(path)
+            kept = [line for line, step in records if step is not None and step <= keep_through_step]
+            unusable = sum(step is None for _, step in records)
+            if unusable:
+                self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
+                          "dropped")
             write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
         self.metrics_file = open(path, "a")
 
@@ -1569,29 +1731,49 @@ class RunLog:
 
     def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
         """status.json, rewritten atomically on every change of state and at every log step."""
-        if self.enabled:
-            write_json_atomic(self.run_dir / "status.json", {"state": state, "step": step, "exit_code": exit_code,
-                                                              "reason": reason, "updated": time.time(), **self.live})
+        if not self.enabled:
+            return
+        record = {"state": state, "step": step, "exit_code": exit_code, "reason": reason, "updated": time.time(),
+                  **self.live}
+        try:
+            write_json_atomic(self.run_dir / "status.json", record)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.reserve.exists():
+                raise
+            self.reserve.unlink()
+            write_json_atomic(self.run_dir / "status.json", record)
+
+    def refuse(self, reason: str) -> ConfigError:
+        """A resume that cannot go on, recorded as failed (exit 2) at the step status.json had, and returned."""
+        step = self.previous_status().get("step")
+        with contextlib.suppress(OSError):
+            self.status("failed", step if type(step) is int else 0, EXIT_BAD_CONFIG, reason)
+        return ConfigError(reason)
+
+    def previous_status(self) -> dict:
+        try:
+            previous = json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return previous if isinstance(previous, dict) else {}
 
     def count_restart(self) -> None:
         """restarts: how often this run folder was started again after its first start."""
-        try:
-            previous = json.loads((self.run_dir / "status.json").read_text()).get("restarts", 0) + 1
-        except (OSError, ValueError, TypeError, AttributeError):
-            previous = 0
-        self.live["restarts"] = previous
+        restarts = self.previous_status().get("restarts", -1)
+        self.live["restarts"] = restarts + 1 if type(restarts) is int and restarts >= -1 else 0
 
 
-def _complete_json_lines(path: Path) -> list[str]:
-    """Lines that parse; a line cut by a kill mid-write is dropped."""
-    lines = []
-    for line in path.read_text(errors="replace").splitlines():
+def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
+    """(line, its step) of every line; the step is None where the line is no record: cut by a kill mid-write,
+    not a JSON object, too deeply nested to parse, or without a whole-number step."""
+    records = []
+    for line in filter(str.strip, path.read_text(errors="replace").splitlines()):
         try:
-            json.loads(line)
-            lines.append(line)
-        except ValueError:
-            pass
-    return lines
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError, RecursionError):
+            step = None
+        records.append((line, step if type(step) is int else None))
+    return records
 
 
 def _wandb_credentials() -> bool:
@@ -1839,32 +2021,6 @@ def use_flash_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -
                                    and dtype == torch.bfloat16)
 
 
-def check_resumable(run_dir: Path, cfg: Config) -> dict:
-    """Refuse to continue a run folder made by a different model, or any existing run under --resume never;
-    refuse changed training settings unless --allow-changed-settings. Returns the allowed changes
-    ({key: [old, new]})."""
-    path = run_dir / "config.json"
-    if not path.exists():
-        return {}
-    if cfg.resume == "never":
-        raise ConfigError(f"{run_dir} already holds a run and --resume never refuses to overwrite it; "
-                          "choose another --run-name or --out")
-    try:
-        old = json.loads(path.read_text())["config"]
-    except (OSError, ValueError, KeyError):
-        raise ConfigError(f"{path} is unreadable; move that run folder away or choose another --run-name") from None
-    for key in MODEL_KEYS:
-        if old.get(key) != getattr(cfg, key):
-            raise ConfigError(f"{run_dir} was trained with {key}={old.get(key)!r} but this command has "
-                              f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
-    changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
-    if changes and not cfg.allow_changed_settings:
-        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
-                          "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
-                          "the new ones")
-    return changes
-
-
 class StopRequest:
     """SIGTERM/SIGINT only set a flag: the step in flight finishes, then a checkpoint is saved."""
 
@@ -1983,16 +2139,10 @@ class Trainer:
 
     def restore(self) -> None:
         """Called after wrapping: FSDP loads its shards in place, resharded to this world size."""
-        found = read_checkpoint(self.run_dir, self.dist, self.log.info)
-        if found is None and checkpoint_dirs(self.run_dir):
-            # silently starting over would overwrite the logged history of a run that made progress
-            raise ConfigError(f"no checkpoint of {self.run_dir} is usable (see above); move that folder away "
-                              "or choose another --run-name to start over")
+        found = resume_from(self.run_dir, self.dist, self._load, self.log)
         if found is None:
             return
-        folder, files, marker = found
-        self._load_model_and_optimizer(folder, files, sharded=marker.get("format") == "sharded")
-        self._load_data_and_rng(files)
+        folder, files = found
         self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
         if self.step > self.cfg.steps:
             raise ConfigError(f"{self.run_dir} has done {self.step} steps, more than --steps {self.cfg.steps}; "
@@ -2000,7 +2150,20 @@ class Trainer:
         self.log.live["last_checkpoint_step"] = self.step
         self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
 
-    def _load_model_and_optimizer(self, folder: Path, files: dict, sharded: bool) -> None:
+    def _load(self, folder: Path, files: dict, marker: dict) -> str | None:
+        """Load a verified checkpoint into the model, optimizer, loader and RNG; what did not fit, or None."""
+        sharded = marker.get("format") == "sharded"
+        self._check_format(folder, sharded)             # the command's, not the checkpoint's, problem
+        try:
+            self._load_model_and_optimizer(folder, files, sharded)
+            self._load_data_and_rng(files)
+        except (torch.OutOfMemoryError, torch.distributed.DistError):
+            raise
+        except (TrainerError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+            return f"does not fit this run ({_first_cause(error)})"
+        return None
+
+    def _check_format(self, folder: Path, sharded: bool) -> None:
         if sharded != is_sharded(self.model):
             fix = ("resume it under torchrun with --parallel fsdp (any number of processes), or export the "
                    "weights with `python train_c4.py --consolidate CHECKPOINT OUT.pt`" if sharded else
@@ -2008,6 +2171,8 @@ class Trainer:
             this_run = "FSDP" if is_sharded(self.model) else "not FSDP"
             raise ConfigError(f"checkpoint {folder} holds {'sharded (FSDP)' if sharded else 'whole'} model "
                               f"and optimizer state, this run is {this_run}; {fix}")
+
+    def _load_model_and_optimizer(self, folder: Path, files: dict, sharded: bool) -> None:
         if not sharded:
             unwrap(self.model).load_state_dict(files["model.pt"])
             self.optimizer.load_state_dict(files["optimizer.pt"])
@@ -2109,7 +2274,8 @@ def plan_jobs(request: dict) -> dict:
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum, data = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
-    changes = check_resumable(run_dir, cfg)
+    log = RunLog(run_dir, dist.is_main)                 # locks the run folder before anything of it is read
+    changes = check_resumable(run_dir, cfg, log)
     dtype = compute_dtype(cfg, dist.device)
     use_flash = use_flash_attention(cfg, dist.device, dtype)
     tokenizer = make_tokenizer(cfg.tokenizer)
@@ -2125,7 +2291,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
     params = count_parameters(cfg)
     trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val,
-                      micro, accum, dtype, RunLog(run_dir, dist.is_main), run_dir,
+                      micro, accum, dtype, log, run_dir,
                       gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
     record_setting_changes(run_dir, changes, trainer.log, trainer.step)

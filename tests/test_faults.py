@@ -94,7 +94,7 @@ def _save(obj, path, *a, **k):
 torch.save = _save
 """
     code, stdout, stderr = run(tmp_path, "--residual", "hc", prelude=prelude)
-    assert code == 1 and "No space left on device" in stderr and "previous checkpoint step-10 is intact" in stderr
+    assert code == 1 and "No space left on device" in stderr and "previous checkpoint step-10 and metrics.jsonl are intact" in stderr
     assert len(stderr.strip().splitlines()) == 1
     run_dir = tmp_path / "hc_d2_s42"
     assert [d.name for d in (run_dir / "checkpoints").iterdir()] == ["step-10"]
@@ -129,7 +129,7 @@ def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path,
         T.write_checkpoint(tmp_path, 20, {"model.pt": {"w": torch.zeros(3)}}, one, keep=2)
     message = str(failure.value)
     assert "\n" not in message and "could not write checkpoint step-20" in message
-    assert "previous checkpoint step-10 is intact" in message
+    assert "previous checkpoint step-10 and metrics.jsonl are intact" in message
     assert (str(WRITE_ERRORS[kind].strerror) if kind != "full disk inside torch.save" else "unexpected pos") in message
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10"]     # no .tmp-step-20
 
@@ -147,7 +147,8 @@ def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(t
     monkeypatch.setattr(Path, "write_text", full_disk)
     with pytest.raises(OSError):
         log.status("running", 5)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "status.json", "train.log"]
+    # the status-reserve file was spent on a second try, which failed too
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl", "status.json", "train.log"]
     assert json.loads((tmp_path / "status.json").read_text())["step"] == 0
     code, reason = T.classify_failure(OSError(errno.ENOSPC, "No space left on device", "status.json"), None)
     assert (code, reason) == (1, "No space left on device: status.json")

@@ -1,0 +1,371 @@
+"""Nothing lost under any fault: the run folder's lock, damaged checkpoints replaced, every state recorded,
+every file the trainer and the report read checked (docs/reliability.md)."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_c4 as T
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = "mhc_d2_s42"
+ONE = T.Dist(0, 1, torch.device("cpu"))
+
+
+def run(out, *args, env=None):
+    """The trainer in a fresh process (tiny preset, mHC, 20 steps, a checkpoint every 10 unless overridden)."""
+    command = [sys.executable, "train_c4.py", "--preset", "tiny", "--steps", "20", "--out", str(out), *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, **(env or {})})
+    return result.returncode, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 20-step run with checkpoints step-10 and step-20, copied afresh by each test."""
+    out = tmp_path_factory.mktemp("finished")
+    code, _, stderr = run(out)
+    assert code == 0, stderr
+    return out
+
+
+def copy_of(finished, tmp_path):
+    shutil.copytree(finished, tmp_path / "out")
+    return tmp_path / "out", tmp_path / "out" / RUN
+
+
+def reseal(folder, name, obj):
+    """Rewrite a checkpoint file and fix its checksum in the marker, as a crafted or buggy writer could."""
+    if obj is None:
+        (folder / name).unlink()
+    else:
+        torch.save(obj, folder / name)
+    marker = json.loads((folder / T.MARKER).read_text())
+    if obj is None:
+        del marker["files"][name]
+    else:
+        marker["files"][name] = T._sha256(folder / name)
+    (folder / T.MARKER).write_text(json.dumps(marker))
+
+
+def one_line(stderr):
+    return "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def status_of(run_dir):
+    return json.loads((run_dir / "status.json").read_text())
+
+
+# ---- the run folder's lock
+
+def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    holder = T.lock_run_folder(run_dir)                 # this test process holds the folder, as a trainer would
+    code, _, stderr = run(out, "--steps", "30", "--allow-changed-settings")
+    assert code == 2 and one_line(stderr) and f"is in use by process {os.getpid()}" in stderr, stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before and status_of(run_dir)["state"] == "completed"
+    holder.close()
+
+
+def test_a_lock_left_by_a_dead_process_does_not_block(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import train_c4, pathlib, sys; "
+                           f"train_c4.lock_run_folder(pathlib.Path({str(run_dir)!r})); sys.exit(0)"], cwd=ROOT)
+    assert dead.returncode == 0 and "process" in (run_dir / ".lock").read_text()
+    code, stdout, stderr = run(out)
+    assert code == 0 and "completed 20 steps" in stdout, stderr
+
+
+# ---- damaged, symlinked or misnamed checkpoints
+
+def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    newest = run_dir / "checkpoints" / "step-20"
+    (newest / "optimizer.pt").write_bytes(b"damaged")
+    code, stdout, stderr = run(out)
+    assert code == 0, stderr
+    assert "step-20 has a corrupted optimizer.pt" in stdout and "(step 10," in stdout
+    folder, files, marker = T.read_checkpoint(run_dir, ONE, print)
+    assert folder.name == "step-20" and files["train_state.pt"]["step"] == marker["step"] == 20
+    assert (run_dir / "checkpoints" / "rejected-step-20").is_dir()      # kept aside, never loaded
+    exported = T.consolidate(run_dir, tmp_path / "w.pt")
+    assert "checkpoints/step-20" in exported
+
+
+def test_a_symlinked_or_misnamed_checkpoint_is_not_trusted(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    root = run_dir / "checkpoints"
+    (root / "step-30").symlink_to(root / "step-10")                      # holds step 10 under a newer name
+    shutil.copytree(root / "step-10", root / "step-25")
+    code, stdout, stderr = run(out, "--steps", "30", "--allow-changed-settings")
+    assert code == 0, stderr
+    assert "step-30 is a symbolic link" in stdout and "step-25 holds step 10 under the name step-25" in stdout
+    assert "resumed from" in stdout and "(step 20," in stdout
+    assert not (root / "step-30").is_symlink()
+    folder, files, _ = T.read_checkpoint(run_dir, ONE, print)
+    assert folder.name == "step-30" and files["train_state.pt"]["step"] == 30
+    assert [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == \
+        list(range(31))
+
+
+# ---- resume failures: a fallback or one line, and the state recorded
+
+DAMAGE_NEWEST = {          # the newest checkpoint only: the run falls back to step-10 and completes
+    "marker without model.pt": ("model.pt", None),
+    "train_state step 'abc'": ("train_state.pt", {"step": "abc", "tokens": 0}),
+    "train_state {}": ("train_state.pt", {}),
+    "model.pt {}": ("model.pt", {}),
+    "no rank0.pt": ("rank0.pt", None),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE_NEWEST))
+def test_a_newest_checkpoint_whose_content_is_wrong_falls_back(finished, tmp_path, damage):
+    out, run_dir = copy_of(finished, tmp_path)
+    name, obj = DAMAGE_NEWEST[damage]
+    reseal(run_dir / "checkpoints" / "step-20", name, obj)
+    code, stdout, stderr = run(out)
+    assert code == 0 and stderr == "", stderr
+    assert "checkpoint step-20" in stdout and "(step 10," in stdout and "data-streams" not in stdout
+    assert status_of(run_dir)["state"] == "completed" and status_of(run_dir)["step"] == 20
+
+
+@pytest.mark.parametrize("damage", ["train_state.pt", "config [] ", "config null", "optimizer groups"])
+def test_a_run_that_cannot_resume_refuses_in_one_line_and_records_it(finished, tmp_path, damage):
+    out, run_dir = copy_of(finished, tmp_path)
+    extra = []
+    if damage == "train_state.pt":
+        for folder in (run_dir / "checkpoints").iterdir():
+            reseal(folder, "train_state.pt", {"step": "abc"})
+    elif damage.startswith("config"):
+        (run_dir / "config.json").write_text("[]" if damage == "config [] " else '{"config": null}')
+    else:
+        extra = ["--no-mixing-decay", "--allow-changed-settings"]        # the optimizer's groups differ
+    code, stdout, stderr = run(out, *extra)
+    assert code == 2 and one_line(stderr), stderr
+    status = status_of(run_dir)
+    assert status["state"] == "failed" and status["exit_code"] == 2 and status["step"] == 20
+
+
+@pytest.mark.parametrize("line", ["[]", "[" * 100_000 + "]" * 100_000, '{"step": "abc"}'])
+def test_a_metrics_line_that_is_no_record_is_dropped_with_a_warning(finished, tmp_path, line):
+    out, run_dir = copy_of(finished, tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    code, stdout, stderr = run(out, "--steps", "25", "--allow-changed-settings")
+    assert code == 0, stderr
+    assert "1 line(s) that are not metrics records" in stdout
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(26))
+
+
+def test_a_full_disk_still_records_the_final_state(tmp_path, monkeypatch):
+    """A disk that fills up while the run is going: from then on a write finds room only where a file was deleted."""
+    log = T.RunLog(tmp_path, enabled=True)
+    log.status("running", 7)
+    real_write = T.write_json_atomic
+
+    def used():
+        return sum(f.stat().st_size for f in tmp_path.iterdir() if f.is_file())
+
+    full_at = used()
+
+    def full_until_freed(path, obj):
+        if used() >= full_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, obj)
+
+    monkeypatch.setattr(T, "write_json_atomic", full_until_freed)
+    log.status("failed", 7, 1, "could not write checkpoint step-8 (No space left on device)")
+    assert status_of(tmp_path)["state"] == "failed" and not (tmp_path / ".status-reserve").exists()
+
+
+def test_the_checkpoint_write_failure_line_reads_as_one_sentence(tmp_path, monkeypatch):
+    def full(obj, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(T.TrainerError) as failure:
+        T.write_checkpoint(tmp_path, 10, {"model.pt": {}}, ONE, keep=2)
+    assert "metrics.jsonl is intact (no earlier checkpoint exists)" in str(failure.value)
+    assert "and so is" not in str(failure.value)
+
+
+# ---- --consolidate
+
+@pytest.mark.parametrize("config", [{"width": "16"}, {"width": -16}, {"residual": "nope"}, {"depth": 10 ** 8},
+                                    None, []])
+def test_consolidate_refuses_a_bad_config_in_one_line(finished, tmp_path, capsys, config):
+    out, run_dir = copy_of(finished, tmp_path)
+    record = json.loads((run_dir / "config.json").read_text())
+    if isinstance(config, dict):
+        record["config"] |= config
+    else:
+        record = config if config is not None else {"config": None}
+    (run_dir / "config.json").write_text(json.dumps(record))
+    assert T.main(["--consolidate", str(run_dir), str(tmp_path / "w.pt")]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "config.json" in err and not (tmp_path / "w.pt").exists()
+
+
+def test_consolidate_of_a_run_without_a_usable_checkpoint_is_one_line_naming_the_newest_problem(finished, tmp_path,
+                                                                                                 capsys):
+    out, run_dir = copy_of(finished, tmp_path)
+    for folder in (run_dir / "checkpoints").iterdir():
+        (folder / T.MARKER).write_text("[]")
+    assert T.main(["--consolidate", str(run_dir), str(tmp_path / "w.pt")]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "(newest: step-20 has no valid completion marker)" in err
+
+
+def test_consolidate_refuses_a_missing_output_folder(finished, tmp_path, capsys):
+    assert T.main(["--consolidate", str(finished / RUN), str(tmp_path / "no" / "such" / "w.pt")]) == 2
+    assert one_line(capsys.readouterr().err) and not (tmp_path / "no").exists()
+
+
+def test_consolidate_writes_safetensors_beside_a_config(finished, tmp_path):
+    from safetensors.torch import load_file
+    T.consolidate(finished / RUN, tmp_path / "w.pt")
+    cfg = T.Config(**json.loads((tmp_path / "w.json").read_text()))
+    model = T.GPT(cfg)
+    missing = model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=False).missing_keys
+    assert missing == ["lm_head.weight"] and model.lm_head.weight is model.wte.weight     # tied to the embedding
+    reference = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert all(torch.equal(reference[key], value) for key, value in model.state_dict().items())
+
+
+# ---- report.py
+
+def test_report_survives_a_huge_step_and_a_deeply_nested_line(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 1e400, "loss": 1.0}\n' + "[" * 50_000 + "]" * 50_000 + "\n" + '{"step": 21}\n')
+    (run_dir / "status.json").write_text('{"state": "running", "step": 1e400}')
+    result = subprocess.run([sys.executable, "report.py", str(out), "--no-plots"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "metrics.jsonl:22: skipped 2 unreadable metrics line(s)" in result.stderr
+    assert (out / "report" / "results.md").exists()
+
+
+# ---- the launcher's stop and kill reach torchrun's ranks
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rank_pids(run_dir):
+    return [int((run_dir / f"rank{r}.pid").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture
+def gloo_job(tmp_path):
+    """The launcher on one pretend GPU, running a 2-process gloo job under torchrun whose ranks ignore SIGTERM
+    (as ranks stuck in a collective would); every rank still alive is killed when the test ends."""
+    from test_launcher import launcher_env, start
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=f"{sys.executable} {ROOT}/tests/gloo_rank.py",
+                       RUN_EXPERIMENTS_STOP_TIMEOUT=1)
+    proc = start(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", env=env)
+    run_dir, seen = tmp_path / "runs" / "hc_d2_s1", set()
+    yield proc, run_dir, seen
+    if proc.poll() is None:
+        proc.kill()
+    for pid in seen:
+        if alive(pid):
+            os.kill(pid, 9)
+
+
+def test_the_launchers_stop_ends_every_rank_of_a_torchrun_job(gloo_job):
+    from test_launcher import wait_for
+    proc, run_dir, seen = gloo_job
+    wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
+    seen.update(rank_pids(run_dir))
+    proc.send_signal(15)              # SIGTERM, which the ranks ignore; RUN_EXPERIMENTS_STOP_TIMEOUT=1 then kills
+    output = proc.communicate(timeout=120)[0]
+    assert "killing them" in output, output
+    wait_for(lambda: not any(map(alive, seen)), timeout=10, what="the ranks to be gone")
+
+
+def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(gloo_job):
+    from test_launcher import wait_for
+    proc, run_dir, seen = gloo_job
+    wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
+    first = rank_pids(run_dir)
+    seen.update(first)
+    torchrun = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(first[0])], capture_output=True,
+                                  text=True).stdout)
+    os.kill(torchrun, 9)              # torchrun dies; its ranks, in sessions of their own, would live on
+    wait_for(lambda: rank_pids(run_dir) != first, timeout=120, what="the job to be requeued")
+    seen.update(rank_pids(run_dir))
+    assert not any(map(alive, first))
+    proc.send_signal(15)
+    proc.communicate(timeout=120)
+    wait_for(lambda: not any(map(alive, seen)), timeout=10, what="the ranks to be gone")
+
+
+# ---- an FSDP (DCP) checkpoint whose payload the safe loader refuses
+
+class Exploit:
+    """Unpickling it runs a shell command that creates `witness`: it must never happen."""
+
+    def __init__(self, witness):
+        self.witness = witness
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.witness}",))
+
+
+def torchrun_fsdp(out, *args):
+    """A tiny mHC run under FSDP on two gloo processes (one process is not sharded)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_c4.py",
+               "--preset", "tiny", "--parallel", "fsdp", "--out", str(out), *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    code, _, stderr = torchrun_fsdp(tmp_path, "--steps", "20")
+    assert code == 0, stderr
+    folder, witness = tmp_path / RUN / "checkpoints" / "step-20", tmp_path / "pwned"
+    cfg = T.parse_config(["--preset", "tiny"])
+    model = T.GPT(cfg)
+    for module in model.modules():                     # as FSDP holds them: scalars as 1-element vectors
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0:
+                setattr(module, name, torch.nn.Parameter(param.detach().reshape(1)))
+    optimizer = T.make_optimizer(model, cfg)
+    model(*[torch.zeros(2, cfg.seq_len, dtype=torch.long)] * 2)[1].backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    optimizer_state["param_groups"][0]["lr"] = Exploit(witness)      # a non-tensor entry DCP would unpickle
+    shutil.rmtree(folder / T.SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / T.SHARDED, no_dist=True)
+    marker = json.loads((folder / T.MARKER).read_text())
+    marker["files"] = {name: digest for name, digest in marker["files"].items() if not name.startswith(T.SHARDED)}
+    marker["files"] |= {f"{T.SHARDED}/{p.name}": T._sha256(p) for p in (folder / T.SHARDED).iterdir()}
+    (folder / T.MARKER).write_text(json.dumps(marker))
+    code, stdout, stderr = torchrun_fsdp(tmp_path, "--steps", "20")
+    assert code == 0, stderr
+    assert not witness.exists()
+    assert "step-20 does not fit this run" in stdout and "cannot be loaded safely" in stdout and "(step 10," in stdout
+    assert (tmp_path / RUN / "checkpoints" / "rejected-step-20").is_dir()
+    assert json.loads((folder / T.MARKER).read_text())["step"] == 20
+
+
+def test_report_reads_a_crafted_matrix_log_with_a_warning(tmp_path, capsys):
+    import report
+    (tmp_path / "matrix.log").write_text("2026-01-01T00:00:00.000+0000 QUEUE slots=x runs=hc_d2_s1\n")
+    assert report.read_matrix(tmp_path) is None
+    assert "its last QUEUE line is unreadable" in capsys.readouterr().err
