@@ -164,7 +164,8 @@ def test_each_seed_study_choice_shapes_the_model():
     per_stream = T.HyperConnection(tiny_config("hc"), 0)
     for conn in (flat, per_stream):
         torch.nn.init.normal_(conn.dynamic.weight)
-    moved = [(conn.coefficients(louder)[0] - conn.coefficients(x)[0])[..., 0].abs().max() for conn in (flat, per_stream)]
+    moved = [(conn.coefficients(louder)[0] - conn.coefficients(x)[0])[..., 0].abs().max()     # stream 0's read
+             for conn in (flat, per_stream)]
     assert moved[0] > 1e-4 and moved[1] == 0
     # tanh: the read weights stay within sigmoid(+-a_pre + b_pre) however large the projection
     tanh = T.ManifoldHyperConnection(tiny_config("mhc", mhc_tanh=True, mhc_gate_init=1.0), 0)
