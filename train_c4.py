@@ -296,8 +296,8 @@ def padded_vocab_size(tokenizer: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# model: GPT-2 body with a switchable residual path (plain, HC, mHC) acting on n persistent streams; each path
-# is its paper's formulas with autograd (docs/model.md), fused.py the same maths with hand-written backward passes
+# model: GPT-2 body with a switchable residual path (plain, HC, mHC, mHC-lite, identity-HC) acting on n persistent
+# streams; each is its paper's formulas with autograd (docs/model.md), fused.py HC and mHC with hand-written backwards
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, use_flash: bool):
