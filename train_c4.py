@@ -67,11 +67,16 @@ PRESETS = {
                   layer_metrics_every=250, log_every=50, ckpt_every=500, shuffle_buffer=64, data_workers=0),
     # the public 1.7B study's stress arm (run at depths 32, 48 and 64): 3x the learning rate, 3000 steps
     "stress": dict(lr=3e-4, steps=3000),
+    # the public 1.7B study's own HC and mHC (docs/model.md, "The seed study's model"); its run names are
+    # contract.PRESET_ARM_DEFAULTS'
+    "seed-study": dict(coefficients="sequence", coefficient_norm="flat", dynamic_init_std=0.01, read_stream="first",
+                       mhc_tanh=True, collapse="first"),
 }
 
 # --help's groups, in its order
 MODEL, OPTIMISATION, DATA, MEASUREMENT, RUN_FOLDER, PARALLELISM, PLANNING = (
     "model", "optimisation", "data", "measurement and logging", "run folder and checkpoints", "parallelism", "planning")
+MHC_LITE_MAX_EXPANSION = 6                      # 720 permutations; 7 would be 5,040 logits per token and sublayer
 INT64_MAX = 2 ** 63 - 1                         # torch.manual_seed and tensor sizes take int64
 COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)  # the bounds of a count, and of a seed or a count that may be 0
 
@@ -87,8 +92,11 @@ class Config:
     --estimate, the planner and the loader from allocating without end, and initial values far inside float32."""
     # the defaults are the study's 1.73B model (docs/model.md, "Baseline and the transformer body")
     preset: str = option("c4", MODEL, tuple(PRESETS), "a named set of defaults; explicit flags win")
-    residual: str = option("mhc", MODEL, ("baseline", "hc", "mhc"), "residual path: plain pre-norm residual, dynamic "
-        "HC, or manifold-constrained HC")
+    residual: str = option("mhc", MODEL, contract.METHODS, "residual path: plain pre-norm residual, dynamic HC, "
+        "manifold-constrained HC, mHC-lite (H_res a softmax mixture of the n! permutations) or identity-HC (mHC's read "
+        "and write, H_res = I)")
+    coefficients: str = option("token", MODEL, ("token", "sequence"), "the mixing coefficients from each token's "
+        "streams (causal), or from the streams averaged over the whole sequence (the public study's; not causal)")
     depth: int = option(32, MODEL, (1, 512), "number of transformer blocks (each has an attention and an MLP sublayer)")
     width: int = option(2048, MODEL, (1, 2 ** 16), "model width C")
     heads: int = option(32, MODEL, (1, 256), "attention heads (width must divide by it)")
@@ -99,7 +107,17 @@ class Config:
     mhc_gate_init: float = option(0.01, MODEL, (-1e6, 1e6), "initial mHC gates a_pre, a_post, a_res")
     mhc_res_diag: float = option(4.0, MODEL, (-1e6, 1e6), "mHC b_res = c * I: the diagonal bias of H_res's logits "
         "(c=4: diagonal ~0.95 at init)")
-    mhc_pre_bias: float = option(4.0, MODEL, (-1e6, 1e6), "mHC b_pre: +c on stream (k mod n), -c elsewhere")
+    mhc_pre_bias: float = option(4.0, MODEL, (-1e6, 1e6), "mHC b_pre: +c on the stream read (--read-stream), -c "
+        "elsewhere")
+    read_stream: str = option("rotate", MODEL, ("rotate", "first"), "the stream each sublayer reads at init (HC's "
+        "one-hot A_m, mHC's b_pre): stream k mod n for sublayer k, or stream 0 for all")
+    coefficient_norm: str = option("stream", MODEL, ("stream", "flat"), "HC's coefficients from each stream's own "
+        "LayerNorm, or from the streams divided by the RMS of the flattened state (mHC-style)")
+    dynamic_init_std: float = option(0.0, MODEL, (0, 1e6), "std of the initial dynamic mixing weights (HC's W_m, W_r, "
+        "W_b; mHC's phi): 0 starts them at zero")
+    mhc_tanh: bool = option(False, MODEL, None, "a tanh on mHC's projected logits z, before the gates and biases")
+    collapse: str = option("sum", MODEL, ("sum", "first"), "the n streams to one after the last block: their sum, or "
+        "stream 0")
     norm_eps: float = option(1e-5, MODEL, (1e-45, 1e300), "epsilon of every LayerNorm")
     attn: str = option("auto", MODEL, ("auto", "flash", "sdpa"), "attention kernel: flash-attn 2, PyTorch SDPA, or "
         "auto (flash when installed on CUDA with bf16)")
@@ -230,7 +248,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**{**PRESETS[explicit.get("preset", "c4")], **explicit})
     validate(cfg)
     if not cfg.run_name:
-        cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset))
+        cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset, cfg.sinkhorn_iters, cfg.coefficients))
     return cfg
 
 
@@ -242,6 +260,12 @@ def validate(cfg: Config) -> None:
             low, high = ("2**63 - 1" if x == INT64_MAX else f"{x:,}" if isinstance(x, int) else f"{x:g}"
                          for x in allowed)
             raise ConfigError(f"{_flag(field.name)} must be from {low} to {high}, got {value}")
+    if cfg.residual == "mhc-lite" and cfg.mhc_res_diag < 0:
+        raise ConfigError(f"--residual mhc-lite matches mHC's H_res diagonal at init only for --mhc-res-diag >= 0, "
+                          f"got {cfg.mhc_res_diag:g}")
+    if cfg.residual == "mhc-lite" and cfg.expansion > MHC_LITE_MAX_EXPANSION:
+        raise ConfigError(f"--residual mhc-lite mixes all n! permutations: --expansion {cfg.expansion} would need "
+                          f"{math.factorial(cfg.expansion):,} logits per token; use at most {MHC_LITE_MAX_EXPANSION}")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     micro = cfg.micro_batch_size
@@ -272,8 +296,8 @@ def padded_vocab_size(tokenizer: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# model: GPT-2 body with a switchable residual path (plain, HC, mHC) acting on n persistent streams; each path
-# is its paper's formulas with autograd (docs/model.md), fused.py the same maths with hand-written backward passes
+# model: GPT-2 body with a switchable residual path (plain, HC, mHC, mHC-lite, identity-HC) acting on n persistent
+# streams; each is its paper's formulas with autograd (docs/model.md), fused.py HC and mHC with hand-written backwards
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, use_flash: bool):
@@ -352,15 +376,27 @@ class PlainResidual(nn.Module):
         return x + sublayer(x.squeeze(-2)).unsqueeze(-2), None
 
 
+def read_stream(cfg: Config, sublayer_index: int) -> torch.Tensor:
+    """The stream sublayer k reads at init, one-hot: k mod n (every stream in turn), or 0 (the public study's)."""
+    return F.one_hot(torch.tensor(sublayer_index % cfg.expansion if cfg.read_stream == "rotate" else 0), cfg.expansion)
+
+
 class _StreamMixing(nn.Module):
-    """HC and mHC: per-token coefficients (the subclass's), then the stream update; fused.py's on the fused path."""
+    """HC and mHC's family: coefficients (the subclass's), then the stream update; fused.py's on the fused path."""
+
+    def __init__(self, cfg: Config, fused_kernels: bool):
+        super().__init__()
+        self.n, self.eps, self.fused_kernels = cfg.expansion, cfg.norm_eps, fused_kernels
+        self.per_sequence = cfg.coefficients == "sequence"
 
     def forward(self, x, sublayer):
         if self.fused_kernels:          # fused.py: the coefficients stream axes first, x passed through their maths
             x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
             x, H_res = fused.stream_update(x, H_pre, H_post, H_res, sublayer), H_res.detach().movedim((0, 1), (-2, -1))
         else:
-            H_pre, H_post, H_res, res_logits = self.coefficients(x)
+            # per sequence: one set from the streams averaged over the positions (B, 1, n, C), broadcast to every
+            # position; a later token then changes an earlier position's output (not causal, docs/model.md)
+            H_pre, H_post, H_res, res_logits = self.coefficients(x.mean(-3, keepdim=True) if self.per_sequence else x)
             x = stream_update(x, H_pre, H_post, H_res, sublayer)
         return x, (H_res.detach(), None if res_logits is None else res_logits.detach())     # the probe's, detached
 
@@ -370,13 +406,12 @@ class HyperConnection(_StreamMixing):
     fused_coefficients = fused.hc_coefficients
 
     def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
-        super().__init__()
-        n = self.n = cfg.expansion
-        self.eps, self.fused_kernels = cfg.norm_eps, fused_kernels
+        super().__init__(cfg, fused_kernels)
+        n, self.flat_norm = self.n, cfg.coefficient_norm == "flat"
         # the HC paper's init, under which HC computes exactly a pre-norm transformer
         self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)          # W_m | W_r (n columns) | W_b
         nn.init.zeros_(self.dynamic.weight)
-        self.A_m_static = nn.Parameter(F.one_hot(torch.tensor(sublayer_index % n), n).float())
+        self.A_m_static = nn.Parameter(read_stream(cfg, sublayer_index).float())
         self.A_r_static = nn.Parameter(torch.eye(n))
         self.B_static = nn.Parameter(torch.ones(n))
         self.s_a, self.s_b = (nn.Parameter(torch.tensor(cfg.hc_scale_init)) for _ in range(2))
@@ -385,7 +420,11 @@ class HyperConnection(_StreamMixing):
         """H_pre, H_post (..., n), H_res (..., n, n) and no logits, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):             # the coefficients in fp32 (or fp64)
-            xb = F.layer_norm(x.to(dtype), x.shape[-1:], eps=self.eps)         # each stream's own norm, no affine
+            x = x.to(dtype)
+            if self.flat_norm:          # the public study's: every stream divided by one RMS of the whole state
+                xb = x * torch.rsqrt(x.square().mean((-2, -1), keepdim=True) + self.eps)
+            else:                       # the paper's: each stream's own norm, no affine
+                xb = F.layer_norm(x, x.shape[-1:], eps=self.eps)
             d = torch.tanh(F.linear(xb, self.dynamic.weight.to(dtype)))         # (..., n, n + 2)
             A_m = self.s_a * d[..., 0] + self.A_m_static
             A_r = self.s_a * d[..., 1:n + 1] + self.A_r_static
@@ -395,21 +434,32 @@ class HyperConnection(_StreamMixing):
 
 
 class ManifoldHyperConnection(_StreamMixing):
-    """mHC (arXiv 2512.24880): coefficients from the whole flattened state, H_res doubly stochastic."""
+    """mHC (arXiv 2512.24880): coefficients from the whole flattened state, H_res doubly stochastic. Its family
+    (mHC-lite, identity-HC) shares the read and write and differs in `mixing` and H_res's logits."""
     fused_coefficients = fused.mhc_coefficients
 
+    @staticmethod
+    def res_logit_count(n: int) -> int:
+        return n * n
+
     def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
-        super().__init__()
-        n = self.n = cfg.expansion
-        self.iters, self.eps, self.fused_kernels = cfg.sinkhorn_iters, cfg.norm_eps, fused_kernels
-        self.phi = nn.Linear(n * cfg.width, n * n + 2 * n, bias=False)    # [z_pre | z_post | z_res]
+        super().__init__(cfg, fused_kernels)
+        n, mixes = self.n, self.res_logit_count(self.n) > 0
+        self.iters, self.tanh = cfg.sinkhorn_iters, cfg.mhc_tanh
+        self.phi = nn.Linear(n * cfg.width, 2 * n + self.res_logit_count(n), bias=False)    # [z_pre | z_post | z_res]
         nn.init.zeros_(self.phi.weight)
-        self.a_pre, self.a_post, self.a_res = (nn.Parameter(torch.tensor(cfg.mhc_gate_init)) for _ in range(3))
-        # the paper gives no bias init (docs/model.md): read mostly stream k mod n, write 1, H_res near I
-        own = F.one_hot(torch.tensor(sublayer_index % n), n).bool()
-        self.b_pre = nn.Parameter(torch.where(own, cfg.mhc_pre_bias, -cfg.mhc_pre_bias))
+        self.a_pre, self.a_post = (nn.Parameter(torch.tensor(cfg.mhc_gate_init)) for _ in range(2))
+        if mixes:
+            self.a_res = nn.Parameter(torch.tensor(cfg.mhc_gate_init))
+        # the paper gives no bias init (docs/model.md): read mostly one stream, write 1, H_res near I
+        self.b_pre = nn.Parameter(torch.where(read_stream(cfg, sublayer_index).bool(), cfg.mhc_pre_bias,
+                                              -cfg.mhc_pre_bias))
         self.b_post = nn.Parameter(torch.zeros(n))
-        self.b_res = nn.Parameter(cfg.mhc_res_diag * torch.eye(n))
+        if mixes:
+            self.b_res = nn.Parameter(self.res_bias(cfg))
+
+    def res_bias(self, cfg: Config) -> torch.Tensor:
+        return cfg.mhc_res_diag * torch.eye(cfg.expansion)
 
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and the logits projected, for the streams x (..., n, C)."""
@@ -417,11 +467,63 @@ class ManifoldHyperConnection(_StreamMixing):
         with torch.autocast(x.device.type, enabled=False):
             v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
             z = F.linear(v, self.phi.weight.to(dtype)) * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
-            z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
+            if self.tanh:               # the public study's: bounded logits before the gates and biases
+                z = torch.tanh(z)
+            z_pre, z_post, z_res = z.split([n, n, z.shape[-1] - 2 * n], dim=-1)
             H_pre = torch.sigmoid(self.a_pre * z_pre + self.b_pre)
             H_post = 2 * torch.sigmoid(self.a_post * z_post + self.b_post)
-            res_logits = self.a_res * z_res.unflatten(-1, (n, n)) + self.b_res
-            return H_pre, H_post, sinkhorn(res_logits, self.iters), res_logits
+            return H_pre, H_post, *self.mixing(z_res)
+
+    def mixing(self, z_res):
+        """H_res (..., n, n) and the logits Sinkhorn projected (the probe measures their truncation)."""
+        res_logits = self.a_res * z_res.unflatten(-1, (self.n, self.n)) + self.b_res
+        return sinkhorn(res_logits, self.iters), res_logits
+
+
+def permutation_matrices(n: int) -> torch.Tensor:
+    """The n! permutation matrices (n!, n, n), the identity first: P_k[i, j] = 1 where row i takes stream j."""
+    return F.one_hot(torch.tensor(list(itertools.permutations(range(n)))), n).float()
+
+
+def identity_logit(res_diag: float, n: int) -> float:
+    """mHC-lite's logit on the identity (all others 0) whose H_res diagonal equals mHC's at b_res = c I: solve
+    (e^b + (n-1)! - 1) / (e^b + n! - 1) = e^c / (e^c + n - 1), i.e. e^b = (n-1)! e^c - (n-1)! + 1 (docs/model.md)."""
+    m = math.factorial(n - 1)
+    return res_diag + math.log(m - (m - 1) * math.exp(-res_diag))      # written so that a large c cannot overflow
+
+
+class MHCLite(ManifoldHyperConnection):
+    """mHC-lite (arXiv 2601.05732): H_res = sum_k w_k P_k over the n! permutation matrices, w a softmax of per-token
+    logits: exactly doubly stochastic, no iterations."""
+    res_logit_count = staticmethod(math.factorial)
+
+    def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
+        super().__init__(cfg, sublayer_index, fused_kernels)
+        self.register_buffer("permutations", permutation_matrices(self.n), persistent=False)     # rebuilt from n
+
+    def res_bias(self, cfg: Config) -> torch.Tensor:
+        return F.one_hot(torch.tensor(0), math.factorial(cfg.expansion)) * identity_logit(cfg.mhc_res_diag,
+                                                                                           cfg.expansion)
+
+    def mixing(self, z_res):
+        # the softmax in fp32 or wider: w >= 0 summing to 1, so every row and column of H_res sums to 1 up to rounding
+        w = torch.softmax(self.a_res * z_res + self.b_res, dim=-1)
+        return torch.einsum("...k,kij->...ij", w, self.permutations.to(w.dtype)), None
+
+
+class IdentityHC(ManifoldHyperConnection):
+    """Identity-HC: mHC's H_pre and H_post, H_res = I fixed (no mixing): is the mixing needed at all?"""
+
+    @staticmethod
+    def res_logit_count(n: int) -> int:
+        return 0
+
+    def mixing(self, z_res):
+        return torch.eye(self.n, dtype=z_res.dtype, device=z_res.device).expand(*z_res.shape[:-1], self.n, self.n), None
+
+
+CONNECTIONS = {"baseline": lambda *_: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection,
+               "mhc-lite": MHCLite, "identity-hc": IdentityHC}
 
 
 class Block(nn.Module):
@@ -431,8 +533,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn = PreNorm(cfg, CausalSelfAttention(cfg, use_flash))
         self.mlp = PreNorm(cfg, MLP(cfg))
-        connection = {"baseline": lambda *_: PlainResidual(), "hc": HyperConnection,
-                      "mhc": ManifoldHyperConnection}[cfg.residual]
+        connection = CONNECTIONS[cfg.residual]
         self.attn_conn = connection(cfg, 2 * index, fused_kernels)
         self.mlp_conn = connection(cfg, 2 * index + 1, fused_kernels)
         self.activation_checkpointing = cfg.activation_checkpointing
@@ -451,29 +552,34 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """fused_kernels: fused.py's path for HC and mHC (use_fused_kernels decides it for a run)."""
+    """fused_kernels: fused.py's path where it has the arm (fused_supports; use_fused_kernels decides it for a run)."""
 
     def __init__(self, cfg: Config, use_flash: bool = False, fused_kernels: bool = False):
         super().__init__()
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
-        self.fused_kernels = fused_kernels
+        self.fused_kernels = fused_kernels and fused_supports(cfg)
+        self.collapse_first = cfg.collapse == "first"
         self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg, i, use_flash, fused_kernels) for i in range(cfg.depth))
+        self.blocks = nn.ModuleList(Block(cfg, i, use_flash, self.fused_kernels) for i in range(cfg.depth))
         self.ln_f = StreamNorm(cfg.width, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.width, self.wte.num_embeddings, bias=False)
         self.lm_head.weight = self.wte.weight
-        self._init_weights(cfg.depth)
+        self._init_weights(cfg.depth, cfg.dynamic_init_std)
 
     @torch.no_grad()
-    def _init_weights(self, depth: int):
+    def _init_weights(self, depth: int, dynamic_init_std: float):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 # GPT-2: residual output projections scaled by 1/sqrt(number of residual additions)
                 std = 0.02 / math.sqrt(2 * depth) if name.endswith("inner.proj") else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-                if "_conn." in name:            # the dynamic mixing weights start at 0 (drawn all the same, so
-                    module.weight.zero_()       # that a seed gives the body the weights it always gave)
+                # the dynamic mixing weights start at 0 or rescaled to dynamic_init_std: drawn all the same, so that
+                # a seed gives the body the weights it always gave
+                if "_conn." in name and dynamic_init_std:
+                    module.weight.mul_(dynamic_init_std / std)
+                elif "_conn." in name:
+                    module.weight.zero_()
 
     def forward(self, idx, targets=None, mixing_out: list | None = None):
         # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
@@ -490,15 +596,22 @@ class GPT(nn.Module):
                 mixing_out.extend(mixing)
         if x.requires_grad and fused_streams:
             x.register_hook(fused.stream_major)          # the collapse's gradient comes as one stride-0 view
-        logits = self.lm_head(self.ln_f(x.sum(dim=-2)))                        # collapse once
+        logits = self.lm_head(self.ln_f(x[..., 0, :] if self.collapse_first else x.sum(dim=-2)))   # collapse once
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
+def fused_supports(cfg: Config) -> bool:
+    # fused.py has HC's and mHC's per-token coefficients as the papers write them; every other arm and the public
+    # study's variants run the formulas whatever --kernels says (config.json's "kernels" records which ran)
+    return (cfg.residual in ("baseline", "hc", "mhc") and cfg.coefficients == "token" and cfg.collapse == "sum"
+            and cfg.coefficient_norm == "stream" and not cfg.mhc_tanh)
+
+
 def use_fused_kernels(cfg: Config, device: torch.device) -> bool:
     # auto: fused.py only where docs/benchmarks.md times it faster than the formulas (the CPU; no GPU timing yet)
-    return cfg.kernels == "fused" or (cfg.kernels == "auto" and device.type == "cpu")
+    return fused_supports(cfg) and (cfg.kernels == "fused" or (cfg.kernels == "auto" and device.type == "cpu"))
 
 
 def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = True) -> list[dict]:
@@ -1479,8 +1592,9 @@ def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
         raise log.refuse(f"{path} is unreadable (no \"config\" record); move that run folder away or choose another "
                          "--run-name")
     for key in MODEL_KEYS:
-        if old.get(key) != getattr(cfg, key):
-            raise ConfigError(f"{run_dir} was trained with {key}={old.get(key)!r} but this command has "
+        was = old.get(key, Config.__dataclass_fields__[key].default)       # a key newer than the run: its default
+        if was != getattr(cfg, key):
+            raise ConfigError(f"{run_dir} was trained with {key}={was!r} but this command has "
                               f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
     changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
     if changes and not cfg.allow_changed_settings:
@@ -1972,7 +2086,8 @@ class Progress:
 
 # keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
-              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps")
+              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
+              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse")
 # keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
 # them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
 # batches and the maths stay the same.

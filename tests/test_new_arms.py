@@ -1,0 +1,211 @@
+"""The arms beyond the papers' HC and mHC (docs/model.md, "Further arms"): identity-HC, mHC-lite, per-sequence
+coefficients and the public study's model choices (--preset seed-study), on tiny CPU models."""
+import json
+import math
+
+import pytest
+import torch
+
+import contract
+import train_c4 as T
+from helpers import randomize_mixing, tiny_config
+from test_train import deterministic, metrics, trainer
+
+NO_AUTOCAST = lambda: torch.autocast("cpu", enabled=False)     # noqa: E731
+COEFFICIENT_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")
+
+
+def train_steps(cfg, steps, lr, seed=0):
+    """`steps` AdamW steps of a tiny model on one fixed batch; the model and that batch."""
+    torch.manual_seed(seed)
+    model = T.GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    idx = torch.randint(0, 256, (4, 16))
+    for _ in range(steps):
+        model(idx, idx)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, idx
+
+
+def test_identity_hc_logs_gain_one_and_mixes_nothing():
+    model, idx = train_steps(tiny_config("identity-hc", depth=3), steps=10, lr=0.05)
+    conn = model.blocks[0].attn_conn
+    assert conn.phi.weight.abs().max() > 0 and conn.phi.out_features == 2 * conn.n       # read and write only
+    assert not hasattr(conn, "a_res") and not hasattr(conn, "b_res")
+    metrics_ = T.instability_probe(model, idx, NO_AUTOCAST, with_layers=True)
+    for key in ("amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "min_row_sum", "min_col_sum",
+                "amax_l0_fwd", "amax_l0_bwd"):
+        assert abs(metrics_[key] - 1) < 1e-6, key
+    assert max(abs(g - 1) for g in metrics_["layer_gain_fwd"] + metrics_["layer_gain_bwd"]) < 1e-6
+    assert "sinkhorn_col_err" not in metrics_                                           # no Sinkhorn to measure
+
+
+def lite_connection(**overrides):
+    cfg = tiny_config("mhc-lite", **overrides)
+    conn = T.MHCLite(cfg, 0)
+    with torch.no_grad():
+        conn.a_res.fill_(1.0)
+    return conn
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_mhc_lite_is_doubly_stochastic_for_any_logits(scale):
+    conn = lite_connection()
+    z_res = scale * torch.randn(256, math.factorial(conn.n), generator=torch.Generator().manual_seed(0))
+    H, logits = conn.mixing(z_res)
+    assert logits is None and torch.isfinite(H).all() and (H >= 0).all()
+    assert (H.sum(-1) - 1).abs().max() < 1e-6 and (H.sum(-2) - 1).abs().max() < 1e-6
+
+
+def test_mhc_lite_stays_doubly_stochastic_under_bf16_autocast():
+    conn = lite_connection()
+    with torch.no_grad():
+        conn.phi.weight.normal_(0, 1e3)                           # logits of order 1e4 after the RMS scaling
+    x = torch.randn(2, 8, conn.n, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        H_pre, H_post, H, _ = conn.coefficients(x)
+    assert H.dtype == torch.float32 and torch.isfinite(H).all()
+    assert (H.sum(-1) - 1).abs().max() < 1e-6 and (H.sum(-2) - 1).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_mhc_lite_starts_with_the_diagonal_of_mhc(n):
+    """docs/model.md: the identity permutation's logit is chosen so that H_res at init has mHC's diagonal."""
+    cfg = tiny_config("mhc-lite", expansion=n, width=16)
+    lite = T.MHCLite(cfg, 0).mixing(torch.zeros(1, math.factorial(n)))[0][0]
+    mhc = T.sinkhorn(T.ManifoldHyperConnection(cfg, 0).b_res.detach(), cfg.sinkhorn_iters)
+    torch.testing.assert_close(lite.diagonal(), mhc.diagonal(), rtol=0, atol=1e-6)
+    assert lite.diagonal()[0] > 0.9
+
+
+def test_mhc_lite_gains_stay_at_one_after_thirty_demo_lr_steps():
+    lr = T.PRESETS["demo"]["lr"]
+    model, idx = train_steps(tiny_config("mhc-lite", depth=3), steps=30, lr=lr)
+    conn = model.blocks[0].attn_conn
+    assert conn.phi.weight.abs().max() > 10 * lr and conn.a_res.item() != T.Config.mhc_gate_init   # it trained
+    metrics_ = T.instability_probe(model, idx, NO_AUTOCAST, with_layers=True)
+    assert abs(metrics_["amax_fwd"] - 1) < 1e-4 and abs(metrics_["amax_bwd"] - 1) < 1e-4, metrics_
+    assert "sinkhorn_col_err" not in metrics_                                           # exact: nothing truncated
+
+
+def test_mhc_lite_refuses_an_expansion_with_too_many_permutations():
+    with pytest.raises(T.ConfigError, match="5,040 logits"):
+        T.parse_config(["--preset", "tiny", "--residual", "mhc-lite", "--expansion", "7"])
+    T.parse_config(["--preset", "tiny", "--residual", "mhc", "--expansion", "7"])       # mHC's n x n is fine
+
+
+def outputs_with_a_changed_future_token(residual, coefficients):
+    """The logits of one sequence and of the same sequence with its last token changed."""
+    torch.manual_seed(0)
+    model = T.GPT(tiny_config(residual, depth=2, coefficients=coefficients))
+    randomize_mixing(model)
+    idx = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    changed = idx.clone()
+    changed[0, -1] = (idx[0, -1] + 1) % 256
+    with torch.no_grad():
+        return model(idx), model(changed)
+
+
+@pytest.mark.parametrize("residual", COEFFICIENT_ARMS)
+def test_sequence_coefficients_let_a_future_token_change_earlier_positions(residual):
+    before, after = outputs_with_a_changed_future_token(residual, "sequence")
+    assert (after[0, :-1] - before[0, :-1]).abs().max() > 1e-6                          # not causal
+    before, after = outputs_with_a_changed_future_token(residual, "token")
+    torch.testing.assert_close(after[0, :-1], before[0, :-1], rtol=0, atol=0)           # causal
+
+
+@pytest.mark.parametrize("residual", COEFFICIENT_ARMS)
+def test_sequence_coefficients_are_one_set_per_sequence(residual):
+    model = T.GPT(tiny_config(residual, depth=2, coefficients="sequence"))
+    randomize_mixing(model)
+    mixing = []
+    model(torch.randint(0, 256, (3, 16)), mixing_out=mixing)
+    assert all(H.shape == (3, 1, model.streams, model.streams) for H, _ in mixing)
+
+
+def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
+    cpu = torch.device("cpu")
+    for residual in ("mhc-lite", "identity-hc"):
+        cfg = tiny_config(residual, kernels="fused")
+        assert not T.use_fused_kernels(cfg, cpu) and not T.GPT(cfg, fused_kernels=True).fused_kernels
+    for variant in (dict(coefficients="sequence"), dict(coefficient_norm="flat"), dict(mhc_tanh=True),
+                    dict(collapse="first")):
+        assert not T.use_fused_kernels(tiny_config("mhc", kernels="fused", **variant), cpu), variant
+    assert T.use_fused_kernels(tiny_config("mhc", kernels="fused", read_stream="first", dynamic_init_std=0.01), cpu)
+
+
+def test_seed_study_preset_is_the_studys_choices_and_names_its_runs_as_the_launcher_does():
+    cfg = T.parse_config(["--preset", "seed-study", "--residual", "hc", "--depth", "32"])
+    assert (cfg.coefficients, cfg.coefficient_norm, cfg.dynamic_init_std, cfg.read_stream, cfg.mhc_tanh,
+            cfg.collapse) == ("sequence", "flat", 0.01, "first", True, "first")
+    assert cfg.run_name == contract.run_name("hc", 32, 42, "seed-study") == "hc_d32_s42_seed-study"
+    token = T.parse_config(["--preset", "seed-study", "--residual", "mhc", "--coefficients", "token"])
+    assert token.run_name == contract.run_name("mhc", 32, 42, "seed-study", 20, "token") == "mhc_d32_s42_tok_seed-study"
+    default = T.parse_config([])                      # the papers' model stays the default
+    assert (default.coefficients, default.coefficient_norm, default.dynamic_init_std, default.read_stream,
+            default.mhc_tanh, default.collapse) == ("token", "stream", 0.0, "rotate", False, "sum")
+    assert T.parse_config(["--residual", "mhc", "--sinkhorn-iters", "100"]).run_name == "mhc_d32_s42_it100"
+
+
+def test_each_seed_study_choice_shapes_the_model():
+    study = dict(read_stream="first", dynamic_init_std=0.01)
+    torch.manual_seed(0)
+    hc = T.GPT(tiny_config("hc", depth=2, **study))
+    assert all(conn.A_m_static.argmax() == 0 for block in hc.blocks for conn in (block.attn_conn, block.mlp_conn))
+    assert 0.005 < hc.blocks[0].attn_conn.dynamic.weight.std() < 0.02
+    mhc = T.ManifoldHyperConnection(tiny_config("mhc", **study), 3)
+    assert mhc.b_pre.argmax() == 0
+    # flat norm: one RMS for the whole state, so scaling one stream changes the coefficients of the others
+    x = torch.randn(2, 4, 4, 16)
+    louder = x.clone()
+    louder[..., 1, :] *= 10
+    flat = T.HyperConnection(tiny_config("hc", coefficient_norm="flat"), 0)
+    per_stream = T.HyperConnection(tiny_config("hc"), 0)
+    for conn in (flat, per_stream):
+        torch.nn.init.normal_(conn.dynamic.weight)
+    moved = [(conn.coefficients(louder)[0] - conn.coefficients(x)[0])[..., 0].abs().max()     # stream 0's read
+             for conn in (flat, per_stream)]
+    assert moved[0] > 1e-4 and moved[1] == 0
+    # tanh: the read weights stay within sigmoid(+-a_pre + b_pre) however large the projection
+    tanh = T.ManifoldHyperConnection(tiny_config("mhc", mhc_tanh=True, mhc_gate_init=1.0), 0)
+    torch.nn.init.normal_(tanh.phi.weight, std=1e3)
+    H_pre = tanh.coefficients(x)[0]
+    assert H_pre[..., 1].max() <= torch.sigmoid(torch.tensor(1.0 - 4.0)) + 1e-6
+
+
+def test_collapse_first_reads_stream_zero_only():
+    torch.manual_seed(0)
+    model = T.GPT(tiny_config("hc", depth=1, collapse="first"))
+    randomize_mixing(model)
+    last = []
+    model.blocks[-1].register_forward_hook(lambda module, args, out: last.append(out) or out.retain_grad())
+    model(torch.randint(0, 256, (2, 8))).sum().backward()
+    assert last[0].grad[..., 1:, :].abs().max() == 0 and last[0].grad[..., 0, :].abs().max() > 0
+
+
+def test_a_run_from_before_these_flags_resumes_and_a_changed_arm_does_not(tmp_path):
+    run = tmp_path / "hc_d2_s42"
+    run.mkdir()
+    cfg = tiny_config("hc")
+    old = {k: v for k, v in json.loads(json.dumps({"config": T.dataclasses.asdict(cfg)}))["config"].items()
+           if k not in ("coefficients", "collapse", "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh")}
+    (run / "config.json").write_text(json.dumps({"config": old}))
+    assert T.check_resumable(run, cfg) == {}
+    with pytest.raises(T.ConfigError, match="coefficients='token'.*coefficients='sequence'"):
+        T.check_resumable(run, T.dataclasses.replace(cfg, coefficients="sequence"))
+
+
+def test_mhc_lite_resumes_to_the_same_losses(tmp_path):
+    """A tiny mHC-lite run stopped (an injected OOM) after its step-10 checkpoint continues to the losses of an
+    uninterrupted one; config.json says the formulas ran, not fused.py."""
+    args = ["--residual", "mhc-lite", "--steps", "20", "--ckpt-every", "10", "--kernels", "fused"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    assert trainer(first, *args)[0] == 0
+    assert trainer(second, *args, env={"TRAIN_C4_INJECT_NAN": "oom:15"})[0] == 4
+    code, stdout, stderr = trainer(second, *args)
+    assert code == 0 and "resumed from" in stdout, stderr
+    reference, resumed = (metrics(folder / "mhc-lite_d2_s42") for folder in (first, second))
+    assert deterministic(resumed) == deterministic(reference)
+    assert json.loads((second / "mhc-lite_d2_s42" / "config.json").read_text())["kernels"] == "reference"
