@@ -1216,6 +1216,8 @@ def shorten_timeout(dist: Dist, data_timeout: float) -> None:
 def end_distributed() -> None:
     """Only when every rank ends together: tearing down a group whose peer is gone can block."""
     if torch.distributed.is_initialized():
+        # every rank past its last collective first: gloo aborts a rank whose peer tears its sockets down under it
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
