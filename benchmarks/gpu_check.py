@@ -12,8 +12,8 @@ Parts, each under its own time limit, one PASS/FAIL line each:
   tokens/s, MFU     the measured baseline against the plan's assumption (40% of the card's bf16 peak)
   FSDP              the trainer under torchrun --parallel fsdp (one process): a checkpoint, then a resume
 
-Writes {out}/gpu_check/: result.json (the format is in the README, section "On a GPU node"; the dry run's
-planner reads its per-method step seconds), each part's log, and the run folders of the timed runs.
+Writes {out}/gpu_check/: result.json (its format: docs/planning.md; the dry run's planner reads its
+`methods`), each part's log, and the run folders of the timed runs.
 Without a CUDA GPU it prints one line and exits 1: nothing was checked.
 """
 import argparse
@@ -205,11 +205,22 @@ def fsdp(check, runs):
                   f"exits {first}, {second}; resumed run at step {status.get('step')} of 6 (fsdp.log, fsdp_resume.log)")
 
 
+def timed_flops_per_token(method):
+    """FLOPs per token of the timed configuration: the planner scales the measured rate to other depths by it."""
+    import plan
+    import train_c4
+    cfg = train_c4.parse_config([*SIZE, "--residual", method])
+    return plan.flops_per_token(cfg, train_c4.count_parameters(cfg)["non_embedding"])
+
+
 def write_result(folder, device, parts, table):
-    """result.json: the planner reads step_seconds (per method, its fastest path) and tokens_per_step."""
+    """result.json: per method, its fastest path's step seconds with what the planner needs to scale them
+    (`methods`, docs/planning.md); every path's figures under `timings`."""
     best = fastest(table)
+    methods = {m: {"step_seconds": s["step_s"], "tokens_per_step": TOKENS_PER_STEP, "gpus": 1,
+                   "flops_per_token": timed_flops_per_token(m)} for m, s in best.items()}
     result = {"format": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **device,
-              "trainer_flags": SIZE, "tokens_per_step": TOKENS_PER_STEP, "parts": parts,
+              "trainer_flags": SIZE, "tokens_per_step": TOKENS_PER_STEP, "parts": parts, "methods": methods,
               "step_seconds": {m: s["step_s"] for m, s in best.items()},
               "paths": {m: s["path"] for m, s in best.items()}, "timings": table}
     tmp = folder / "result.json.tmp"
