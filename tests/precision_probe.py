@@ -27,3 +27,4 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 if dist.is_main:
     print(json.dumps(seen))
 T.end_distributed()
+T.exit_process(0)

@@ -89,7 +89,7 @@ def test_sigterm_to_one_node_saves_everywhere_and_the_rerun_resumes_under_fsdp(t
     assert 0 < status["step"] < 12, "the run finished before it could be stopped"
     stderr = results[0][2] + results[1][2]
     for rank in range(4):                                     # every rank of both nodes saved and exited 75
-        assert f"error: rank {rank}: stopped by a signal at step {status['step']}" in stderr
+        assert f"\nrank {rank}: stopped by a signal at step {status['step']}" in stderr
     assert "exitcode  : 75" in stderr and all(code != 0 for code, _, _ in results)    # torchrun: 1, ranks: 75
     results = finish(start_nodes(tmp_path, "fsdp", free_port()))
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
