@@ -2516,7 +2516,8 @@ def main(argv: list[str] | None = None) -> int:
         if code == 1 and not isinstance(cause, (TrainerError, OSError)):
             raise                            # a bug, not an expected failure: its traceback is what helps
         label = "" if isinstance(error, Interrupted) else "error: "     # a Ctrl-C or SIGTERM was asked for
-        print(f"{label}{'' if dist.world == 1 else f'rank {dist.rank}: '}{reason}", file=sys.stderr)
+        # one write: ranks leave end_distributed's barrier together, and print's text and newline would interleave
+        sys.stderr.write(f"{label}{'' if dist.world == 1 else f'rank {dist.rank}: '}{reason}\n")
         if dist.world > 1:
             # torchrun sends SIGTERM to every other rank as soon as one exits non-zero, and Python restores
             # the default handler while it shuts down: a rank a few ms behind would be reported as killed
