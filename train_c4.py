@@ -13,15 +13,14 @@ fused.py (the model's hand-written speed-ups, --kernels) and plan.py (memory pla
 
 from __future__ import annotations
 
-import argparse, contextlib, ctypes, dataclasses, errno, fcntl, functools, glob, hashlib, importlib.metadata, io
-import itertools, json, math, multiprocessing, os, pickle, queue, random, re, secrets, shutil, signal, socket
-import subprocess, sys, tempfile, textwrap, threading, time, warnings
+import argparse, contextlib, ctypes, dataclasses, functools, glob, hashlib, importlib.metadata, itertools, json, math
+import multiprocessing, os, queue, random, re, secrets, shutil, signal, subprocess, sys, textwrap, threading, time
 from datetime import timedelta
 from pathlib import Path
 
 import contract
-from contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM,
-                      ConfigError, DataUnavailable, DeviceFailure, Diverged, Interrupted, RunFailed, TrainerError)
+from contract import (EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, ConfigError, DataUnavailable,
+                      Diverged, Interrupted, RunFailed, TrainerError)
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
@@ -40,6 +39,8 @@ from tqdm import tqdm
 import fused
 import plan
 from plan import flops_per_token, gpu_peak_flops, parameter_summary
+from run_folder import (SHARDED, RunLog, check_writable_folder, checkpoint_dirs, checkpoint_problem, dcp_load,
+                        first_cause, load_checked, read_marker, save_file, seal, set_aside, sha256, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -217,7 +218,7 @@ def presets_text() -> str:
         for name, values in PRESETS.items())
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse's own checks, reported as one line (and exit 2) instead of the usage block."""
 
     def error(self, message):
@@ -227,7 +228,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     epilog = (presets_text() + "\n\npython train_c4.py --consolidate CHECKPOINT OUT.pt writes one file with the "
               "weights of a checkpoint\n(FSDP's sharded ones included), loadable without a process group.")
-    parser = _OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.", epilog=epilog,
+    parser = OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.", epilog=epilog,
                                  argument_default=argparse.SUPPRESS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     fields = dataclasses.fields(Config)         # their order is --help's order, groups included
@@ -1302,122 +1303,6 @@ def unwrap(model: nn.Module) -> GPT:
 # ----------------------------------------------------------------------------------------------
 # checkpointing: temp folder + marker with checksums + rename; the newest complete one is used
 
-MARKER = "COMPLETE.json"
-SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
-# what DCP's Metadata pickle is made of (torch 2.13); torch's dtypes are allowed by type
-DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                        *(("torch.distributed.checkpoint.metadata", name) for name in (
-                            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                            "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
-
-
-class _DcpMetadataUnpickler(pickle.Unpickler):
-    """DCP's FileSystemReader unpickles sharded/.metadata with plain pickle, where a crafted file runs code
-    (checkpoints are copied between nodes): only the classes the metadata is made of are resolved."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                        torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
-
-
-@functools.cache
-def safe_dcp() -> tuple[type, type]:
-    """(reader, planner) for dcp.load that never unpickle arbitrary objects: the metadata through the
-    restricted unpickler, and the non-tensor entries (the optimizer's param_groups), which DCP's planner loads
-    with weights_only=False, checked with weights_only=True first. Built on first use: importing
-    torch.distributed.checkpoint takes about a second."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = _DcpMetadataUnpickler(f).load()
-            metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class SafePlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            plain = io.BytesIO()                          # what DCP unpickles is then our own plain data
-            torch.save(torch.load(value, weights_only=True), plain)
-            plain.seek(0)
-            super().load_bytes(read_item, plain)
-
-    return SafeReader, SafePlanner
-
-
-def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
-    """dcp.load of a checkpoint's SHARDED/ into `state`, in place, through safe_dcp's reader and planner."""
-    import torch.distributed.checkpoint as dcp
-    reader, planner = safe_dcp()
-    try:
-        with warnings.catch_warnings():      # "assuming the intent is to load in a single process": with no_dist it is
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader(folder / SHARDED), planner=planner(), no_dist=no_dist)
-    except dcp.CheckpointException as error:
-        raise ConfigError(f"checkpoint {folder} cannot be loaded safely ({_first_cause(error)})") from None
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Checkpoint folders `step-N`, oldest first (temp and set-aside folders are never listed)."""
-    root = run_dir / "checkpoints"
-    found = [d for d in root.glob("step-*") if d.name[5:].isascii() and d.name[5:].isdigit()] if root.is_dir() else []
-    return sorted(found, key=lambda d: int(d.name[5:]))
-
-
-def set_aside(folder: Path) -> Path:
-    """Rename a checkpoint that failed verification or loading to `rejected-step-N` (never listed, never loaded,
-    kept for inspection), so that the run writes that step again; an older rejected copy of it is replaced."""
-    aside = folder.with_name(f"rejected-{folder.name}")
-    if aside.is_symlink() or aside.is_file():
-        aside.unlink()
-    shutil.rmtree(aside, ignore_errors=True)
-    os.replace(folder, aside)
-    return aside
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_file(obj, path: Path) -> None:
-    """torch.save, then fsync. torch.save reports a failed write (full disk, quota, file size limit) as a
-    RuntimeError without an errno ("unexpected pos 704 vs 598"): raised again as the OSError it is."""
-    try:
-        torch.save(obj, path)
-    except RuntimeError as error:
-        raise OSError(errno.EIO, f"writing {path.name} failed ({_first_cause(error)}): a full disk, a quota or a "
-                      "file size limit") from error
-    _fsync_path(path)
-
-
-def write_atomically(path: Path, write) -> None:
-    """write(temp file), then rename it over `path`: readers see the old file or the new one, never half of one,
-    and a failed write (full disk, quota, read-only, permission) leaves no temp file behind."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
 
 def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: int, sharded: dict | None = None) -> None:
     """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
@@ -1436,11 +1321,11 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
         written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
         barrier(dist)
         # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
-        digests = all_ranks_gather(dist, {name: _sha256(tmp / name) for name in written})
+        digests = all_ranks_gather(dist, {name: sha256(tmp / name) for name in written})
         if dist.is_main:
             marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
                       "files": dict(sorted(item for part in digests for item in part.items()))}
-            _seal(tmp, final, marker)
+            seal(tmp, final, marker)
             for old in checkpoint_dirs(run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     except (OSError, CheckpointException) as error:
@@ -1448,7 +1333,7 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: in
         kept = checkpoint_dirs(run_dir)
         intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
                   "metrics.jsonl is intact (no earlier checkpoint exists)")
-        raise TrainerError(f"could not write checkpoint step-{step} ({_first_cause(error)}); {intact}; free disk "
+        raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
                            "space (or fix the permission) and rerun to resume") from error
     barrier(dist)
 
@@ -1463,82 +1348,6 @@ def _write_shards(sharded: dict, tmp: Path, dist: Dist) -> list[str]:
     return [f"{SHARDED}/{name}" for name in [".metadata", *shards][dist.rank::dist.world]]
 
 
-def _seal(tmp: Path, final: Path, marker: dict) -> None:
-    """The marker, then the rename: a checkpoint folder under its final name is always complete. One already
-    there under that name was not resumed from, so it failed to verify or load: it is set aside, not kept."""
-    (tmp / MARKER).write_text(json.dumps(marker))
-    _fsync_path(tmp / MARKER)
-    if final.exists() or final.is_symlink():
-        set_aside(final)
-    os.replace(tmp, final)
-    _fsync_path(final.parent)
-
-
-def _checkpoint_problem(folder: Path, marker: dict | None, dist: Dist) -> str | None:
-    """What is wrong with this rank's share of the files (the ranks share the hashing), or None."""
-    if folder.is_symlink():
-        return "is a symbolic link, not a folder this run wrote"
-    if marker is None:
-        return "has no valid completion marker"
-    if folder.name.startswith("step-") and folder.name != f"step-{marker.get('step')}":
-        return f"holds step {marker.get('step')!r} under the name {folder.name}"
-    for name, digest in list(marker["files"].items())[dist.rank::dist.world]:
-        if not (folder / name).is_file():
-            return f"is missing {name}"
-        if _sha256(folder / name) != digest:
-            return f"has a corrupted {name} (checksum mismatch)"
-    return None
-
-
-def _load_verified(folder: Path, marker: dict) -> dict:
-    """The top-level .pt files of a verified checkpoint, loaded with weights_only=True; a sharded one's DCP
-    metadata is read through the restricted unpickler too, so a crafted file is refused before DCP sees it."""
-    if marker.get("format") == "sharded":
-        safe_dcp()[0](folder / SHARDED).read_metadata()
-    return {name: torch.load(folder / name, map_location="cpu", weights_only=True)
-            for name in marker["files"] if "/" not in name}
-
-
-def _first_cause(error: BaseException) -> str:
-    """One line for an error; DCP's CheckpointException holds each rank's error with its traceback."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        error = next(iter(failures.values()))[0]
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-def _read_marker(folder: Path) -> dict | None:
-    """The marker, when it names plain files inside the folder with their sha256 digests."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-        files = marker.get("files")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return None
-    plain = isinstance(files, dict) and all(isinstance(d, str) and not name.startswith("/") and ".." not in name
-                                            for name, d in files.items())
-    return marker if plain else None
-
-
-def _contents_problem(files: dict, marker: dict) -> str | None:
-    """What a verified checkpoint lacks for a resume: its step and tokens, every rank's data state, and (unless
-    DCP holds them) the model and optimizer; None when complete."""
-    state = files.get("train_state.pt")
-    if not (isinstance(state, dict) and type(state.get("step")) is int and type(state.get("tokens")) is int
-            and state["step"] == marker["step"] and state["tokens"] >= 0):
-        return "holds no valid train_state.pt (its step and tokens)"
-    ranks = sorted(name for name in files if name.startswith("rank"))
-    if marker.get("world_size") != len(ranks) or set(ranks) != {f"rank{r}.pt" for r in range(len(ranks))}:
-        return f"holds the data states of {len(ranks)} rank(s), its marker says {marker.get('world_size')!r}"
-    needed = ["model.pt", "optimizer.pt"] if marker.get("format") != "sharded" else []
-    missing = [name for name in ranks + needed if not isinstance(files.get(name), dict)]
-    if not missing and needed and not all(isinstance(t, torch.Tensor) for t in files["model.pt"].values()):
-        missing = ["model.pt's tensors"]
-    return f"is missing {missing[0]}" if missing else None
-
-
 def agreed_problem(dist: Dist, problem: str | None) -> str | None:
     """Every rank takes the same decision: the first rank's problem, or None when none has one."""
     return next((p for p in all_ranks_gather(dist, problem) if p), None)
@@ -1549,15 +1358,11 @@ def verified_checkpoints(folders: list[Path], dist: Dist, log):
     checkpoint that verifies; each one that does not is logged. DCP's files (format "sharded") are verified
     here and loaded by the caller, which falls back to the next one when its load fails."""
     for folder in folders:
-        marker = _read_marker(folder)
-        problem = agreed_problem(dist, _checkpoint_problem(folder, marker, dist))
+        marker = read_marker(folder)
+        problem = agreed_problem(dist, checkpoint_problem(folder, marker, dist.rank, dist.world))
         files = {}
         if problem is None:
-            try:
-                files = _load_verified(folder, marker)
-                problem = _contents_problem(files, marker)
-            except Exception as error:                     # a crafted or damaged pickle lands here
-                problem = f"cannot be loaded safely ({_first_cause(error)})"
+            files, problem = load_checked(folder, marker)
             problem = agreed_problem(dist, problem)
         if problem is None:
             yield folder, files, marker
@@ -1646,250 +1451,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def consolidate(source: Path, out: Path) -> str:
-    """Write the model's weights from a checkpoint (FSDP's sharded ones included), loadable without a process
-    group: OUT, a GPT state_dict for torch.load(OUT, weights_only=True), and beside it OUT's stem .safetensors
-    (no pickle at all; the head, tied to the embedding, left out) with OUT's stem .json, the model's config.
-    `source` is a checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
-    folder, marker = _complete_checkpoint(source.resolve())
-    cfg = _saved_config(folder.parent.parent)
-    state = _saved_model_state(folder, sharded=marker.get("format") == "sharded")
-    with torch.device("meta"):
-        reference = GPT(cfg).state_dict()
-    state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
-    if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
-        raise ConfigError(f"checkpoint {folder} does not match the model of {folder.parent.parent / 'config.json'}")
-    # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
-    state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
-    state["lm_head.weight"] = state["wte.weight"]
-    _write_weights(out, state, cfg, folder)
-    count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
-    return (f"{out} and {out.with_suffix('.safetensors').name}: {count:,} parameters of {cfg.residual} depth "
-            f"{cfg.depth} from {folder}")
-
-
-def _saved_config(run_dir: Path) -> Config:
-    """The run's Config from its config.json, checked as a command line would be (a bad value is one line)."""
-    path = run_dir / "config.json"
-    try:
-        saved = json.loads(path.read_text())["config"]
-        fields = {f.name for f in dataclasses.fields(Config)}
-        cfg = Config(**{k: v for k, v in saved.items() if k in fields - {"micro_batch_size"}})  # saved: the one used
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
-        raise ConfigError(f"{path} is missing or unreadable: the model cannot be rebuilt") from None
-    try:
-        for field in dataclasses.fields(Config):
-            value = getattr(cfg, field.name)
-            if not (type(value) is type(field.default) or type(field.default) is float and type(value) is int):
-                raise ConfigError(f"{field.name} is {value!r}, not of the type {type(field.default).__name__}")
-            if value not in (CHOICES.get(field.name) or (value,)):
-                raise ConfigError(f"{field.name} is {value!r}, not one of {', '.join(CHOICES[field.name])}")
-        validate(cfg)
-    except ConfigError as error:
-        raise ConfigError(f"{path}: {error}; the model cannot be rebuilt") from None
-    return cfg
-
-
-def _write_weights(out: Path, state: dict, cfg: Config, folder: Path) -> None:
-    from safetensors.torch import save_file as save_safetensors
-    untied = {key: tensor.contiguous() for key, tensor in state.items() if key != "lm_head.weight"}
-    model_config = {key: getattr(cfg, key) for key in MODEL_KEYS}
-    try:
-        write_atomically(out, functools.partial(save_file, state))
-        write_atomically(out.with_suffix(".safetensors"), lambda tmp: save_safetensors(untied, tmp))
-        write_atomically(out.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(model_config, indent=1)))
-    except OSError as error:
-        raise TrainerError(f"could not write {out} ({_first_cause(error)}); {folder} is untouched") from error
-
-
-def _complete_checkpoint(source: Path) -> tuple[Path, dict]:
-    """`source` itself when it is a complete checkpoint, else the newest complete one of the run folder."""
-    folders, skipped = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1], []
-    for folder, _, marker in verified_checkpoints(folders, Dist(0, 1, torch.device("cpu")), skipped.append):
-        print(*(f"warning: {line}" for line in skipped), sep="\n", file=sys.stderr, end="\n" if skipped else "")
-        return folder, marker
-    newest = f" (newest: {skipped[0].removeprefix('checkpoint ').split(';')[0]})" if skipped else ""
-    raise ConfigError(f"{source} holds no complete, safely loadable checkpoint{newest}; pass a run folder or one of "
-                      "its checkpoints/step-N folders")
-
-
-def _saved_model_state(folder: Path, sharded: bool) -> dict:
-    """The model entries of a checkpoint (not the optimizer's), in the shapes they were saved with."""
-    if not sharded:
-        return torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    entries = safe_dcp()[0](folder / SHARDED).read_metadata().state_dict_metadata
-    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in entries.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    wrapped = {"model": state}
-    dcp_load(wrapped, folder, no_dist=True)
-    return wrapped["model"]
-
-
-def check_writable_folder(folder: Path, what: str) -> None:
-    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
-    one-line config error (exit 2) instead of a failure at the first write."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{what} {folder} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise ConfigError(f"{what} {folder} cannot be written to ({_first_cause(error)})") from None
-
-
-def consolidate_arguments(argv: list[str]) -> tuple[Path, Path]:
-    parser = _OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
-                                 "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
-                                 "process group: torch.load(OUT, weights_only=True) -> GPT.load_state_dict.")
-    parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
-                        help="a checkpoint folder (RUN/checkpoints/step-N) or a run folder (its newest "
-                        "complete checkpoint), and the .pt file to write")
-    source, out = map(Path, parser.parse_args(argv).consolidate)
-    if not source.is_dir():
-        raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
-    if out.is_dir():
-        raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--consolidate: {out.parent} is not a folder; create it first")
-    check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
-    return source, out
-
-
 # ----------------------------------------------------------------------------------------------
 # logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
-
-STATUS_RESERVE_BYTES = 1 << 20     # far more than any status.json; random bytes, which no file system compresses
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
-
-
-def lock_run_folder(run_dir: Path):
-    """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
-    so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
-    handle = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip()[:200] or "another process"
-        handle.close()
-        raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
-                          "--run-name or --out") from None
-    handle.truncate(0)
-    handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
-    return handle
-
-
-def _same_file(stream, path: Path) -> bool:
-    try:
-        return path.exists() and os.path.samestat(os.fstat(stream.fileno()), os.stat(path))
-    except (OSError, ValueError):
-        return False
-
-
-class RunLog:
-    """The run folder's human and machine logs; only rank 0 writes."""
-
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.run_dir, self.enabled = run_dir, enabled
-        self.bar = None
-        self.live = {}      # what status.json shows of a running run besides its state (README, "A run's folder")
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.lock = lock_run_folder(run_dir)
-            # freed when status.json finds the disk full, so that the final state is still recorded
-            self.reserve = run_dir / ".status-reserve"
-            with contextlib.suppress(OSError):
-                self.reserve.write_bytes(os.urandom(STATUS_RESERVE_BYTES))
-            # the launcher already appends our stdout to train.log; writing it twice would double every line
-            tee = not _same_file(sys.stdout, run_dir / "train.log")
-            self.log_file = open(run_dir / "train.log", "a", buffering=1) if tee else None
-            self.metrics_file = None
-
-    def info(self, message: str) -> None:
-        if not self.enabled:
-            return
-        line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-        (self.bar.write if self.bar else print)(line)
-        sys.stdout.flush()
-        if self.log_file:
-            self.log_file.write(line + "\n")
-
-    def open_metrics(self, keep_through_step: int) -> None:
-        """Drop lines after the checkpoint being resumed (they are recomputed identically), then append."""
-        if not self.enabled:
-            return
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            records = _metrics_records(path)
-            kept = [line for line, step in records if step is not None and step <= keep_through_step]
-            unusable = sum(step is None for _, step in records)
-            if unusable:
-                self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
-                          "dropped")
-            write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-        self.metrics_file = open(path, "a")
-
-    def metrics(self, record: dict) -> None:
-        if self.enabled:
-            try:
-                self.metrics_file.write(json.dumps(record) + "\n")
-                self.metrics_file.flush()
-            except OSError as error:
-                raise TrainerError(f"could not append step {record['step']} to {self.run_dir / 'metrics.jsonl'} "
-                                   f"({_first_cause(error)}); the lines before it and the checkpoints are intact, "
-                                   "free disk space and rerun to resume") from error
-
-    def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
-        """status.json, rewritten atomically on every change of state and at every log step."""
-        if not self.enabled:
-            return
-        record = {"state": state, "step": step, "exit_code": exit_code, "reason": reason, "updated": time.time(),
-                  **self.live}
-        try:
-            write_json_atomic(self.run_dir / "status.json", record)
-        except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.reserve.exists():
-                raise
-            self.reserve.unlink()
-            write_json_atomic(self.run_dir / "status.json", record)
-
-    def refuse(self, reason: str) -> ConfigError:
-        """A resume that cannot go on, recorded as failed (exit 2) at the step status.json had, and returned."""
-        step = self.previous_status().get("step")
-        with contextlib.suppress(OSError):
-            self.status("failed", step if type(step) is int else 0, EXIT_BAD_CONFIG, reason)
-        return ConfigError(reason)
-
-    def previous_status(self) -> dict:
-        try:
-            previous = json.loads((self.run_dir / "status.json").read_text())
-        except (OSError, ValueError, RecursionError):
-            return {}
-        return previous if isinstance(previous, dict) else {}
-
-    def count_restart(self) -> None:
-        """restarts: how often this run folder was started again after its first start."""
-        restarts = self.previous_status().get("restarts", -1)
-        self.live["restarts"] = restarts + 1 if type(restarts) is int and restarts >= -1 else 0
-
-
-def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
-    """(line, its step) of every line; the step is None where the line is no record: cut by a kill mid-write,
-    not a JSON object, too deeply nested to parse, or without a whole-number step."""
-    records = []
-    for line in filter(str.strip, path.read_text(errors="replace").splitlines()):
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError, RecursionError):
-            step = None
-        records.append((line, step if type(step) is int else None))
-    return records
 
 
 def _wandb_credentials() -> bool:
@@ -2277,7 +1840,7 @@ class Trainer:
         except (torch.OutOfMemoryError, torch.distributed.DistError):
             raise
         except (TrainerError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
-            return f"does not fit this run ({_first_cause(error)})"
+            return f"does not fit this run ({first_cause(error)})"
         return None
 
     def _check_format(self, folder: Path, sharded: bool) -> None:
@@ -2494,7 +2057,8 @@ def main(argv: list[str] | None = None) -> int:
     dist = Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), torch.device("cpu"))
     try:
         if "--consolidate" in argv:
-            print(consolidate(*consolidate_arguments(argv)))
+            import export
+            print(export.consolidate(*export.arguments(argv)))
             return EXIT_OK
         if argv == ["--plan-jobs"]:
             print(json.dumps(plan_jobs(json.load(sys.stdin))))

@@ -27,6 +27,7 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disab
 
 import torch  # noqa: E402
 
+import run_folder  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 RUN = "mhc_d2_s42"
@@ -41,14 +42,14 @@ PAYLOADS = [{}, [], "abc", None, torch.zeros(3), {"step": "abc", "tokens": 0}, {
 
 def reseal(folder, name, payload):
     """Replace (or remove) a checkpoint file and fix the marker's checksum, as a crafted file would."""
-    marker = json.loads((folder / T.MARKER).read_text())
+    marker = json.loads((folder / run_folder.MARKER).read_text())
     if payload is None:
         (folder / name).unlink(missing_ok=True)
         marker["files"].pop(name, None)
     else:
         torch.save(payload, folder / name)
-        marker["files"][name] = T._sha256(folder / name)
-    (folder / T.MARKER).write_text(json.dumps(marker))
+        marker["files"][name] = run_folder.sha256(folder / name)
+    (folder / run_folder.MARKER).write_text(json.dumps(marker))
 
 
 def damage(run_dir, rng):
@@ -63,7 +64,7 @@ def damage(run_dir, rng):
         return "config.json"
     if kind == "marker":
         value = rng.choice(JSON_VALUES)
-        (folder / T.MARKER).write_text(DEEP if value is DEEP else json.dumps(value))
+        (folder / run_folder.MARKER).write_text(DEEP if value is DEEP else json.dumps(value))
     elif kind == "payload":
         reseal(folder, rng.choice(["train_state.pt", "model.pt", "optimizer.pt", "rank0.pt"]), rng.choice(PAYLOADS))
     elif kind == "metrics":
@@ -79,7 +80,7 @@ def damage(run_dir, rng):
     elif kind == "lock":
         (run_dir / ".lock").write_text(rng.choice(["", "process 1 on nowhere\n", "\x00" * 100]))
     else:
-        victim = folder / rng.choice(["model.pt", "optimizer.pt", T.MARKER])
+        victim = folder / rng.choice(["model.pt", "optimizer.pt", run_folder.MARKER])
         victim.write_bytes(victim.read_bytes()[: rng.randrange(0, 200)])
     return f"{kind} {folder.name}"
 

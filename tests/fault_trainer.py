@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import contract  # noqa: E402
 import train_c4  # noqa: E402
 
 
@@ -63,7 +64,7 @@ def install(what: str, at_step: int) -> None:
         failing = set(filter(None, os.environ.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
         visible = set(filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")))
         if failing & visible:
-            raise train_c4.DeviceFailure(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
+            raise contract.DeviceFailure(f"device error on GPU {','.join(sorted(failing & visible))} (injected by "
                                          "TRAIN_C4_FAIL_DEVICES)")
         return run(self, stop)
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import export
+import run_folder
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +92,7 @@ def weights(run_dir: Path, out: Path, command_line: bool = False) -> dict:
                                        str(run_dir / "checkpoints" / "step-20"), str(out)), wait=True)
         assert code == 0, stderr
     else:                                                            # the same function, without a start-up
-        T.consolidate(run_dir / "checkpoints" / "step-20", out)
+        export.consolidate(run_dir / "checkpoints" / "step-20", out)
     state = torch.load(out, weights_only=True)
     T.GPT(T.parse_config(ARGS)).load_state_dict(state)              # strict: every key and shape
     return state
@@ -115,10 +117,10 @@ def test_two_processes_match_one_process_and_resume_exactly(parallel, single, tm
     for key in ("loss", "grad_norm", "val_loss"):                    # global values, logged once by rank 0
         assert max_relative(metrics(whole), reference, key) < LOSS_RTOL, key
     marker = json.loads((whole / "checkpoints" / "step-20" / "COMPLETE.json").read_text())
-    sharded = [name for name in marker["files"] if name.startswith(f"{T.SHARDED}/")]
+    sharded = [name for name in marker["files"] if name.startswith(f"{run_folder.SHARDED}/")]
     assert bool(sharded) == (parallel == "fsdp") and {"rank0.pt", "rank1.pt"} <= marker["files"].keys()
     if parallel == "fsdp":                                           # the marker's checksums cover DCP's files
-        assert f"{T.SHARDED}/.metadata" in sharded and len(sharded) >= 3
+        assert f"{run_folder.SHARDED}/.metadata" in sharded and len(sharded) >= 3
         whole_weights = weights(whole, tmp_path / "whole.pt", command_line=True)
         single_weights = weights(single, tmp_path / "single.pt")
         for name, value in single_weights.items():
@@ -175,7 +177,7 @@ def test_fsdp_checkpoint_of_four_processes_resumes_on_two_and_on_three(tmp_path)
     assert code == 0, stderr
     whole = tmp_path / "whole" / RUN
     reference = metrics(whole)
-    T.consolidate(whole, tmp_path / "whole.pt")
+    export.consolidate(whole, tmp_path / "whole.pt")
     whole_weights = torch.load(tmp_path / "whole.pt", weights_only=True)
     for processes, loader in ((2, []), (3, ["--data-workers", "1"])):
         resumed = tmp_path / f"on{processes}" / RUN
@@ -188,7 +190,7 @@ def test_fsdp_checkpoint_of_four_processes_resumes_on_two_and_on_three(tmp_path)
         assert [r.get("tokens") for r in metrics(resumed)] == [r.get("tokens") for r in reference]
         for key in ("loss", "grad_norm", "val_loss"):
             assert max_relative(metrics(resumed), reference, key) < LOSS_RTOL, (processes, key)
-        T.consolidate(resumed, tmp_path / f"on{processes}.pt")
+        export.consolidate(resumed, tmp_path / f"on{processes}.pt")
         for name, value in torch.load(tmp_path / f"on{processes}.pt", weights_only=True).items():
             torch.testing.assert_close(value, whole_weights[name], rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
 

@@ -19,6 +19,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import export
+import run_folder
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,7 +137,7 @@ def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path,
 
 
 def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch):
-    log = T.RunLog(tmp_path, enabled=True)
+    log = run_folder.RunLog(tmp_path, enabled=True)
     log.status("running", 0)
     log.open_metrics(keep_through_step=-1)
     real_write_text = Path.write_text
@@ -189,9 +191,9 @@ def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
             return (os.system, (f"touch {witness}",))
 
     torch.save({"model": Exploit()}, folder / "model.pt")
-    marker = json.loads((folder / T.MARKER).read_text())        # an attacker can fix the checksums too
-    marker["files"]["model.pt"] = T._sha256(folder / "model.pt")
-    (folder / T.MARKER).write_text(json.dumps(marker))
+    marker = json.loads((folder / run_folder.MARKER).read_text())        # an attacker can fix the checksums too
+    marker["files"]["model.pt"] = run_folder.sha256(folder / "model.pt")
+    (folder / run_folder.MARKER).write_text(json.dumps(marker))
     code, stdout, stderr = run(tmp_path, "--residual", "mhc", "--steps", "20", "--allow-changed-settings")
     assert not witness.exists()
     assert "step-10 cannot be loaded safely" in stdout
@@ -358,15 +360,15 @@ def sharded_checkpoint(out, step=10):
 def replace_and_reseal(folder, name, data):
     """An attacker can rewrite a file and the checksum the marker holds for it."""
     (folder / name).write_bytes(data)
-    marker = json.loads((folder / T.MARKER).read_text())
-    marker["files"][name] = T._sha256(folder / name)
-    (folder / T.MARKER).write_text(json.dumps(marker))
+    marker = json.loads((folder / run_folder.MARKER).read_text())
+    marker["files"][name] = run_folder.sha256(folder / name)
+    (folder / run_folder.MARKER).write_text(json.dumps(marker))
 
 
 def test_crafted_dcp_metadata_never_runs_on_consolidate(tmp_path, capsys):
     folder, _, _ = sharded_checkpoint(tmp_path)
     witness = tmp_path / "pwned"
-    replace_and_reseal(folder, f"{T.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
+    replace_and_reseal(folder, f"{run_folder.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
     code = T.main(["--consolidate", str(folder.parent.parent), str(tmp_path / "out.pt")])
     err = capsys.readouterr().err
     assert not witness.exists()
@@ -378,12 +380,12 @@ def test_crafted_dcp_metadata_is_refused_before_a_resume_loads_it(tmp_path):
     """What every rank of an FSDP resume runs first: the checkpoint is refused, DCP never reads it."""
     folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
     witness = tmp_path / "pwned"
-    replace_and_reseal(folder, f"{T.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
+    replace_and_reseal(folder, f"{run_folder.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
     said = []
     assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), said.append) is None
     assert "step-10 cannot be loaded safely" in said[0] and not witness.exists()
     with pytest.raises(T.ConfigError, match="cannot be loaded safely"):         # the load itself, had it got there
-        T.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
+        run_folder.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
     assert not witness.exists()
 
 
@@ -393,18 +395,18 @@ def test_a_crafted_non_tensor_entry_in_dcp_shards_never_runs(tmp_path):
     folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
     witness = tmp_path / "pwned"
     optimizer_state["param_groups"][0]["lr"] = Exploit(witness)
-    shutil.rmtree(folder / T.SHARDED)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / T.SHARDED, no_dist=True)
+    shutil.rmtree(folder / run_folder.SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / run_folder.SHARDED, no_dist=True)
     optimizer_state["param_groups"][0]["lr"] = 0.0
     with pytest.raises(T.ConfigError, match="cannot be loaded safely"):
-        T.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
+        run_folder.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
     assert not witness.exists()
 
 
 def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
     folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
     assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), print) is not None
-    T.consolidate(folder, tmp_path / "out.pt")
+    export.consolidate(folder, tmp_path / "out.pt")
     state = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(state["wte.weight"], model_state["wte.weight"])
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import contract
+import run_folder
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
 from test_train import deterministic, metrics, trainer
@@ -191,7 +192,7 @@ def test_a_run_from_before_these_flags_resumes_and_a_changed_arm_does_not(tmp_pa
     old = {k: v for k, v in json.loads(json.dumps({"config": T.dataclasses.asdict(cfg)}))["config"].items()
            if k not in ("coefficients", "collapse", "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh")}
     (run / "config.json").write_text(json.dumps({"config": old}))
-    log = T.RunLog(run, enabled=False)
+    log = run_folder.RunLog(run, enabled=False)
     assert T.check_resumable(run, cfg, log) == {}
     with pytest.raises(T.ConfigError, match="coefficients='token'.*coefficients='sequence'"):
         T.check_resumable(run, T.dataclasses.replace(cfg, coefficients="sequence"), log)

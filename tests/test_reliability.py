@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import export
+import run_folder
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,12 +48,12 @@ def reseal(folder, name, obj):
         (folder / name).unlink()
     else:
         torch.save(obj, folder / name)
-    marker = json.loads((folder / T.MARKER).read_text())
+    marker = json.loads((folder / run_folder.MARKER).read_text())
     if obj is None:
         del marker["files"][name]
     else:
-        marker["files"][name] = T._sha256(folder / name)
-    (folder / T.MARKER).write_text(json.dumps(marker))
+        marker["files"][name] = run_folder.sha256(folder / name)
+    (folder / run_folder.MARKER).write_text(json.dumps(marker))
 
 
 def one_line(stderr):
@@ -67,7 +69,7 @@ def status_of(run_dir):
 def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     before = (run_dir / "metrics.jsonl").read_bytes()
-    holder = T.lock_run_folder(run_dir)                 # this test process holds the folder, as a trainer would
+    holder = run_folder.lock_run_folder(run_dir)                 # this test process holds the folder, as a trainer would
     code, _, stderr = run(out, "--steps", "30", "--allow-changed-settings")
     assert code == 2 and one_line(stderr) and f"is in use by process {os.getpid()}" in stderr, stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == before and status_of(run_dir)["state"] == "completed"
@@ -76,8 +78,8 @@ def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished,
 
 def test_a_lock_left_by_a_dead_process_does_not_block(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
-    dead = subprocess.run([sys.executable, "-c", "import train_c4, pathlib, sys; "
-                           f"train_c4.lock_run_folder(pathlib.Path({str(run_dir)!r})); sys.exit(0)"], cwd=ROOT)
+    dead = subprocess.run([sys.executable, "-c", "import run_folder, pathlib, sys; "
+                           f"run_folder.lock_run_folder(pathlib.Path({str(run_dir)!r})); sys.exit(0)"], cwd=ROOT)
     assert dead.returncode == 0 and "process" in (run_dir / ".lock").read_text()
     code, stdout, stderr = run(out)
     assert code == 0 and "completed 20 steps" in stdout, stderr
@@ -95,7 +97,7 @@ def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tm
     folder, files, marker = T.read_checkpoint(run_dir, ONE, print)
     assert folder.name == "step-20" and files["train_state.pt"]["step"] == marker["step"] == 20
     assert (run_dir / "checkpoints" / "rejected-step-20").is_dir()      # kept aside, never loaded
-    exported = T.consolidate(run_dir, tmp_path / "w.pt")
+    exported = export.consolidate(run_dir, tmp_path / "w.pt")
     assert "checkpoints/step-20" in exported
 
 
@@ -168,9 +170,9 @@ def test_a_metrics_line_that_is_no_record_is_dropped_with_a_warning(finished, tm
 
 def test_a_full_disk_still_records_the_final_state(tmp_path, monkeypatch):
     """A disk that fills up while the run is going: from then on a write finds room only where a file was deleted."""
-    log = T.RunLog(tmp_path, enabled=True)
+    log = run_folder.RunLog(tmp_path, enabled=True)
     log.status("running", 7)
-    real_write = T.write_json_atomic
+    real_write = run_folder.write_json_atomic
 
     def used():
         return sum(f.stat().st_size for f in tmp_path.iterdir() if f.is_file())
@@ -182,7 +184,7 @@ def test_a_full_disk_still_records_the_final_state(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(path, obj)
 
-    monkeypatch.setattr(T, "write_json_atomic", full_until_freed)
+    monkeypatch.setattr(run_folder, "write_json_atomic", full_until_freed)
     log.status("failed", 7, 1, "could not write checkpoint step-8 (No space left on device)")
     assert status_of(tmp_path)["state"] == "failed" and not (tmp_path / ".status-reserve").exists()
 
@@ -219,7 +221,7 @@ def test_consolidate_of_a_run_without_a_usable_checkpoint_is_one_line_naming_the
                                                                                                  capsys):
     out, run_dir = copy_of(finished, tmp_path)
     for folder in (run_dir / "checkpoints").iterdir():
-        (folder / T.MARKER).write_text("[]")
+        (folder / run_folder.MARKER).write_text("[]")
     assert T.main(["--consolidate", str(run_dir), str(tmp_path / "w.pt")]) == 2
     err = capsys.readouterr().err
     assert one_line(err) and "(newest: step-20 has no valid completion marker)" in err
@@ -232,7 +234,7 @@ def test_consolidate_refuses_a_missing_output_folder(finished, tmp_path, capsys)
 
 def test_consolidate_writes_safetensors_beside_a_config(finished, tmp_path):
     from safetensors.torch import load_file
-    T.consolidate(finished / RUN, tmp_path / "w.pt")
+    export.consolidate(finished / RUN, tmp_path / "w.pt")
     cfg = T.Config(**json.loads((tmp_path / "w.json").read_text()))
     model = T.GPT(cfg)
     missing = model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=False).missing_keys
@@ -350,18 +352,18 @@ def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(
     optimizer.step()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     optimizer_state["param_groups"][0]["lr"] = Exploit(witness)      # a non-tensor entry DCP would unpickle
-    shutil.rmtree(folder / T.SHARDED)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / T.SHARDED, no_dist=True)
-    marker = json.loads((folder / T.MARKER).read_text())
-    marker["files"] = {name: digest for name, digest in marker["files"].items() if not name.startswith(T.SHARDED)}
-    marker["files"] |= {f"{T.SHARDED}/{p.name}": T._sha256(p) for p in (folder / T.SHARDED).iterdir()}
-    (folder / T.MARKER).write_text(json.dumps(marker))
+    shutil.rmtree(folder / run_folder.SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / run_folder.SHARDED, no_dist=True)
+    marker = json.loads((folder / run_folder.MARKER).read_text())
+    marker["files"] = {name: digest for name, digest in marker["files"].items() if not name.startswith(run_folder.SHARDED)}
+    marker["files"] |= {f"{run_folder.SHARDED}/{p.name}": run_folder.sha256(p) for p in (folder / run_folder.SHARDED).iterdir()}
+    (folder / run_folder.MARKER).write_text(json.dumps(marker))
     code, stdout, stderr = torchrun_fsdp(tmp_path, "--steps", "20")
     assert code == 0, stderr
     assert not witness.exists()
     assert "step-20 does not fit this run" in stdout and "cannot be loaded safely" in stdout and "(step 10," in stdout
     assert (tmp_path / RUN / "checkpoints" / "rejected-step-20").is_dir()
-    assert json.loads((folder / T.MARKER).read_text())["step"] == 20
+    assert json.loads((folder / run_folder.MARKER).read_text())["step"] == 20
 
 
 def test_report_reads_a_crafted_matrix_log_with_a_warning(tmp_path, capsys):

@@ -1,0 +1,384 @@
+"""run_folder.py: a run's folder on disk (README, "A run's folder"), whole after any crash, kill or full disk.
+
+Beside train_c4.py, which decides what a run logs and what a checkpoint holds; here is how those files are
+written and read back: atomic writes, the folder's lock, train.log, metrics.jsonl and status.json, checkpoint
+folders sealed by a marker with checksums and verified before anything in them is loaded, and DCP's files read
+without unpickling arbitrary objects (docs/reliability.md).
+"""
+from __future__ import annotations
+
+import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, shutil, socket, sys, tempfile, time
+import warnings
+from pathlib import Path
+
+import torch
+
+from contract import EXIT_BAD_CONFIG, ConfigError, TrainerError
+
+# ----------------------------------------------------------------------------------------------
+# files written whole or not at all
+
+
+def first_cause(error: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException holds each rank's error with its traceback."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_file(obj, path: Path) -> None:
+    """torch.save, then fsync. torch.save reports a failed write (full disk, quota, file size limit) as a
+    RuntimeError without an errno ("unexpected pos 704 vs 598"): raised again as the OSError it is."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as error:
+        raise OSError(errno.EIO, f"writing {path.name} failed ({first_cause(error)}): a full disk, a quota or a "
+                      "file size limit") from error
+    fsync_path(path)
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(temp file), then rename it over `path`: readers see the old file or the new one, never half of one,
+    and a failed write (full disk, quota, read-only, permission) leaves no temp file behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
+    one-line config error (exit 2) instead of a failure at the first write."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{what} {folder} cannot be written to ({first_cause(error)})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# the lock and the logs: train.log, metrics.jsonl (append + flush), status.json (atomic, with a reserve)
+
+
+def lock_run_folder(run_dir: Path):
+    """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
+    so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
+    handle = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip()[:200] or "another process"
+        handle.close()
+        raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
+                          "--run-name or --out") from None
+    handle.truncate(0)
+    handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
+
+
+def _same_file(stream, path: Path) -> bool:
+    try:
+        return path.exists() and os.path.samestat(os.fstat(stream.fileno()), os.stat(path))
+    except (OSError, ValueError):
+        return False
+
+
+STATUS_RESERVE_BYTES = 1 << 20     # far more than any status.json; random bytes, which no file system compresses
+
+
+class RunLog:
+    """The run folder's human and machine logs; only rank 0 writes."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.bar = None
+        self.live = {}      # what status.json shows of a running run besides its state (README, "A run's folder")
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_run_folder(run_dir)
+            # freed when status.json finds the disk full, so that the final state is still recorded
+            self.reserve = run_dir / ".status-reserve"
+            with contextlib.suppress(OSError):
+                self.reserve.write_bytes(os.urandom(STATUS_RESERVE_BYTES))
+            # the launcher already appends our stdout to train.log; writing it twice would double every line
+            tee = not _same_file(sys.stdout, run_dir / "train.log")
+            self.log_file = open(run_dir / "train.log", "a", buffering=1) if tee else None
+            self.metrics_file = None
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
+        (self.bar.write if self.bar else print)(line)
+        sys.stdout.flush()
+        if self.log_file:
+            self.log_file.write(line + "\n")
+
+    def open_metrics(self, keep_through_step: int) -> None:
+        """Drop lines after the checkpoint being resumed (they are recomputed identically), then append."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            records = _metrics_records(path)
+            kept = [line for line, step in records if step is not None and step <= keep_through_step]
+            unusable = sum(step is None for _, step in records)
+            if unusable:
+                self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
+                          "dropped")
+            write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+        self.metrics_file = open(path, "a")
+
+    def metrics(self, record: dict) -> None:
+        if self.enabled:
+            try:
+                self.metrics_file.write(json.dumps(record) + "\n")
+                self.metrics_file.flush()
+            except OSError as error:
+                raise TrainerError(f"could not append step {record['step']} to {self.run_dir / 'metrics.jsonl'} "
+                                   f"({first_cause(error)}); the lines before it and the checkpoints are intact, "
+                                   "free disk space and rerun to resume") from error
+
+    def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
+        """status.json, rewritten atomically on every change of state and at every log step."""
+        if not self.enabled:
+            return
+        record = {"state": state, "step": step, "exit_code": exit_code, "reason": reason, "updated": time.time(),
+                  **self.live}
+        try:
+            write_json_atomic(self.run_dir / "status.json", record)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.reserve.exists():
+                raise
+            self.reserve.unlink()
+            write_json_atomic(self.run_dir / "status.json", record)
+
+    def refuse(self, reason: str) -> ConfigError:
+        """A resume that cannot go on, recorded as failed (exit 2) at the step status.json had, and returned."""
+        step = self.previous_status().get("step")
+        with contextlib.suppress(OSError):
+            self.status("failed", step if type(step) is int else 0, EXIT_BAD_CONFIG, reason)
+        return ConfigError(reason)
+
+    def previous_status(self) -> dict:
+        try:
+            previous = json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return previous if isinstance(previous, dict) else {}
+
+    def count_restart(self) -> None:
+        """restarts: how often this run folder was started again after its first start."""
+        restarts = self.previous_status().get("restarts", -1)
+        self.live["restarts"] = restarts + 1 if type(restarts) is int and restarts >= -1 else 0
+
+
+def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
+    """(line, its step) of every line; the step is None where the line is no record: cut by a kill mid-write,
+    not a JSON object, too deeply nested to parse, or without a whole-number step."""
+    records = []
+    for line in filter(str.strip, path.read_text(errors="replace").splitlines()):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError, RecursionError):
+            step = None
+        records.append((line, step if type(step) is int else None))
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint folders: temp folder + marker with checksums + rename; verified before anything is loaded
+
+
+MARKER = "COMPLETE.json"
+
+
+SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Checkpoint folders `step-N`, oldest first (temp and set-aside folders are never listed)."""
+    root = run_dir / "checkpoints"
+    found = [d for d in root.glob("step-*") if d.name[5:].isascii() and d.name[5:].isdigit()] if root.is_dir() else []
+    return sorted(found, key=lambda d: int(d.name[5:]))
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a checkpoint that failed verification or loading to `rejected-step-N` (never listed, never loaded,
+    kept for inspection), so that the run writes that step again; an older rejected copy of it is replaced."""
+    aside = folder.with_name(f"rejected-{folder.name}")
+    if aside.is_symlink() or aside.is_file():
+        aside.unlink()
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    return aside
+
+
+def seal(tmp: Path, final: Path, marker: dict) -> None:
+    """The marker, then the rename: a checkpoint folder under its final name is always complete. One already
+    there under that name was not resumed from, so it failed to verify or load: it is set aside, not kept."""
+    (tmp / MARKER).write_text(json.dumps(marker))
+    fsync_path(tmp / MARKER)
+    if final.exists() or final.is_symlink():
+        set_aside(final)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+
+
+def read_marker(folder: Path) -> dict | None:
+    """The marker, when it names plain files inside the folder with their sha256 digests."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        files = marker.get("files")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    plain = isinstance(files, dict) and all(isinstance(d, str) and not name.startswith("/") and ".." not in name
+                                            for name, d in files.items())
+    return marker if plain else None
+
+
+def checkpoint_problem(folder: Path, marker: dict | None, rank: int, world: int) -> str | None:
+    """What is wrong with rank's share of the files (the `world` ranks share the hashing), or None."""
+    if folder.is_symlink():
+        return "is a symbolic link, not a folder this run wrote"
+    if marker is None:
+        return "has no valid completion marker"
+    if folder.name.startswith("step-") and folder.name != f"step-{marker.get('step')}":
+        return f"holds step {marker.get('step')!r} under the name {folder.name}"
+    for name, digest in list(marker["files"].items())[rank::world]:
+        if not (folder / name).is_file():
+            return f"is missing {name}"
+        if sha256(folder / name) != digest:
+            return f"has a corrupted {name} (checksum mismatch)"
+    return None
+
+
+def load_verified(folder: Path, marker: dict) -> dict:
+    """The top-level .pt files of a verified checkpoint, loaded with weights_only=True; a sharded one's DCP
+    metadata is read through the restricted unpickler too, so a crafted file is refused before DCP sees it."""
+    if marker.get("format") == "sharded":
+        safe_dcp()[0](folder / SHARDED).read_metadata()
+    return {name: torch.load(folder / name, map_location="cpu", weights_only=True)
+            for name in marker["files"] if "/" not in name}
+
+
+def load_checked(folder: Path, marker: dict) -> tuple[dict, str | None]:
+    """The top-level .pt files of a checkpoint whose checksums verified, and what they lack for a resume (None:
+    nothing); a crafted or damaged pickle is a problem, not an exception."""
+    try:
+        files = load_verified(folder, marker)
+        return files, contents_problem(files, marker)
+    except Exception as error:
+        return {}, f"cannot be loaded safely ({first_cause(error)})"
+
+
+def contents_problem(files: dict, marker: dict) -> str | None:
+    """What a verified checkpoint lacks for a resume: its step and tokens, every rank's data state, and (unless
+    DCP holds them) the model and optimizer; None when complete."""
+    state = files.get("train_state.pt")
+    if not (isinstance(state, dict) and type(state.get("step")) is int and type(state.get("tokens")) is int
+            and state["step"] == marker["step"] and state["tokens"] >= 0):
+        return "holds no valid train_state.pt (its step and tokens)"
+    ranks = sorted(name for name in files if name.startswith("rank"))
+    if marker.get("world_size") != len(ranks) or set(ranks) != {f"rank{r}.pt" for r in range(len(ranks))}:
+        return f"holds the data states of {len(ranks)} rank(s), its marker says {marker.get('world_size')!r}"
+    needed = ["model.pt", "optimizer.pt"] if marker.get("format") != "sharded" else []
+    missing = [name for name in ranks + needed if not isinstance(files.get(name), dict)]
+    if not missing and needed and not all(isinstance(t, torch.Tensor) for t in files["model.pt"].values()):
+        missing = ["model.pt's tensors"]
+    return f"is missing {missing[0]}" if missing else None
+
+
+# ----------------------------------------------------------------------------------------------
+# DCP (FSDP's sharded checkpoints) read without unpickling arbitrary objects
+
+
+# what DCP's Metadata pickle is made of (torch 2.13); torch's dtypes are allowed by type
+DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                        *(("torch.distributed.checkpoint.metadata", name) for name in (
+                            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                            "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """DCP's FileSystemReader unpickles sharded/.metadata with plain pickle, where a crafted file runs code
+    (checkpoints are copied between nodes): only the classes the metadata is made of are resolved."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                        torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+@functools.cache
+def safe_dcp() -> tuple[type, type]:
+    """(reader, planner) for dcp.load that never unpickle arbitrary objects: the metadata through the
+    restricted unpickler, and the non-tensor entries (the optimizer's param_groups), which DCP's planner loads
+    with weights_only=False, checked with weights_only=True first. Built on first use: importing
+    torch.distributed.checkpoint takes about a second."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _DcpMetadataUnpickler(f).load()
+            metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            plain = io.BytesIO()                          # what DCP unpickles is then our own plain data
+            torch.save(torch.load(value, weights_only=True), plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    return SafeReader, SafePlanner
+
+
+def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
+    """dcp.load of a checkpoint's SHARDED/ into `state`, in place, through safe_dcp's reader and planner."""
+    import torch.distributed.checkpoint as dcp
+    reader, planner = safe_dcp()
+    try:
+        with warnings.catch_warnings():      # "assuming the intent is to load in a single process": with no_dist it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader(folder / SHARDED), planner=planner(), no_dist=no_dist)
+    except dcp.CheckpointException as error:
+        raise ConfigError(f"checkpoint {folder} cannot be loaded safely ({first_cause(error)})") from None
+
