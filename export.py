@@ -13,14 +13,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file as save_safetensors
 
+import flags
 import train_c4 as T
 from contract import ConfigError, TrainerError
 from run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause, safe_dcp,
-                        save_file, write_atomically)
+                        save_file, verified_checkpoints, write_atomically)
 
 
 def arguments(argv: list[str]) -> tuple[Path, Path]:
-    parser = T.OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
+    parser = flags.OneLineErrorParser(prog="train_c4.py --consolidate", description="Write one file with the "
                                   "weights of a checkpoint (FSDP's sharded ones included), loadable without a "
                                   "process group: torch.load(OUT, weights_only=True) -> GPT.load_state_dict.")
     parser.add_argument("--consolidate", nargs=2, metavar=("CHECKPOINT", "OUT"), required=True,
@@ -62,7 +63,7 @@ def consolidate(source: Path, out: Path) -> str:
 def complete_checkpoint(source: Path) -> tuple[Path, dict]:
     """`source` itself when it is a complete checkpoint, else the newest complete one of the run folder."""
     folders, skipped = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1], []
-    for folder, _, marker in T.verified_checkpoints(folders, T.Dist(0, 1, torch.device("cpu")), skipped.append):
+    for folder, _, marker in verified_checkpoints(folders, T.Dist(0, 1, torch.device("cpu")), skipped.append):
         print(*(f"warning: {line}" for line in skipped), sep="\n", file=sys.stderr, end="\n" if skipped else "")
         return folder, marker
     newest = f" (newest: {skipped[0].removeprefix('checkpoint ').split(';')[0]})" if skipped else ""
@@ -81,12 +82,7 @@ def saved_config(run_dir: Path) -> T.Config:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
         raise ConfigError(f"{path} is missing or unreadable: the model cannot be rebuilt") from None
     try:
-        for field in dataclasses.fields(T.Config):
-            value = getattr(cfg, field.name)
-            if not (type(value) is type(field.default) or type(field.default) is float and type(value) is int):
-                raise ConfigError(f"{field.name} is {value!r}, not of the type {type(field.default).__name__}")
-            if value not in (T.CHOICES.get(field.name) or (value,)):
-                raise ConfigError(f"{field.name} is {value!r}, not one of {', '.join(T.CHOICES[field.name])}")
+        flags.check_types(cfg)
         T.validate(cfg)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}; the model cannot be rebuilt") from None

@@ -18,7 +18,6 @@ from contract import EXIT_BAD_CONFIG, ConfigError, TrainerError
 # ----------------------------------------------------------------------------------------------
 # files written whole or not at all
 
-
 def first_cause(error: BaseException) -> str:
     """One line for an error; DCP's CheckpointException holds each rank's error with its traceback."""
     failures = getattr(error, "failures", None)
@@ -88,7 +87,6 @@ def check_writable_folder(folder: Path, what: str) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # the lock and the logs: train.log, metrics.jsonl (append + flush), status.json (atomic, with a reserve)
-
 
 def lock_run_folder(run_dir: Path):
     """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
@@ -221,7 +219,6 @@ def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
 # ----------------------------------------------------------------------------------------------
 # checkpoint folders: temp folder + marker with checksums + rename; verified before anything is loaded
 
-
 MARKER = "COMPLETE.json"
 
 
@@ -322,8 +319,114 @@ def contents_problem(files: dict, marker: dict) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# DCP (FSDP's sharded checkpoints) read without unpickling arbitrary objects
+# the protocol every rank runs together: write, verify, fall back (`dist`: train_c4.Dist's rank, world and
+# collectives)
 
+def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sharded: dict | None = None) -> None:
+    """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
+    (`sharded`, written with torch.distributed.checkpoint into SHARDED/). The folder appears under its
+    final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included."""
+    root = run_dir / "checkpoints"
+    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    from torch.distributed.checkpoint import CheckpointException
+    try:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        for name, obj in files.items():
+            save_file(obj, tmp / name)
+        written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
+        dist.barrier()
+        # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
+        digests = dist.gather({name: sha256(tmp / name) for name in written})
+        if dist.is_main:
+            marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
+                      "files": dict(sorted(item for part in digests for item in part.items()))}
+            seal(tmp, final, marker)
+            for old in checkpoint_dirs(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except (OSError, CheckpointException) as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = checkpoint_dirs(run_dir)
+        intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
+                  "metrics.jsonl is intact (no earlier checkpoint exists)")
+        raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
+                           "space (or fix the permission) and rerun to resume") from error
+    dist.barrier()
+
+
+def _write_shards(sharded: dict, tmp: Path, dist) -> list[str]:
+    """Collective: DCP writes every rank's shards (and fsyncs them); returns this rank's share of DCP's
+    files to hash. DCP's metadata names every file of every rank, so the marker does not depend on a
+    directory listing (stale on network file systems)."""
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.save(sharded, checkpoint_id=tmp / SHARDED)
+    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+    return [f"{SHARDED}/{name}" for name in [".metadata", *shards][dist.rank::dist.world]]
+
+
+def agreed_problem(dist, problem: str | None) -> str | None:
+    """Every rank takes the same decision: the first rank's problem, or None when none has one."""
+    return next((p for p in dist.gather(problem) if p), None)
+
+
+def verified_checkpoints(folders: list[Path], dist, log):
+    """In the order given, (folder, its top-level .pt files loaded safely (weights_only), its marker) of each
+    checkpoint that verifies; each one that does not is logged. DCP's files (format "sharded") are verified
+    here and loaded by the caller, which falls back to the next one when its load fails."""
+    for folder in folders:
+        marker = read_marker(folder)
+        problem = agreed_problem(dist, checkpoint_problem(folder, marker, dist.rank, dist.world))
+        files = {}
+        if problem is None:
+            files, problem = load_checked(folder, marker)
+            problem = agreed_problem(dist, problem)
+        if problem is None:
+            yield folder, files, marker
+        else:
+            log(f"checkpoint {folder.name} {problem}; falling back to the previous one")
+
+
+def newest_first(run_dir: Path, dist) -> list[Path]:
+    """The run's checkpoint folders as rank 0 lists them, newest first: every rank takes the same decisions."""
+    return [run_dir / "checkpoints" / name for name in dist.gather([
+        d.name for d in checkpoint_dirs(run_dir)[::-1]])[0]]
+
+
+def read_checkpoint(run_dir: Path, dist, log) -> tuple[Path, dict, dict] | None:
+    """The newest checkpoint that verifies (verified_checkpoints), or None."""
+    return next(verified_checkpoints(newest_first(run_dir, dist), dist, log), None)
+
+
+def resume_from(run_dir: Path, dist, load, log) -> tuple[Path, dict] | None:
+    """(folder, files) of the newest checkpoint that verifies and that `load(folder, files, marker)` takes (it
+    returns a problem or None); the newer ones are then set aside, to be written again. None without checkpoints;
+    when every one fails, refused and recorded (log.refuse): starting over would overwrite a run's history."""
+    problems = []
+
+    def fall_back(line: str) -> None:
+        problems.append(line.removeprefix("checkpoint "))
+        log.info(line)
+
+    for folder, files, marker in verified_checkpoints(newest_first(run_dir, dist), dist, fall_back):
+        problem = agreed_problem(dist, load(folder, files, marker))
+        if problem is None:
+            dist.barrier()                                  # every rank has read what it needs of the newer ones
+            for newer in checkpoint_dirs(run_dir)[::-1] if dist.is_main else []:
+                if newer == folder:
+                    break
+                log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
+            return folder, files
+        fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
+    if problems:
+        raise log.refuse(f"no checkpoint of {run_dir} is usable (newest: {problems[0].split(';')[0]}); move that "
+                         "folder away or choose another --run-name to start over")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# DCP (FSDP's sharded checkpoints) read without unpickling arbitrary objects
 
 # what DCP's Metadata pickle is made of (torch 2.13); torch's dtypes are allowed by type
 DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),

@@ -13,14 +13,13 @@ fused.py (the model's hand-written speed-ups, --kernels) and plan.py (memory pla
 
 from __future__ import annotations
 
-import argparse, contextlib, ctypes, dataclasses, functools, glob, hashlib, importlib.metadata, itertools, json, math
-import multiprocessing, os, queue, random, re, secrets, shutil, signal, subprocess, sys, textwrap, threading, time
+import contextlib, dataclasses, functools, glob, hashlib, itertools, json, math, os, random, re, signal, sys, time
 from datetime import timedelta
 from pathlib import Path
 
 import contract
-from contract import (EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, ConfigError, DataUnavailable,
-                      Diverged, Interrupted, RunFailed, TrainerError)
+from contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, DataUnavailable, Diverged, Interrupted,
+                      RunFailed, TrainerError)
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
@@ -31,16 +30,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
-from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+import flags
 import fused
 import plan
+from failures import failure
+from flags import COUNT, NATURAL, option
+from monitor import WANDB_MODES, Progress, device_name, run_record, start_wandb, wandb_record
 from plan import flops_per_token, gpu_peak_flops, parameter_summary
-from run_folder import (SHARDED, RunLog, check_writable_folder, checkpoint_dirs, checkpoint_problem, dcp_load,
-                        first_cause, load_checked, read_marker, save_file, seal, set_aside, sha256, write_json_atomic)
+from prefetch import Loader
+from run_folder import (RunLog, check_writable_folder, dcp_load, first_cause, resume_from, write_checkpoint,
+                        write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -48,7 +52,7 @@ from run_folder import (SHARDED, RunLog, check_writable_folder, checkpoint_dirs,
 ROOT = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------
-# config/CLI: every setting of a run, resolved once into a frozen Config (the errors: contract.py)
+# config/CLI: every setting of a run, resolved once into a frozen Config (its flags: flags.py; errors: contract.py)
 
 PRESETS = {
     "c4": {},
@@ -78,13 +82,6 @@ PRESETS = {
 MODEL, OPTIMISATION, DATA, MEASUREMENT, RUN_FOLDER, PARALLELISM, PLANNING = (
     "model", "optimisation", "data", "measurement and logging", "run folder and checkpoints", "parallelism", "planning")
 MHC_LITE_MAX_EXPANSION = 6                      # 720 permutations; 7 would be 5,040 logits per token and sublayer
-INT64_MAX = 2 ** 63 - 1                         # torch.manual_seed and tensor sizes take int64
-COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)  # the bounds of a count, and of a seed or a count that may be 0
-
-
-def option(default, group: str, allowed: tuple | None, help: str):
-    """A flag's facts: default, --help group and line, what it allows (number: inclusive bounds, name: choices)."""
-    return dataclasses.field(default=default, metadata=dict(group=group, allowed=allowed, help=help))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +162,7 @@ class Config:
     layer_metrics_every: int = option(500, MEASUREMENT, COUNT, "steps between per-layer gain lists")
     probe_sequences: int = option(8, MEASUREMENT, COUNT, "held-out sequences in the fixed probe batch")
     log_every: int = option(10, MEASUREMENT, COUNT, "steps between plain log lines")
-    wandb: str = option("auto", MEASUREMENT, ("auto", "online", "offline", "disabled"), "Weights & Biases mode; beats "
+    wandb: str = option("auto", MEASUREMENT, WANDB_MODES, "Weights & Biases mode; beats "
         "$WANDB_MODE (auto: $WANDB_MODE when set, else online with credentials, offline without)")
     wandb_project: str = option("", MEASUREMENT, None, "W&B project (default: $WANDB_PROJECT, else hc-mhc-c4)")
     out: str = option("runs", RUN_FOLDER, None, "folder holding the run folders")
@@ -191,56 +188,13 @@ class Config:
         return self.batch_size * self.seq_len
 
 
-CHOICES = {f.name: f.metadata["allowed"] for f in dataclasses.fields(Config) if f.type == "str"}
+CHOICES = flags.choices(Config)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _plain(convert, pattern: str):
-    """int() and float() also take '1_0', full-width digits and spaces around the number: plain ASCII only."""
-    def parse(text: str):
-        return convert(text if re.fullmatch(pattern, text) else "")     # convert("") raises ValueError
-    parse.__name__ = convert.__name__           # argparse's message: "invalid int value: '1_0'"
-    return parse
-
-
-PARSE = {"int": _plain(int, r"[+-]?[0-9]+"),
-         "float": _plain(float, r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")}
-
-
-def presets_text() -> str:
-    """The presets and what each one sets, for --help."""
-    return "presets (explicit flags win):\n" + "\n".join(textwrap.fill(
-        f"{name}: " + (", ".join(f"{_flag(k)} {v}" for k, v in values.items()) or "the defaults above"),
-        width=100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
-        for name, values in PRESETS.items())
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's own checks, reported as one line (and exit 2) instead of the usage block."""
-
-    def error(self, message):
-        raise ConfigError(f"{message} (see --help)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    epilog = (presets_text() + "\n\npython train_c4.py --consolidate CHECKPOINT OUT.pt writes one file with the "
-              "weights of a checkpoint\n(FSDP's sharded ones included), loadable without a process group.")
-    parser = OneLineErrorParser(description="Train baseline / HC / mHC transformers on C4.", epilog=epilog,
-                                 argument_default=argparse.SUPPRESS,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    fields = dataclasses.fields(Config)         # their order is --help's order, groups included
-    groups = {title: parser.add_argument_group(title) for title in dict.fromkeys(f.metadata["group"] for f in fields)}
-    for field in fields:
-        facts, group = field.metadata, groups[field.metadata["group"]]
-        if field.type == "bool":
-            group.add_argument(_flag(field.name), action="store_true", help=facts["help"])
-        else:
-            group.add_argument(_flag(field.name), type=PARSE.get(field.type, str), choices=CHOICES.get(field.name),
-                               help=facts["help"] + f" (default {field.default!r}, or the preset's)")
-    return parser
+def build_parser():
+    epilog = (flags.presets_text(PRESETS) + "\n\npython train_c4.py --consolidate CHECKPOINT OUT.pt writes one file "
+              "with the weights of a checkpoint\n(FSDP's sharded ones included), loadable without a process group.")
+    return flags.build_parser(Config, "Train baseline / HC / mHC transformers on C4.", epilog)
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -249,18 +203,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**{**PRESETS[explicit.get("preset", "c4")], **explicit})
     validate(cfg)
     if not cfg.run_name:
-        cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset, cfg.sinkhorn_iters, cfg.coefficients))
+        cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset,
+                                                                  cfg.sinkhorn_iters, cfg.coefficients))
     return cfg
 
 
 def validate(cfg: Config) -> None:
     """Refuses, in one line, what cannot run or would be nonsense; nothing is built or read here."""
-    for field in dataclasses.fields(Config):
-        value, allowed = getattr(cfg, field.name), field.metadata["allowed"]
-        if field.type in ("int", "float") and not allowed[0] <= value <= allowed[1]:
-            low, high = ("2**63 - 1" if x == INT64_MAX else f"{x:,}" if isinstance(x, int) else f"{x:g}"
-                         for x in allowed)
-            raise ConfigError(f"{_flag(field.name)} must be from {low} to {high}, got {value}")
+    flags.check_bounds(cfg)
     if cfg.residual == "mhc-lite" and cfg.mhc_res_diag < 0:
         raise ConfigError(f"--residual mhc-lite matches mHC's H_res diagonal at init only for --mhc-res-diag >= 0, "
                           f"got {cfg.mhc_res_diag:g}")
@@ -747,7 +697,8 @@ def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, w
 
 
 # ----------------------------------------------------------------------------------------------
-# data: tokenizers, C4 (hub or local shards) and the bundled sample, streamed and exactly resumable
+# data: tokenizers, C4 (hub or local shards) and the bundled sample, streamed and exactly resumable (read ahead in
+# processes or a thread: prefetch.py)
 
 DATA_DIR = ROOT / "data"
 # tiktoken's published sha256 of OpenAI's GPT-2 files (tiktoken_ext/openai_public.py)
@@ -1005,157 +956,6 @@ class RankBatches:
         self.cursor = states[0]["cursor"]
 
 
-class _StepShares(torch.utils.data.IterableDataset):
-    """One reader's share of every step: the windows of every readers-th of the rank's streams. Its streams' recent
-    states stay with the reader and are sent on request (at a checkpoint): they hold the shuffle buffers, megabytes
-    that would cost more to receive every step than reading the data."""
-
-    def __init__(self, batches: RankBatches, readers: int, keep: int, make_queue=multiprocessing.Queue):
-        self.recipe, self.state, self.readers, self.keep = batches.recipe, batches.state_dict(), readers, keep
-        self.requests, self.replies = [make_queue() for _ in range(readers)], make_queue()
-
-    def __iter__(self):
-        worker = torch.utils.data.get_worker_info()            # None in the loader thread
-        reader = worker.id if worker else 0
-        batches = RankBatches(*self.recipe)
-        batches.load_state_dict([self.state])
-        mine, states = sorted(set(batches.owners))[reader::self.readers], {}   # a small batch reads fewer streams
-        threading.Thread(target=self._answer, args=(reader, states), daemon=True).start()
-        try:
-            for step in itertools.count():
-                slots, windows = batches.read_step(mine)
-                states[step] = {str(v): batches.streams[v].state_dict() for v in mine}
-                states.pop(step - self.keep, None)
-                yield slots, windows, None
-        except TrainerError as error:          # raised in the training process as one line, not a worker traceback
-            yield None, None, error
-
-    def _answer(self, reader: int, states: dict) -> None:
-        while True:
-            self.replies.put(states[self.requests[reader].get()])
-
-    def states_after(self, step: int, timeout: float) -> dict:
-        """Every reader's stream states after `step` (counted from 0), merged."""
-        for requests in self.requests:
-            requests.put(step)
-        streams = {}
-        try:
-            for _ in self.requests:
-                streams |= self.replies.get(timeout=timeout)
-        except queue.Empty:
-            raise DataUnavailable(f"a data loader process did not send its state within {timeout:.0f} s") from None
-        return streams
-
-
-def _leave_group_signals_to_the_trainer(_worker_id: int) -> None:
-    """A stop signal sent to the job's process group must reach the trainer alone, which finishes its step and
-    checkpoints; a worker in a group of its own asks Linux to end it with the trainer, so it never outlives it."""
-    os.setpgrp()
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
-        if os.getppid() == 1:                               # the training process died before the line above
-            os._exit(1)
-
-
-class Loader:
-    """Reads the rank's steps ahead, so the accelerator does not wait on reading and tokenizing: in `workers`
-    DataLoader processes (off the training process's interpreter lock) or, with 0, a thread reading `depth` steps
-    ahead. Shares come back in reader order, so the batches are RankBatches'. Reading starts at the first
-    next_batch, after a resume's load_state_dict; state_dict is the state after the last whole step consumed."""
-
-    def __init__(self, batches: RankBatches, workers: int, timeout: float, depth: int = 1, pin_memory: bool = False):
-        self.batches, self.workers, self.timeout, self.pin_memory = batches, workers, timeout, pin_memory
-        self.depth = depth
-        self.micro, self.per_step, self.steps, self.cursor, self.waited = batches.micro, len(batches.owners), 0, 0, 0.0
-        self.state, self.shares, self.stopping = (0, batches.state_dict()), None, threading.Event()
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        """Every rank's saved states (RankBatches.load_state_dict), before the first next_batch."""
-        self.batches.load_state_dict(states)
-        self.state = (0, self.batches.state_dict())
-
-    def _start(self) -> None:
-        self.unread = self.state[1]["streams"]          # streams no batch position reads keep this state
-        if self.workers:                                # states kept: more steps than a worker runs ahead (2)
-            self.shares = _StepShares(self.batches, self.workers, keep=8)
-            self.received = iter(torch.utils.data.DataLoader(self.shares, batch_size=None, num_workers=self.workers,
-                                                             prefetch_factor=2, timeout=self.timeout,
-                                                             worker_init_fn=_leave_group_signals_to_the_trainer))
-        else:
-            self.shares = _StepShares(self.batches, 1, keep=self.depth + 4, make_queue=queue.Queue)
-            self.queue = queue.Queue(self.depth)
-            self.thread = threading.Thread(target=self._read_ahead, daemon=True, name="prefetch")
-            self.thread.start()
-
-    def _read_ahead(self) -> None:
-        try:
-            for share in self.shares:
-                if not self._put(share):
-                    return
-        except BaseException as error:                 # handed to the consumer, raised there
-            self._put((None, None, error))
-
-    def _put(self, share: tuple) -> bool:
-        while not self.stopping.is_set():              # a put that waits forever would block close()
-            with contextlib.suppress(queue.Full):
-                self.queue.put(share, timeout=0.1)
-                return True
-        return False
-
-    def _receive(self) -> tuple:
-        try:
-            return next(self.received) if self.workers else self.queue.get(timeout=self.timeout)
-        except (queue.Empty, RuntimeError) as error:   # RuntimeError: the DataLoader's, a worker died or timed out
-            if isinstance(error, RuntimeError) and "timed out" not in str(error):
-                raise DataUnavailable(f"a data loader process failed ({str(error).splitlines()[0]})") from None
-            raise DataUnavailable(f"the data loader delivered nothing for {self.timeout:.0f} s (--data-timeout); "
-                                  "the data source stalled") from None
-
-    def _next_step(self) -> None:
-        if self.shares is None:
-            self._start()
-        started = time.perf_counter()
-        try:
-            shares = [self._receive() for _ in range(self.workers or 1)]
-        finally:
-            self.waited += time.perf_counter() - started
-        for *_, error in shares:
-            if error is not None:
-                raise error
-        windows = torch.empty(self.per_step, shares[0][1].shape[1], dtype=torch.long)
-        for slots, part, _ in shares:
-            windows[slots] = part
-        self.inputs, self.targets = (t.contiguous() for t in (windows[:, :-1], windows[:, 1:]))
-        if self.pin_memory:                            # page-locked: the copy to the GPU runs asynchronously
-            self.inputs, self.targets = self.inputs.pin_memory(), self.targets.pin_memory()
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cursor == 0:
-            self._next_step()
-        start, self.cursor = self.cursor, (self.cursor + self.micro) % self.per_step
-        self.steps += self.cursor == 0
-        return self.inputs[start:start + self.micro], self.targets[start:start + self.micro]
-
-    def state_dict(self) -> dict:
-        if self.state[0] != self.steps:
-            streams = self.unread | self.shares.states_after(self.steps - 1, self.timeout)
-            self.state = (self.steps, {"cursor": 0, "streams": streams})
-        return self.state[1]
-
-    @property
-    def skipped(self) -> int:
-        """Malformed or empty lines skipped so far."""
-        return sum(stream["documents"]["skipped"] for stream in self.state_dict()["streams"].values())
-
-    def close(self) -> None:
-        """The thread stops before the interpreter exits (a thread killed inside torch aborts the process); the
-        DataLoader iterator shuts its workers down when released."""
-        self.stopping.set()
-        if self.shares is not None and not self.workers:
-            self.thread.join(timeout=60)
-        self.received = None
-
-
 def make_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Loader:
     steps_ahead = -(-cfg.prefetch * batches.micro // len(batches.owners))       # --prefetch counts micro-batches
     return Loader(batches, cfg.data_workers, cfg.data_timeout, steps_ahead, pin_memory)
@@ -1180,6 +980,7 @@ def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int) -> tup
 
 @dataclasses.dataclass(frozen=True)
 class Dist:
+    """This process's place in the job, and the collectives every rank calls together (no-ops for one process)."""
     rank: int
     world: int
     device: torch.device
@@ -1187,6 +988,22 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            torch.distributed.all_reduce(values)
+        return values
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (small picklable values), in rank order."""
+        gathered = [obj] * self.world
+        if self.world > 1:
+            torch.distributed.all_gather_object(gathered, obj)
+        return gathered
 
 
 # start-up waits for every rank's first documents, a checkpoint's verification and compilation; once steps run,
@@ -1220,46 +1037,6 @@ def end_distributed() -> None:
         # every rank past its last collective first: gloo aborts a rank whose peer tears its sockets down under it
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-
-
-def barrier(dist: Dist) -> None:
-    if dist.world > 1:
-        torch.distributed.barrier()
-
-
-def all_ranks_sum(dist: Dist, values: torch.Tensor) -> torch.Tensor:
-    if dist.world > 1:
-        torch.distributed.all_reduce(values)
-    return values
-
-
-def all_ranks_gather(dist: Dist, obj) -> list:
-    """Every rank's `obj` (small picklable values), in rank order."""
-    gathered = [obj] * dist.world
-    if dist.world > 1:
-        torch.distributed.all_gather_object(gathered, obj)
-    return gathered
-
-
-def rank_failure(dist: Dist, code: int, reason: str) -> tuple[int, str, bool]:
-    """The job's exit code and reason for a failure seen here, and whether it is this rank's own. A rank's own
-    failure goes to the rendezvous store; a rank that only lost contact (code 5) reports the failure another rank
-    noted, so the launcher acts on the root cause instead of blaming a GPU (docs/distributed.md)."""
-    if dist.world == 1 or not torch.distributed.is_initialized():
-        return code, reason, True
-    attempt = f"train_c4/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed"
-    with contextlib.suppress(Exception):                   # best effort: the store's host may be gone too
-        store = _get_default_store()
-        if code == EXIT_DEVICE:
-            for rank in range(dist.world):
-                if rank != dist.rank and store.check([f"{attempt}/{rank}"]):
-                    peer_code, peer_reason = json.loads(store.get(f"{attempt}/{rank}"))
-                    return peer_code, f"rank {rank} failed: {peer_reason}", False
-        store.set(f"{attempt}/{dist.rank}", json.dumps([code, reason]))
-    if code == EXIT_DEVICE and "lost contact" in reason:
-        return code, reason + ("; no other rank reported an error: one was killed (out of host memory?) or is "
-                               "hung, see torchrun's summary and the ranks' logs"), False
-    return code, reason, True
 
 
 def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Module:
@@ -1301,84 +1078,18 @@ def unwrap(model: nn.Module) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpointing: temp folder + marker with checksums + rename; the newest complete one is used
+# checkpointing: what a checkpoint holds and when a run may continue from one (Trainer.save and .restore); how the
+# ranks write, verify and fall back: run_folder.py
 
-
-def write_checkpoint(run_dir: Path, step: int, files: dict, dist: Dist, keep: int, sharded: dict | None = None) -> None:
-    """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
-    (`sharded`, written with torch.distributed.checkpoint into SHARDED/). The folder appears under its
-    final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included."""
-    root = run_dir / "checkpoints"
-    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
-    from torch.distributed.checkpoint import CheckpointException
-    try:
-        if dist.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier(dist)
-        for name, obj in files.items():
-            save_file(obj, tmp / name)
-        written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
-        barrier(dist)
-        # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
-        digests = all_ranks_gather(dist, {name: sha256(tmp / name) for name in written})
-        if dist.is_main:
-            marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
-                      "files": dict(sorted(item for part in digests for item in part.items()))}
-            seal(tmp, final, marker)
-            for old in checkpoint_dirs(run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    except (OSError, CheckpointException) as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = checkpoint_dirs(run_dir)
-        intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
-                  "metrics.jsonl is intact (no earlier checkpoint exists)")
-        raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
-                           "space (or fix the permission) and rerun to resume") from error
-    barrier(dist)
-
-
-def _write_shards(sharded: dict, tmp: Path, dist: Dist) -> list[str]:
-    """Collective: DCP writes every rank's shards (and fsyncs them); returns this rank's share of DCP's
-    files to hash. DCP's metadata names every file of every rank, so the marker does not depend on a
-    directory listing (stale on network file systems)."""
-    import torch.distributed.checkpoint as dcp
-    metadata = dcp.save(sharded, checkpoint_id=tmp / SHARDED)
-    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
-    return [f"{SHARDED}/{name}" for name in [".metadata", *shards][dist.rank::dist.world]]
-
-
-def agreed_problem(dist: Dist, problem: str | None) -> str | None:
-    """Every rank takes the same decision: the first rank's problem, or None when none has one."""
-    return next((p for p in all_ranks_gather(dist, problem) if p), None)
-
-
-def verified_checkpoints(folders: list[Path], dist: Dist, log):
-    """In the order given, (folder, its top-level .pt files loaded safely (weights_only), its marker) of each
-    checkpoint that verifies; each one that does not is logged. DCP's files (format "sharded") are verified
-    here and loaded by the caller, which falls back to the next one when its load fails."""
-    for folder in folders:
-        marker = read_marker(folder)
-        problem = agreed_problem(dist, checkpoint_problem(folder, marker, dist.rank, dist.world))
-        files = {}
-        if problem is None:
-            files, problem = load_checked(folder, marker)
-            problem = agreed_problem(dist, problem)
-        if problem is None:
-            yield folder, files, marker
-        else:
-            log(f"checkpoint {folder.name} {problem}; falling back to the previous one")
-
-
-def newest_first(run_dir: Path, dist: Dist) -> list[Path]:
-    """The run's checkpoint folders as rank 0 lists them, newest first: every rank takes the same decisions."""
-    return [run_dir / "checkpoints" / name for name in all_ranks_gather(dist, [
-        d.name for d in checkpoint_dirs(run_dir)[::-1]])[0]]
-
-
-def read_checkpoint(run_dir: Path, dist: Dist, log) -> tuple[Path, dict, dict] | None:
-    """The newest checkpoint that verifies (verified_checkpoints), or None."""
-    return next(verified_checkpoints(newest_first(run_dir, dist), dist, log), None)
+# keys whose change makes a different model: resuming over them would mix two experiments
+MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
+              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
+              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse")
+# keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
+# them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
+# batches and the maths stay the same.
+TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
+                 "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
 
 
 def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
@@ -1411,32 +1122,6 @@ def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
     return changes
 
 
-def resume_from(run_dir: Path, dist: Dist, load, log) -> tuple[Path, dict] | None:
-    """(folder, files) of the newest checkpoint that verifies and that `load(folder, files, marker)` takes (it
-    returns a problem or None); the newer ones are then set aside, to be written again. None without checkpoints;
-    when every one fails, refused and recorded (log.refuse): starting over would overwrite a run's history."""
-    problems = []
-
-    def fall_back(line: str) -> None:
-        problems.append(line.removeprefix("checkpoint "))
-        log.info(line)
-
-    for folder, files, marker in verified_checkpoints(newest_first(run_dir, dist), dist, fall_back):
-        problem = agreed_problem(dist, load(folder, files, marker))
-        if problem is None:
-            barrier(dist)                                   # every rank has read what it needs of the newer ones
-            for newer in checkpoint_dirs(run_dir)[::-1] if dist.is_main else []:
-                if newer == folder:
-                    break
-                log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
-            return folder, files
-        fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
-    if problems:
-        raise log.refuse(f"no checkpoint of {run_dir} is usable (newest: {problems[0].split(';')[0]}); move that "
-                         "folder away or choose another --run-name to start over")
-    return None
-
-
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -1452,109 +1137,7 @@ def set_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# logging: train.log, metrics.jsonl (append + flush), status.json (atomic), progress, W&B
-
-
-def _wandb_credentials() -> bool:
-    netrc = Path.home() / ".netrc"
-    return bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
-
-
-def wandb_mode(cfg: Config) -> str:
-    """--wandb beats $WANDB_MODE; auto is $WANDB_MODE when set, else online with credentials, offline without."""
-    if cfg.wandb != "auto":
-        return cfg.wandb
-    env = os.environ.get("WANDB_MODE", "").strip().lower()
-    if env in CHOICES["wandb"][1:]:
-        return env
-    return "offline" if env == "dryrun" or not _wandb_credentials() else "online"
-
-
-def wandb_run_id(run_dir: Path) -> str:
-    """Made once at random and kept in the run folder: every resume of the folder continues its W&B run, and a new
-    folder is a new run even at the same path on another node (a hash of the path would collide)."""
-    path = run_dir / "wandb_id.txt"
-    if path.exists():
-        return path.read_text().strip()
-    run_id = secrets.token_hex(8)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
-    return run_id
-
-
-def start_wandb(cfg: Config, run_dir: Path, config_record: dict, log: RunLog):
-    """W&B on rank 0 only. Group: the matrix (the runs folder, or $WANDB_RUN_GROUP), job type: the method, name: the
-    run folder. An online init that fails falls back to offline with one warning; training never stops for W&B."""
-    mode = wandb_mode(cfg)
-    if mode == "disabled" or not log.enabled:
-        return None
-    import wandb            # about a second to import: only when W&B is on
-    init = functools.partial(
-        wandb.init, project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "hc-mhc-c4",
-        id=wandb_run_id(run_dir), name=run_dir.name, resume="allow", job_type=cfg.residual, config=config_record,
-        group=os.environ.get("WANDB_RUN_GROUP") or Path(cfg.out).resolve().name,
-        dir=os.environ.get("WANDB_DIR") or str(run_dir), settings=wandb.Settings(init_timeout=120))
-    for attempt in dict.fromkeys((mode, "offline")):
-        try:
-            run = init(mode=attempt)
-        except Exception as error:
-            log.info(f"warning: W&B {attempt} init failed ({type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                     f"); {'logging offline instead' if attempt == 'online' else 'continuing without W&B'}")
-            continue
-        if attempt == "offline":
-            sync = f"wandb sync {Path(run.dir).parent.resolve()}"
-            log.info(f"W&B is offline; upload this run later with: {sync}")
-            (run_dir / "wandb_sync.txt").write_text(sync + "\n")
-        return run
-    return None
-
-
-def wandb_record(record: dict) -> dict:
-    """A metrics line as W&B can plot it: each per-sublayer list becomes one scalar per sublayer under its key."""
-    flat = {}
-    for key, value in record.items():
-        if isinstance(value, list):
-            flat |= {f"{key}/{index:03d}": v for index, v in enumerate(value)}
-        elif key not in ("step", "time"):
-            flat[key] = value
-    return flat
-
-
-def precision_policy(dtype: torch.dtype) -> dict:
-    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:
-    fp32, so that a gain is never a bf16 rounding artefact). Recorded in config.json; the report marks a table
-    whose runs differ in it."""
-    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": "fp32",
-            "mixing_parameters": "fp32", "coefficients": "fp32", "probe": "fp32 H_res, fp64 products"}
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def run_record(cfg: Config, micro: int, dist: Dist, dtype: torch.dtype, use_flash: bool, fused_kernels: bool,
-               params: dict) -> dict:
-    return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
-            "params": params, "world_size": dist.world, "device": dist.device.type,
-            "device_name": device_name(dist.device),
-            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
-            "attention": "flash" if use_flash else "sdpa", "kernels": "fused" if fused_kernels else "reference",
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "datasets": importlib.metadata.version("datasets"),
-                         "tiktoken": importlib.metadata.version("tiktoken")},
-            "git_commit": git_commit()}
-
+# logging: what a run announces once; its files: run_folder.py (RunLog), its record, pace and W&B: monitor.py
 
 def changes_text(changes: dict) -> str:
     return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
@@ -1597,68 +1180,8 @@ def held_out_source(data: DataFiles, val_data: str) -> str:
     return f"{len(data.val)} file(s) " + (f"of --val-data {val_data!r}" if val_data else "named 'validation'")
 
 
-class Progress:
-    """A tqdm bar on an interactive terminal, a plain log line every --log-every steps otherwise. Both carry the
-    run's pace (tokens/s, MFU, memory, ETA); status.json shows the same, rewritten at every log step."""
-
-    LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "mem_peak_gb",
-                 "val_loss", "amax_fwd", "amax_bwd")
-
-    def __init__(self, trainer: Trainer):
-        self.trainer, self.step_seconds = trainer, None
-        interactive = trainer.dist.is_main and sys.stderr.isatty()
-        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.step, dynamic_ncols=True) if interactive else None
-        trainer.log.bar = self.bar
-        trainer.log.live["steps"] = trainer.cfg.steps
-
-    def update(self, record: dict) -> None:
-        cfg, log, step = self.trainer.cfg, self.trainer.log, record["step"]
-        # a moving average: the ETA follows the recent pace, not the first step's compilation or an evaluation
-        seconds = record["step_time_s"]
-        self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
-        log.live.update({key: record[key] for key in self.LIVE_KEYS if key in record},
-                        eta_s=self.step_seconds * (cfg.steps - step))
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                 amax=self._amax())
-            self.bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            if self.bar is None:
-                log.info(self.line(record))
-            log.status("running", step)
-
-    def _amax(self) -> str:
-        amax = self.trainer.log.live.get("amax_fwd")
-        return f"{amax:.3g}" if amax is not None else "-"
-
-    def line(self, record: dict) -> str:
-        live = self.trainer.log.live
-        val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
-        mfu = f" mfu {live['mfu']:.0%}" if live.get("mfu") is not None else ""
-        mem = f" mem {live['mem_peak_gb']:.1f}GB" if live.get("mem_peak_gb") is not None else ""
-        return (f"step {record['step']}/{self.trainer.cfg.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} "
-                f"grad_norm {record['grad_norm']:.3g} amax_fwd {self._amax()} tok/s {record['tokens_per_s']:,.0f}"
-                f"{mfu}{mem} eta {timedelta(seconds=round(live['eta_s']))}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.trainer.log.bar = None
-
-
 # ----------------------------------------------------------------------------------------------
 # training loop: AdamW, warm-up + cosine, accumulation, pre-clip gradient norm, eval, probe, checkpoints
-
-# keys whose change makes a different model: resuming over them would mix two experiments
-MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
-              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
-              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse")
-# keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
-# them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
-# batches and the maths stay the same.
-TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
-                 "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
-
 
 def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float | None = None
                ) -> tuple[int, int, str]:
@@ -1752,7 +1275,7 @@ class Trainer:
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
         stop_flag = torch.tensor(float(stop.requested), device=device)
-        return all_ranks_sum(self.dist, torch.stack([loss_sum / (self.accum * self.dist.world), stop_flag]))
+        return self.dist.sum(torch.stack([loss_sum / (self.accum * self.dist.world), stop_flag]))
 
     def optimizer_step(self, stop: StopRequest) -> tuple[float, float, bool]:
         lr = lr_at(self.cfg, self.step)
@@ -1792,7 +1315,7 @@ class Trainer:
                 _, loss = self.model(x, y)
             total += torch.stack([loss.float() * len(x), torch.tensor(float(len(x)), device=self.dist.device)])
         self.model.train(was_training)
-        loss_sum, count = all_ranks_sum(self.dist, total).tolist()
+        loss_sum, count = self.dist.sum(total).tolist()
         return loss_sum / count
 
     def probe(self, with_layers: bool) -> dict:
@@ -2019,37 +1542,6 @@ def train(cfg: Config) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # main: one line and an exit code for every expected failure (the codes: EXIT_* above, docs/reliability.md)
-
-def failure(error: BaseException, dist: Dist, micro: int | None = None) -> tuple[int, str, bool]:
-    """The one classification of a failure into (exit code, reason, whether it is this rank's own): a RunFailed
-    keeps its own; a rank that only lost contact takes the reason of the rank that failed first (rank_failure)."""
-    if isinstance(error, RunFailed):
-        return error.exit_code, str(error), True
-    code, reason = classify_failure(error, micro)
-    if isinstance(error, (Diverged, Interrupted)):      # every rank stops at the same step: nothing to look up
-        return code, reason, True
-    return rank_failure(dist, code, reason)
-
-
-def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]:
-    if isinstance(error, (TrainerError, plan.PlanError)):
-        return error.exit_code, str(error)
-    if isinstance(error, torch.OutOfMemoryError):
-        smaller = max(1, (micro or 2) // 2)
-        return EXIT_OOM, f"out of memory at micro-batch {micro}; retry with --micro-batch-size {smaller}"
-    text = str(error)
-    if isinstance(error, RuntimeError) and "gloo/transport" in text:
-        # a peer closed its connection or did not answer within the time-out: gloo's message, minus its source path
-        cause = text.splitlines()[0].split("] ", 1)[-1].split(". This is typically")[0]
-        return EXIT_DEVICE, f"lost contact with the other ranks ({cause})"
-    if isinstance(error, torch.distributed.DistError) or (
-            isinstance(error, RuntimeError) and any(key in text for key in ("CUDA error", "NCCL", "cuDNN", "Gloo"))):
-        return EXIT_DEVICE, f"device or communication error: {text.splitlines()[0] if text else type(error).__name__}"
-    if isinstance(error, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, "interrupted before the first step"
-    if isinstance(error, OSError):          # the file system refused: full, quota, read-only, permission
-        return 1, f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
-    return 1, f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,7 +129,7 @@ def nonsense_after_training(run_dir, code):
              if line.strip()]
     if steps != list(range(7)):
         return f"exit 0 but metrics.jsonl steps are {steps[:12]}"
-    found = T.read_checkpoint(run_dir, T.Dist(0, 1, torch.device("cpu")), lambda line: None)
+    found = run_folder.read_checkpoint(run_dir, T.Dist(0, 1, torch.device("cpu")), lambda line: None)
     if found is None or found[0].name != "step-6" or found[1]["train_state.pt"]["step"] != 6:
         return "exit 0 but the newest checkpoint that loads is not step 6"
     return ""
@@ -139,7 +139,7 @@ def nonsense_after_consolidate(run_dir, weights, code):
     if code != 0:
         return "an output file was written by a refused --consolidate" if weights.exists() else ""
     state = torch.load(weights, weights_only=True)
-    folder = T.read_checkpoint(run_dir, T.Dist(0, 1, torch.device("cpu")), lambda line: None)
+    folder = run_folder.read_checkpoint(run_dir, T.Dist(0, 1, torch.device("cpu")), lambda line: None)
     if folder is None:
         return "exit 0 although no checkpoint of the run verifies"
     saved = folder[1]["model.pt"]

@@ -154,7 +154,7 @@ def test_two_processes_match_one_process_and_resume_exactly(parallel, single, tm
         path = whole / "checkpoints" / "step-20" / shard
         path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 0xFF]))
         problems = []
-        folder, _, marker = T.read_checkpoint(whole, T.Dist(0, 1, torch.device("cpu")), problems.append)
+        folder, _, marker = run_folder.read_checkpoint(whole, T.Dist(0, 1, torch.device("cpu")), problems.append)
         assert folder.name == "step-10" and marker["format"] == "sharded"
         assert problems == [f"checkpoint step-20 has a corrupted {shard} (checksum mismatch); falling back to the "
                             "previous one"]

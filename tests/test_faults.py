@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import export
+import failures
 import run_folder
 import train_c4 as T
 
@@ -119,7 +120,7 @@ WRITE_ERRORS = {
 @pytest.mark.parametrize("kind", sorted(WRITE_ERRORS))
 def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path, monkeypatch, kind):
     one = T.Dist(0, 1, torch.device("cpu"))
-    T.write_checkpoint(tmp_path, 10, {"model.pt": {"w": torch.ones(3)}}, one, keep=2)
+    run_folder.write_checkpoint(tmp_path, 10, {"model.pt": {"w": torch.ones(3)}}, one, keep=2)
     real_save = torch.save
 
     def failing_save(obj, path, *args, **kwargs):
@@ -128,7 +129,7 @@ def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path,
 
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(T.TrainerError) as failure:
-        T.write_checkpoint(tmp_path, 20, {"model.pt": {"w": torch.zeros(3)}}, one, keep=2)
+        run_folder.write_checkpoint(tmp_path, 20, {"model.pt": {"w": torch.zeros(3)}}, one, keep=2)
     message = str(failure.value)
     assert "\n" not in message and "could not write checkpoint step-20" in message
     assert "previous checkpoint step-10 and metrics.jsonl are intact" in message
@@ -152,7 +153,7 @@ def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(t
     # the status-reserve file was spent on a second try, which failed too
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl", "status.json", "train.log"]
     assert json.loads((tmp_path / "status.json").read_text())["step"] == 0
-    code, reason = T.classify_failure(OSError(errno.ENOSPC, "No space left on device", "status.json"), None)
+    code, reason = failures.classify_failure(OSError(errno.ENOSPC, "No space left on device", "status.json"), None)
     assert (code, reason) == (1, "No space left on device: status.json")
 
     class OverQuota:
@@ -351,7 +352,7 @@ def sharded_checkpoint(out, step=10):
     model_state, optimizer_state = get_state_dict(model, optimizer)
     run_dir = out / cfg.run_name
     files = {"train_state.pt": {"step": step, "tokens": 0}, "rank0.pt": {"rng": T.rng_state()}}
-    T.write_checkpoint(run_dir, step, files, T.Dist(0, 1, torch.device("cpu")), keep=2,
+    run_folder.write_checkpoint(run_dir, step, files, T.Dist(0, 1, torch.device("cpu")), keep=2,
                        sharded={"model": model_state, "optimizer": optimizer_state})
     (run_dir / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
     return run_dir / "checkpoints" / f"step-{step}", model_state, optimizer_state
@@ -382,7 +383,7 @@ def test_crafted_dcp_metadata_is_refused_before_a_resume_loads_it(tmp_path):
     witness = tmp_path / "pwned"
     replace_and_reseal(folder, f"{run_folder.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
     said = []
-    assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), said.append) is None
+    assert run_folder.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), said.append) is None
     assert "step-10 cannot be loaded safely" in said[0] and not witness.exists()
     with pytest.raises(T.ConfigError, match="cannot be loaded safely"):         # the load itself, had it got there
         run_folder.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
@@ -405,7 +406,7 @@ def test_a_crafted_non_tensor_entry_in_dcp_shards_never_runs(tmp_path):
 
 def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
     folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
-    assert T.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), print) is not None
+    assert run_folder.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), print) is not None
     export.consolidate(folder, tmp_path / "out.pt")
     state = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(state["wte.weight"], model_state["wte.weight"])

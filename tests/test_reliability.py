@@ -94,7 +94,7 @@ def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tm
     code, stdout, stderr = run(out)
     assert code == 0, stderr
     assert "step-20 has a corrupted optimizer.pt" in stdout and "(step 10," in stdout
-    folder, files, marker = T.read_checkpoint(run_dir, ONE, print)
+    folder, files, marker = run_folder.read_checkpoint(run_dir, ONE, print)
     assert folder.name == "step-20" and files["train_state.pt"]["step"] == marker["step"] == 20
     assert (run_dir / "checkpoints" / "rejected-step-20").is_dir()      # kept aside, never loaded
     exported = export.consolidate(run_dir, tmp_path / "w.pt")
@@ -111,7 +111,7 @@ def test_a_symlinked_or_misnamed_checkpoint_is_not_trusted(finished, tmp_path):
     assert "step-30 is a symbolic link" in stdout and "step-25 holds step 10 under the name step-25" in stdout
     assert "resumed from" in stdout and "(step 20," in stdout
     assert not (root / "step-30").is_symlink()
-    folder, files, _ = T.read_checkpoint(run_dir, ONE, print)
+    folder, files, _ = run_folder.read_checkpoint(run_dir, ONE, print)
     assert folder.name == "step-30" and files["train_state.pt"]["step"] == 30
     assert [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == \
         list(range(31))
@@ -195,7 +195,7 @@ def test_the_checkpoint_write_failure_line_reads_as_one_sentence(tmp_path, monke
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(T.TrainerError) as failure:
-        T.write_checkpoint(tmp_path, 10, {"model.pt": {}}, ONE, keep=2)
+        run_folder.write_checkpoint(tmp_path, 10, {"model.pt": {}}, ONE, keep=2)
     assert "metrics.jsonl is intact (no earlier checkpoint exists)" in str(failure.value)
     assert "and so is" not in str(failure.value)
 

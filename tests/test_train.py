@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import flags
+import monitor
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +160,7 @@ def test_help_groups_every_flag_and_lists_the_presets():
     sections = {block.split(":\n", 1)[0]: block for block in text.split("\n\n")}
     for field in dataclasses.fields(T.Config):                   # each flag in its own group's section, only there
         holding = [title for title, block in sections.items()
-                   if re.search(rf"^  {T._flag(field.name)}( |$)", block, re.MULTILINE)]
+                   if re.search(rf"^  {flags.flag(field.name)}( |$)", block, re.MULTILINE)]
         assert holding == [field.metadata["group"]], (field.name, holding)
     for name in T.PRESETS:
         assert f"\n  {name}: " in text
@@ -224,7 +226,7 @@ def test_wandb_honours_the_environment_and_keeps_one_run_id_per_folder(tmp_path)
         assert sync.startswith("wandb sync /") and f"W&B is offline; upload this run later with: {sync}" in stdout
         assert sync.endswith(ids[-1])                         # the offline run folder is named after the id
     assert ids[0] == ids[1] != ids[2]                       # a resume continues the run; a new folder is new
-    flat = T.wandb_record({"step": 3, "time": 1.0, "loss": 2.0, "layer_gain_fwd": [1.0, 1.5]})
+    flat = monitor.wandb_record({"step": 3, "time": 1.0, "loss": 2.0, "layer_gain_fwd": [1.0, 1.5]})
     assert flat == {"loss": 2.0, "layer_gain_fwd/000": 1.0, "layer_gain_fwd/001": 1.5}
 
 

@@ -1,0 +1,90 @@
+"""flags.py: a frozen dataclass's fields as command-line flags, each flag's facts stated once, in its field.
+
+train_c4.Config declares every setting with option(default, group, allowed, help); here that table becomes argparse
+(--help grouped in field order), numbers parse as plain ASCII only, bounds (inclusive) and choices are checked, and
+every refusal is one line (contract.ConfigError: exit 2).
+"""
+import argparse, dataclasses, re, textwrap
+
+from contract import ConfigError
+
+INT64_MAX = 2 ** 63 - 1                         # torch.manual_seed and tensor sizes take int64
+COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)  # the bounds of a count, and of a seed or a count that may be 0
+
+
+def option(default, group: str, allowed: tuple | None, help: str):
+    """A flag's facts: default, --help group and line, what it allows (number: inclusive bounds, name: choices)."""
+    return dataclasses.field(default=default, metadata=dict(group=group, allowed=allowed, help=help))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def choices(config_class) -> dict:
+    """{field: its allowed names} of every text field that has them."""
+    return {f.name: f.metadata["allowed"] for f in dataclasses.fields(config_class) if f.type == "str"}
+
+
+def _plain(convert, pattern: str):
+    """int() and float() also take '1_0', full-width digits and spaces around the number: plain ASCII only."""
+    def parse(text: str):
+        return convert(text if re.fullmatch(pattern, text) else "")     # convert("") raises ValueError
+    parse.__name__ = convert.__name__           # argparse's message: "invalid int value: '1_0'"
+    return parse
+
+
+PARSE = {"int": _plain(int, r"[+-]?[0-9]+"),
+         "float": _plain(float, r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own checks, reported as one line (and exit 2) instead of the usage block."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
+
+
+def presets_text(presets: dict) -> str:
+    """The presets and what each one sets, for --help."""
+    return "presets (explicit flags win):\n" + "\n".join(textwrap.fill(
+        f"{name}: " + (", ".join(f"{flag(k)} {v}" for k, v in values.items()) or "the defaults above"),
+        width=100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
+        for name, values in presets.items())
+
+
+def build_parser(config_class, description: str, epilog: str) -> argparse.ArgumentParser:
+    """One flag per field, in --help groups in field order; a flag not given stays out of the parsed namespace."""
+    parser = OneLineErrorParser(description=description, epilog=epilog, argument_default=argparse.SUPPRESS,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    fields, allowed_names = dataclasses.fields(config_class), choices(config_class)
+    groups = {title: parser.add_argument_group(title) for title in dict.fromkeys(f.metadata["group"] for f in fields)}
+    for field in fields:
+        facts, group = field.metadata, groups[field.metadata["group"]]
+        if field.type == "bool":
+            group.add_argument(flag(field.name), action="store_true", help=facts["help"])
+        else:
+            group.add_argument(flag(field.name), type=PARSE.get(field.type, str), choices=allowed_names.get(field.name),
+                               help=facts["help"] + f" (default {field.default!r}, or the preset's)")
+    return parser
+
+
+def check_bounds(cfg) -> None:
+    """Every number within its field's inclusive bounds."""
+    for field in dataclasses.fields(cfg):
+        value, allowed = getattr(cfg, field.name), field.metadata["allowed"]
+        if field.type in ("int", "float") and not allowed[0] <= value <= allowed[1]:
+            low, high = ("2**63 - 1" if x == INT64_MAX else f"{x:,}" if isinstance(x, int) else f"{x:g}"
+                         for x in allowed)
+            raise ConfigError(f"{flag(field.name)} must be from {low} to {high}, got {value}")
+
+
+def check_types(cfg) -> None:
+    """Every field of the type of its default (an int where a float is meant) and, for names, one of its choices:
+    what a command line guarantees, checked for a config read from a file."""
+    for field in dataclasses.fields(cfg):
+        value, allowed = getattr(cfg, field.name), choices(type(cfg)).get(field.name)
+        if not (type(value) is type(field.default) or type(field.default) is float and type(value) is int):
+            raise ConfigError(f"{field.name} is {value!r}, not of the type {type(field.default).__name__}")
+        if allowed and value not in allowed:
+            raise ConfigError(f"{field.name} is {value!r}, not one of {', '.join(allowed)}")
