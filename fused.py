@@ -1,5 +1,5 @@
 """The fast path of the residual streams: hand-written autograd Functions for HC and mHC, chosen by
-`--kernels fused` (train_c4.use_fused_kernels) and proven equal to the readable formulas of train_c4.py in
+`--kernels` (chosen, below) and proven equal to the readable formulas of train_c4.py in
 forward and every gradient (tests/test_kernels.py).
 
 The state (..., n, C) is stored stream-major, a view of (n, ..., C) (expand, below), so that each stream
@@ -8,6 +8,19 @@ token, and each backward adds its term of x's gradient in place. Why each piece 
 measured on a 2-core CPU: docs/benchmarks.md; the derivations of the backward passes: docs/model.md.
 """
 import torch
+
+
+def supports(cfg) -> bool:
+    """Whether this path has the run's arm: HC's and mHC's per-token coefficients as the papers write them. Every
+    other arm and the public study's variants run the formulas whatever --kernels says (config.json's "kernels")."""
+    return (cfg.residual in ("baseline", "hc", "mhc") and cfg.coefficients == "token" and cfg.collapse == "sum"
+            and cfg.coefficient_norm == "stream" and not cfg.mhc_tanh)
+
+
+def chosen(cfg, device: torch.device) -> bool:
+    """Whether a run takes this path: --kernels fused, or auto on the CPU, where docs/benchmarks.md times it faster
+    than the formulas (no GPU timing yet)."""
+    return supports(cfg) and (cfg.kernels == "fused" or (cfg.kernels == "auto" and device.type == "cpu"))
 
 
 def _autocast_off(x: torch.Tensor):

@@ -197,10 +197,25 @@ class RunLog:
             return {}
         return previous if isinstance(previous, dict) else {}
 
+    def record_changes(self, changes: dict, step: int) -> None:
+        """A resume under changed training settings (--allow-changed-settings), said in the log and kept in
+        settings_changes.jsonl."""
+        if not changes:
+            return
+        self.info(f"continuing at step {step} under changed settings (--allow-changed-settings): "
+                  f"{changes_text(changes)}")
+        if self.enabled:
+            with open(self.run_dir / "settings_changes.jsonl", "a") as f:
+                f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
+
     def count_restart(self) -> None:
         """restarts: how often this run folder was started again after its first start."""
         restarts = self.previous_status().get("restarts", -1)
         self.live["restarts"] = restarts + 1 if type(restarts) is int and restarts >= -1 else 0
+
+
+def changes_text(changes: dict) -> str:
+    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
 
 
 def _metrics_records(path: Path) -> list[tuple[str, int | None]]:

@@ -43,8 +43,8 @@ from flags import COUNT, NATURAL, option
 from monitor import WANDB_MODES, Progress, device_name, run_record, start_wandb, wandb_record
 from plan import flops_per_token, gpu_peak_flops, parameter_summary
 from prefetch import Loader
-from run_folder import (RunLog, check_writable_folder, dcp_load, first_cause, resume_from, write_checkpoint,
-                        write_json_atomic)
+from run_folder import (RunLog, changes_text, check_writable_folder, dcp_load, first_cause, resume_from,
+                        write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -503,12 +503,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """fused_kernels: fused.py's path where it has the arm (fused_supports; use_fused_kernels decides it for a run)."""
+    """fused_kernels: fused.py's path where it has the arm (fused.supports; fused.chosen decides it for a run)."""
 
     def __init__(self, cfg: Config, use_flash: bool = False, fused_kernels: bool = False):
         super().__init__()
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
-        self.fused_kernels = fused_kernels and fused_supports(cfg)
+        self.fused_kernels = fused_kernels and fused.supports(cfg)
         self.collapse_first = cfg.collapse == "first"
         self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
@@ -551,18 +551,6 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
-
-
-def fused_supports(cfg: Config) -> bool:
-    # fused.py has HC's and mHC's per-token coefficients as the papers write them; every other arm and the public
-    # study's variants run the formulas whatever --kernels says (config.json's "kernels" records which ran)
-    return (cfg.residual in ("baseline", "hc", "mhc") and cfg.coefficients == "token" and cfg.collapse == "sum"
-            and cfg.coefficient_norm == "stream" and not cfg.mhc_tanh)
-
-
-def use_fused_kernels(cfg: Config, device: torch.device) -> bool:
-    # auto: fused.py only where docs/benchmarks.md times it faster than the formulas (the CPU; no GPU timing yet)
-    return fused_supports(cfg) and (cfg.kernels == "fused" or (cfg.kernels == "auto" and device.type == "cpu"))
 
 
 def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = True) -> list[dict]:
@@ -1139,20 +1127,6 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # logging: what a run announces once; its files: run_folder.py (RunLog), its record, pace and W&B: monitor.py
 
-def changes_text(changes: dict) -> str:
-    return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
-
-
-def record_setting_changes(run_dir: Path, changes: dict, log: RunLog, step: int) -> None:
-    """A resume under changed training settings, said in the log and kept in settings_changes.jsonl."""
-    if not changes:
-        return
-    log.info(f"continuing at step {step} under changed settings (--allow-changed-settings): {changes_text(changes)}")
-    if log.enabled:
-        with open(run_dir / "settings_changes.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
-
-
 def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
     cfg, log = trainer.cfg, trainer.log
     log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
@@ -1484,7 +1458,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     tokenizer = make_tokenizer(cfg.tokenizer)
     val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
     torch.manual_seed(cfg.seed)
-    fused_kernels = use_fused_kernels(cfg, dist.device)
+    fused_kernels = fused.chosen(cfg, dist.device)
     model = GPT(cfg, use_flash, fused_kernels).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = make_optimizer(model, cfg)
@@ -1497,7 +1471,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
                       micro, accum, dtype, log, run_dir,
                       gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
-    record_setting_changes(run_dir, changes, trainer.log, trainer.step)
+    trainer.log.record_changes(changes, trainer.step)
     record = run_record(cfg, micro, dist, dtype, use_flash, fused_kernels, params)
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)

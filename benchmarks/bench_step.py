@@ -32,6 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import fused  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -116,7 +117,9 @@ def config(args, residual: str, checkpointing: bool | None = None, module=T, ker
 
 def build_model(cfg: T.Config, device: torch.device, module=T, use_flash: bool = False):
     """The trainer's GPT on the kernel path a run of it would take on this device."""
-    if hasattr(module, "use_fused_kernels"):
+    if module is T:
+        return T.GPT(cfg, use_flash, fused.chosen(cfg, device))
+    if hasattr(module, "use_fused_kernels"):                # a revision that chose the path in the trainer
         return module.GPT(cfg, use_flash, module.use_fused_kernels(cfg, device))
     return module.GPT(cfg, use_flash)
 

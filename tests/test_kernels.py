@@ -138,7 +138,7 @@ def test_the_probe_reads_the_same_gains_on_both_paths(residual):
 
 
 def test_auto_takes_the_fused_path_on_the_cpu_only():
-    pick = {kernels: {device: T.use_fused_kernels(tiny_config("hc", kernels=kernels), torch.device(device))
+    pick = {kernels: {device: fused.chosen(tiny_config("hc", kernels=kernels), torch.device(device))
                       for device in ("cpu", "cuda")} for kernels in ("auto", "reference", "fused")}
     assert pick == {"auto": {"cpu": True, "cuda": False}, "reference": {"cpu": False, "cuda": False},
                     "fused": {"cpu": True, "cuda": True}}

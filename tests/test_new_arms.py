@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import contract
+import fused
 import run_folder
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
@@ -129,11 +130,11 @@ def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
     cpu = torch.device("cpu")
     for residual in ("mhc-lite", "identity-hc"):
         cfg = tiny_config(residual, kernels="fused")
-        assert not T.use_fused_kernels(cfg, cpu) and not T.GPT(cfg, fused_kernels=True).fused_kernels
+        assert not fused.chosen(cfg, cpu) and not T.GPT(cfg, fused_kernels=True).fused_kernels
     for variant in (dict(coefficients="sequence"), dict(coefficient_norm="flat"), dict(mhc_tanh=True),
                     dict(collapse="first")):
-        assert not T.use_fused_kernels(tiny_config("mhc", kernels="fused", **variant), cpu), variant
-    assert T.use_fused_kernels(tiny_config("mhc", kernels="fused", read_stream="first", dynamic_init_std=0.01), cpu)
+        assert not fused.chosen(tiny_config("mhc", kernels="fused", **variant), cpu), variant
+    assert fused.chosen(tiny_config("mhc", kernels="fused", read_stream="first", dynamic_init_std=0.01), cpu)
 
 
 def test_seed_study_preset_is_the_studys_choices_and_names_its_runs_as_the_launcher_does():
