@@ -7,8 +7,11 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
 
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
 exit codes and reliability rules in README.md and docs/reliability.md. Sections, in file order: config/CLI,
-model, instability metrics, data, distributed, checkpointing, logging, training loop, main. Beside it:
-fused.py (the model's hand-written speed-ups, --kernels) and plan.py (memory plan, auto micro-batch, --estimate).
+model, instability metrics, data, distributed, checkpointing, logging, training loop, main. Beside it, what is not
+the model, the loader, the wrapping, bf16 or a checkpoint's contents: fused.py (the model's hand-written speed-ups,
+--kernels), plan.py (memory plan, auto micro-batch, --estimate), run_folder.py (the run folder's files and the
+checkpoint protocol), prefetch.py (data read ahead), monitor.py (config.json's record, progress, W&B), flags.py
+(Config's fields as flags), failures.py (exit codes) and export.py (--consolidate).
 """
 
 from __future__ import annotations
@@ -1515,8 +1518,7 @@ def train(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# main: one line and an exit code for every expected failure (the codes: EXIT_* above, docs/reliability.md)
-
+# main: one line and an exit code for every expected failure (failures.py classifies; the codes: contract.py)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
