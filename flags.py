@@ -82,8 +82,9 @@ def check_bounds(cfg) -> None:
 def check_types(cfg) -> None:
     """Every field of the type of its default (an int where a float is meant) and, for names, one of its choices:
     what a command line guarantees, checked for a config read from a file."""
+    allowed_names = choices(type(cfg))
     for field in dataclasses.fields(cfg):
-        value, allowed = getattr(cfg, field.name), choices(type(cfg)).get(field.name)
+        value, allowed = getattr(cfg, field.name), allowed_names.get(field.name)
         if not (type(value) is type(field.default) or type(field.default) is float and type(value) is int):
             raise ConfigError(f"{field.name} is {value!r}, not of the type {type(field.default).__name__}")
         if allowed and value not in allowed:

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from run_folder import write_atomically
+
 ROOT = Path(__file__).resolve().parent
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
@@ -133,9 +135,7 @@ def wandb_run_id(run_dir: Path) -> str:
     if path.exists():
         return path.read_text().strip()
     run_id = secrets.token_hex(8)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: tmp.write_text(run_id + "\n"))
     return run_id
 
 

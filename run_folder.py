@@ -281,15 +281,15 @@ def read_marker(folder: Path) -> dict | None:
     return marker if plain else None
 
 
-def checkpoint_problem(folder: Path, marker: dict | None, rank: int, world: int) -> str | None:
-    """What is wrong with rank's share of the files (the `world` ranks share the hashing), or None."""
+def checkpoint_problem(folder: Path, marker: dict | None, dist) -> str | None:
+    """What is wrong with this rank's share of the files (the ranks share the hashing), or None."""
     if folder.is_symlink():
         return "is a symbolic link, not a folder this run wrote"
     if marker is None:
         return "has no valid completion marker"
     if folder.name.startswith("step-") and folder.name != f"step-{marker.get('step')}":
         return f"holds step {marker.get('step')!r} under the name {folder.name}"
-    for name, digest in list(marker["files"].items())[rank::world]:
+    for name, digest in list(marker["files"].items())[dist.rank::dist.world]:
         if not (folder / name).is_file():
             return f"is missing {name}"
         if sha256(folder / name) != digest:
@@ -392,7 +392,7 @@ def verified_checkpoints(folders: list[Path], dist, log):
     here and loaded by the caller, which falls back to the next one when its load fails."""
     for folder in folders:
         marker = read_marker(folder)
-        problem = agreed_problem(dist, checkpoint_problem(folder, marker, dist.rank, dist.world))
+        problem = agreed_problem(dist, checkpoint_problem(folder, marker, dist))
         files = {}
         if problem is None:
             files, problem = load_checked(folder, marker)

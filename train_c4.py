@@ -1525,6 +1525,7 @@ def main(argv: list[str] | None = None) -> int:
     dist = Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), torch.device("cpu"))
     try:
         if "--consolidate" in argv:
+            sys.modules.setdefault("train_c4", sys.modules[__name__])     # export.py's import: not a second copy
             import export
             print(export.consolidate(*export.arguments(argv)))
             return EXIT_OK
