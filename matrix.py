@@ -985,7 +985,7 @@ class Matrix:
         if self.bash.ask("lock", o.out / lock_name(o)) != [["ok"]]:
             raise RunError(f"another launcher, or jobs of a killed one, are still running on {o.out} (see: fuser -v "
                            f"{o.out / lock_name(o)}); stop them or wait, then run this again")
-        preset = o.preset or extra_value(o.extra, "--preset") or "c4"
+        preset = o.preset or "c4"
         data = extra_value(o.extra, "--data") or f"preset {preset} default"
         self.log("START", f"{PROG} pid={os.getppid()} mode={o.mode} runs={len(self.jobs)} gpus={' '.join(self.gpus)} "
                           f"gpus_per_run={o.gpus_per_run} stagger={o.stagger:g}s max_retries={o.max_retries} "
@@ -1309,7 +1309,7 @@ def probe_gpu():
 
 
 def check_setup(opt):
-    data, preset = extra_value(opt.extra, "--data"), opt.preset or extra_value(opt.extra, "--preset")
+    data, preset = extra_value(opt.extra, "--data"), opt.preset
     if data == "c4" or not data and (preset or "c4") == "c4":
         warn("these runs stream C4 (--data c4) from the Hugging Face Hub: this node must reach huggingface.co for the "
              "whole run, or prefetch shards and pass -- --data '/path/c4/*.json.gz'"

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))      # run as a script (run_experiments.sh --check): the trainer's modules beside it
 PROG = "run_experiments.sh --check"
 BUDGET_S = 570                     # the whole check, so that it ends within 10 minutes with its start-up
 METHODS, KERNELS, MODES = ("baseline", "hc", "mhc"), ("reference", "fused"), ("eager", "compile")
@@ -100,12 +101,6 @@ def environment(check):
                   f"{attention} (exit {code}; environment.log)")
 
 
-def supports_kernels():
-    """Whether this train_c4.py has --kernels (otherwise only its one path is timed)."""
-    done = subprocess.run([sys.executable, "train_c4.py", "--help"], capture_output=True, text=True, cwd=ROOT)
-    return "--kernels" in done.stdout
-
-
 def step_stats(run_dir):
     """Median step seconds, tokens/s, MFU and the peak memory over the steps after the warm-up, or None."""
     try:
@@ -124,14 +119,13 @@ def step_stats(run_dir):
 
 def timings(check, runs):
     """Every method x kernels x mode that has time left: {method: {"kernels/mode": stats or None}}."""
-    kernels = KERNELS if supports_kernels() else ("default",)
     table = {m: {} for m in METHODS}
     for mode in MODES:                     # eager first: the plan's numbers before the slower compile runs
-        for path in kernels:
+        for path in KERNELS:
             for method in METHODS:
                 name = f"{method}_{path}_{mode}"
-                flags = [*SIZE, "--residual", method, "--steps", str(STEPS), "--out", str(runs), "--run-name", name]
-                flags += [] if path == "default" else ["--kernels", path]
+                flags = [*SIZE, "--residual", method, "--kernels", path, "--steps", str(STEPS), "--out", str(runs),
+                         "--run-name", name]
                 code = check.run(name, [sys.executable, "train_c4.py", *flags, *(["--compile"] if mode == "compile"
                                                                                    else [])], 240)
                 stats = step_stats(runs / name) if code == 0 else None
@@ -214,6 +208,7 @@ def timed_flops_per_token(method):
 
 
 def write_result(folder, device, parts, table):
+    from run_folder import write_json_atomic
     """result.json: per method, its fastest path's step seconds with what the planner needs to scale them
     (`methods`, docs/planning.md); every path's figures under `timings`."""
     best = fastest(table)
@@ -223,9 +218,7 @@ def write_result(folder, device, parts, table):
               "trainer_flags": SIZE, "tokens_per_step": TOKENS_PER_STEP, "parts": parts, "methods": methods,
               "step_seconds": {m: s["step_s"] for m, s in best.items()},
               "paths": {m: s["path"] for m, s in best.items()}, "timings": table}
-    tmp = folder / "result.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(folder / "result.json")          # a reader never sees half a file
+    write_json_atomic(folder / "result.json", result)          # a reader never sees half a file
 
 
 def main(argv=None):

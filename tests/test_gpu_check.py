@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py (run_experiments.sh --check) off the GPU: how its timings become result.json, the
 file the planner reads. The check itself needs a CUDA GPU; test_launcher.py holds its one line without one."""
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +48,18 @@ def test_result_json_gives_the_planner_each_methods_fastest_step_seconds(tmp_pat
     assert 6 * 4 * 12 * 2048 ** 2 < timing["flops_per_token"] < 6 * 4 * 13 * 2048 ** 2 + 12 * 4 * 2048 * 1024
     assert result["timings"]["hc"]["fused/compile"] is None and result["parts"] == {"bf16": "PASS"}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_run_as_a_script_it_finds_the_trainer_and_writes_result_json(tmp_path):
+    """run_experiments.sh runs `python benchmarks/gpu_check.py`: sys.path[0] is then benchmarks/, not the root."""
+    timed_run(tmp_path / "b", 0.3)
+    script = (f"import sys; sys.path[0] = {str(ROOT / 'benchmarks')!r}; import gpu_check, pathlib; "
+              f"folder = pathlib.Path({str(tmp_path)!r}); "
+              "stats = gpu_check.step_stats(folder / 'b'); "
+              "gpu_check.write_result(folder, {}, {}, {'baseline': {'reference/eager': stats}})")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["methods"]["baseline"]["flops_per_token"] > 0
 
 
 def test_each_part_is_judged_against_the_plan(tmp_path, capsys):
