@@ -1,26 +1,81 @@
 """The fast path of the residual streams: hand-written autograd Functions for HC and mHC, chosen by
-`--kernels` (chosen, below) and proven equal to the readable formulas of train_c4.py in
-forward and every gradient (tests/test_kernels.py).
+`--kernels` (kernel_path, below, which also chooses triton_kernels.py's path) and proven equal to the readable
+formulas of train_c4.py in forward and every gradient (tests/test_kernels.py).
 
 The state (..., n, C) is stored stream-major, a view of (n, ..., C) (expand, below), so that each stream
 is one contiguous slab: a per-token mixing becomes n x n scaled adds of slabs instead of one tiny matmul per
 token, and each backward adds its term of x's gradient in place. Why each piece exists and what it saved, as
 measured on a 2-core CPU: docs/benchmarks.md; the derivations of the backward passes: docs/model.md.
 """
+import json
+from pathlib import Path
+
 import torch
 
 
-def supports(cfg) -> bool:
-    """Whether this path has the run's arm: HC's and mHC's per-token coefficients as the papers write them. Every
-    other arm and the public study's variants run the formulas whatever --kernels says (config.json's "kernels")."""
-    return (cfg.residual in ("baseline", "hc", "mhc") and cfg.coefficients == "token" and cfg.collapse == "sum"
-            and cfg.coefficient_norm == "stream" and not cfg.mhc_tanh)
+def supports(cfg, path: str = "fused") -> bool:
+    """Whether a path has the run's arm. fused: HC's and mHC's per-token coefficients as the papers write them;
+    triton (triton_kernels.py): those of every arm with streams; reference: all. Every other arm and the public
+    study's variants run the formulas whatever --kernels says (config.json's "kernels")."""
+    papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \
+        and not cfg.mhc_tanh
+    arms = {"fused": ("baseline", "hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}
+    return path == "reference" or (path in arms and cfg.residual in arms[path] and papers)
 
 
-def chosen(cfg, device: torch.device) -> bool:
-    """Whether a run takes this path: --kernels fused, or auto on the CPU, where docs/benchmarks.md times it faster
-    than the formulas (no GPU timing yet)."""
-    return supports(cfg) and (cfg.kernels == "fused" or (cfg.kernels == "auto" and device.type == "cpu"))
+def triton_kernels():
+    """triton_kernels.py, imported when first used: it imports triton, which only that path needs."""
+    import triton_kernels as module
+    return module
+
+
+def kernel_path(cfg, device: torch.device, make_connection) -> tuple[str, str]:
+    """The streams' path a run takes and why, for config.json and train.log. --kernels reference / fused / triton
+    where the path has the arm; auto: on CUDA the path --check timed fastest for this arm on this GPU (its
+    result.json in --out), else triton once it passes its self-check, else the formulas; on the CPU fused, which
+    docs/benchmarks.md times faster than the formulas there. A triton path that fails to import, compile or agree
+    with the formulas (make_connection(path) builds one connection to compare) falls back to the formulas."""
+    if cfg.residual == "baseline" or cfg.kernels == "reference":
+        return "reference", "the baseline's one stream" if cfg.residual == "baseline" else "--kernels reference"
+    timed = measured_path(cfg, device) if cfg.kernels == "auto" and device.type == "cuda" else None
+    if timed:
+        return timed
+    wanted = "fused" if cfg.kernels == "fused" or device.type == "cpu" and cfg.kernels == "auto" else "triton"
+    if not supports(cfg, wanted):
+        return "reference", f"{wanted} has no {cfg.residual} with these settings: the formulas"
+    if wanted == "fused":
+        return "fused", "--kernels fused" if cfg.kernels == "fused" else "auto on the CPU: fused, timed faster there"
+    problem = triton_problem(device, make_connection)
+    if problem:
+        return "reference", f"warning: the triton kernels {problem}; the formulas instead"
+    how = "compiled for this GPU" if device.type == "cuda" else "in Triton's interpreter on the CPU: slow, for tests"
+    asked = "--kernels triton" if cfg.kernels == "triton" else "auto, not timed by --check on this GPU"
+    return "triton", f"{asked}; {how}; self-check passed"
+
+
+def measured_path(cfg, device: torch.device) -> tuple[str, str] | None:
+    """The fastest path --check timed for this arm, mode (eager or compiled) and GPU ({out}/gpu_check/result.json)."""
+    try:
+        check = json.loads((Path(cfg.out) / "gpu_check" / "result.json").read_text())
+        mode = "compile" if cfg.compile else "eager"
+        timed = {key.split("/")[0]: stats["step_s"] for key, stats in check["timings"][cfg.residual].items()
+                 if stats and key.endswith("/" + mode) and supports(cfg, key.split("/")[0])}
+        gpu = torch.cuda.get_device_name(device)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if check.get("gpu") != gpu or not timed:
+        return None
+    path = min(timed, key=timed.get)
+    return path, f"auto: --check timed it fastest for {cfg.residual} ({mode}) on this {gpu}, {timed[path]:.3f} s/step"
+
+
+def triton_problem(device: torch.device, make_connection) -> str | None:
+    """None when triton imports and one connection on its path equals the formulas' on this device; else what failed."""
+    try:
+        return triton_kernels().self_check(make_connection, device)
+    except Exception as error:          # an import, compile or launch failure: each of them means the formulas
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"failed ({type(error).__name__}: {first_line})"
 
 
 def _autocast_off(x: torch.Tensor):

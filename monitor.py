@@ -45,13 +45,15 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run_record(cfg, micro: int, dist, dtype: torch.dtype, use_flash: bool, fused_kernels: bool,
+def run_record(cfg, micro: int, dist, dtype: torch.dtype, use_flash: bool, kernels: tuple[str, str],
                params: dict) -> dict:
+    """config.json's record; kernels: the streams' path and why it was taken (fused.kernel_path)."""
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
             "device_name": device_name(dist.device),
             "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
-            "attention": "flash" if use_flash else "sdpa", "kernels": "fused" if fused_kernels else "reference",
+            "attention": "flash" if use_flash else "sdpa", "kernels": kernels[0],
+            "kernels_reason": kernels[1],
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                          "datasets": importlib.metadata.version("datasets"),
                          "tiktoken": importlib.metadata.version("tiktoken")},

@@ -122,9 +122,10 @@ class Config:
     norm_eps: float = option(1e-5, MODEL, (1e-45, 1e300), "epsilon of every LayerNorm")
     attn: str = option("auto", MODEL, ("auto", "flash", "sdpa"), "attention kernel: flash-attn 2, PyTorch SDPA, or "
         "auto (flash when installed on CUDA with bf16)")
-    kernels: str = option("auto", MODEL, ("auto", "reference", "fused"), "HC/mHC residual streams: the papers' "
-        "formulas with autograd (reference), fused.py's hand-written backward passes (fused, the same maths), or auto "
-        "(fused on the CPU, where it was timed faster; reference on CUDA)")
+    kernels: str = option("auto", MODEL, ("auto", "reference", "fused", "triton"), "the residual streams' code: "
+        "the papers' formulas with autograd (reference), fused.py's hand-written backwards (fused), triton_kernels.py's "
+        "GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path --check timed fastest, "
+        "else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
     dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
     batch_size: int = option(32, OPTIMISATION, (1, 2 ** 16), "global sequences per optimizer step, whatever the "
         "number of processes")
@@ -336,17 +337,21 @@ def read_stream(cfg: Config, sublayer_index: int) -> torch.Tensor:
 
 
 class _StreamMixing(nn.Module):
-    """HC and mHC's family: coefficients (the subclass's), then the stream update; fused.py's on the fused path."""
+    """HC and mHC's family: coefficients (the subclass's), then the stream update; the kernels' path's (fused.py,
+    triton_kernels.py) where `kernels` names one."""
 
-    def __init__(self, cfg: Config, fused_kernels: bool):
+    def __init__(self, cfg: Config, kernels: str):
         super().__init__()
-        self.n, self.eps, self.fused_kernels = cfg.expansion, cfg.norm_eps, fused_kernels
+        self.n, self.width, self.eps, self.kernels = cfg.expansion, cfg.width, cfg.norm_eps, kernels
         self.per_sequence = cfg.coefficients == "sequence"
 
     def forward(self, x, sublayer):
-        if self.fused_kernels:          # fused.py: the coefficients stream axes first, x passed through their maths
+        if self.kernels == "fused":     # fused.py: the coefficients stream axes first, x passed through their maths
             x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
             x, H_res = fused.stream_update(x, H_pre, H_post, H_res, sublayer), H_res.detach().movedim((0, 1), (-2, -1))
+        elif self.kernels == "triton":  # triton_kernels.py: coefficients and read, then write, a few kernels each
+            u, H_post, H_res, res_logits, x = getattr(fused.triton_kernels(), self.triton_read)(self, x)
+            x = fused.triton_kernels().write(x, H_res, H_post, sublayer(u))
         else:
             # per sequence: one set from the streams averaged over the positions (B, 1, n, C), broadcast to every
             # position; a later token then changes an earlier position's output (not causal, docs/model.md)
@@ -357,10 +362,10 @@ class _StreamMixing(nn.Module):
 
 class HyperConnection(_StreamMixing):
     """Dynamic HC (arXiv 2409.19606): per-stream read, mix and write weights, tanh-scaled around static ones."""
-    fused_coefficients = fused.hc_coefficients
+    fused_coefficients, triton_read = fused.hc_coefficients, "hc_read"
 
-    def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
-        super().__init__(cfg, fused_kernels)
+    def __init__(self, cfg: Config, sublayer_index: int, kernels: str = "reference"):
+        super().__init__(cfg, kernels)
         n, self.flat_norm = self.n, cfg.coefficient_norm == "flat"
         # the HC paper's init, under which HC computes exactly a pre-norm transformer
         self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)          # W_m | W_r (n columns) | W_b
@@ -390,14 +395,14 @@ class HyperConnection(_StreamMixing):
 class ManifoldHyperConnection(_StreamMixing):
     """mHC (arXiv 2512.24880): coefficients from the whole flattened state, H_res doubly stochastic. Its family
     (mHC-lite, identity-HC) shares the read and write and differs in `mixing` and H_res's logits."""
-    fused_coefficients = fused.mhc_coefficients
+    fused_coefficients, triton_read, arm = fused.mhc_coefficients, "mhc_read", "mhc"
 
     @staticmethod
     def res_logit_count(n: int) -> int:
         return n * n
 
-    def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
-        super().__init__(cfg, fused_kernels)
+    def __init__(self, cfg: Config, sublayer_index: int, kernels: str = "reference"):
+        super().__init__(cfg, kernels)
         n, mixes = self.n, self.res_logit_count(self.n) > 0
         self.iters, self.tanh = cfg.sinkhorn_iters, cfg.mhc_tanh
         self.phi = nn.Linear(n * cfg.width, 2 * n + self.res_logit_count(n), bias=False)    # [z_pre | z_post | z_res]
@@ -449,10 +454,10 @@ def identity_logit(res_diag: float, n: int) -> float:
 class MHCLite(ManifoldHyperConnection):
     """mHC-lite (arXiv 2601.05732): H_res = sum_k w_k P_k over the n! permutation matrices, w a softmax of per-token
     logits: exactly doubly stochastic, no iterations."""
-    res_logit_count = staticmethod(math.factorial)
+    res_logit_count, arm = staticmethod(math.factorial), "mhc-lite"
 
-    def __init__(self, cfg: Config, sublayer_index: int, fused_kernels: bool = False):
-        super().__init__(cfg, sublayer_index, fused_kernels)
+    def __init__(self, cfg: Config, sublayer_index: int, kernels: str = "reference"):
+        super().__init__(cfg, sublayer_index, kernels)
         self.register_buffer("permutations", permutation_matrices(self.n), persistent=False)     # rebuilt from n
 
     def res_bias(self, cfg: Config) -> torch.Tensor:
@@ -467,6 +472,7 @@ class MHCLite(ManifoldHyperConnection):
 
 class IdentityHC(ManifoldHyperConnection):
     """Identity-HC: mHC's H_pre and H_post, H_res = I fixed (no mixing): is the mixing needed at all?"""
+    arm = "identity-hc"
 
     @staticmethod
     def res_logit_count(n: int) -> int:
@@ -483,13 +489,13 @@ CONNECTIONS = {"baseline": lambda *_: PlainResidual(), "hc": HyperConnection, "m
 class Block(nn.Module):
     """Maps the residual state (B, T, n, C) to (B, T, n, C): the streams persist across blocks."""
 
-    def __init__(self, cfg: Config, index: int, use_flash: bool, fused_kernels: bool = False):
+    def __init__(self, cfg: Config, index: int, use_flash: bool, kernels: str = "reference"):
         super().__init__()
         self.attn = PreNorm(cfg, CausalSelfAttention(cfg, use_flash))
         self.mlp = PreNorm(cfg, MLP(cfg))
         connection = CONNECTIONS[cfg.residual]
-        self.attn_conn = connection(cfg, 2 * index, fused_kernels)
-        self.mlp_conn = connection(cfg, 2 * index + 1, fused_kernels)
+        self.attn_conn = connection(cfg, 2 * index, kernels)
+        self.mlp_conn = connection(cfg, 2 * index + 1, kernels)
         self.activation_checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, return_mixing: bool = False):
@@ -506,16 +512,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """fused_kernels: fused.py's path where it has the arm (fused.supports; fused.chosen decides it for a run)."""
+    """kernels: the streams' path, where it has the arm (fused.supports; fused.kernel_path decides it for a run)."""
 
-    def __init__(self, cfg: Config, use_flash: bool = False, fused_kernels: bool = False):
+    def __init__(self, cfg: Config, use_flash: bool = False, kernels: str = "reference"):
         super().__init__()
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
-        self.fused_kernels = fused_kernels and fused.supports(cfg)
+        self.kernels = kernels if fused.supports(cfg, kernels) else "reference"
         self.collapse_first = cfg.collapse == "first"
         self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg, i, use_flash, self.fused_kernels) for i in range(cfg.depth))
+        self.blocks = nn.ModuleList(Block(cfg, i, use_flash, self.kernels) for i in range(cfg.depth))
         self.ln_f = StreamNorm(cfg.width, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.width, self.wte.num_embeddings, bias=False)
         self.lm_head.weight = self.wte.weight
@@ -540,7 +546,7 @@ class GPT(nn.Module):
         h = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))).float()
         # expand once, the embedding copied into every stream, in the layout the blocks return (torch.compile
         # specialises on strides): fused.py's is stream-major
-        fused_streams = self.fused_kernels and self.streams > 1
+        fused_streams = self.kernels == "fused" and self.streams > 1
         x = fused.expand(h, self.streams) if fused_streams else h.unsqueeze(-2).repeat(1, 1, self.streams, 1)
         for block in self.blocks:
             if mixing_out is None:
@@ -1135,6 +1141,7 @@ def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> N
     log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
              f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
              f"({record['dtype']}, {record['attention']} attention)")
+    log.info(f"streams' kernels: {record['kernels']} ({record['kernels_reason']})")
     log.info(f"model: {parameter_summary(params)}")
     log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
              f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
@@ -1461,8 +1468,8 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     tokenizer = make_tokenizer(cfg.tokenizer)
     val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
     torch.manual_seed(cfg.seed)
-    fused_kernels = fused.chosen(cfg, dist.device)
-    model = GPT(cfg, use_flash, fused_kernels).to(dist.device)
+    kernels, kernels_reason = fused.kernel_path(cfg, dist.device, functools.partial(CONNECTIONS[cfg.residual], cfg, 1))
+    model = GPT(cfg, use_flash, kernels).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = make_optimizer(model, cfg)
     micro = plan.confirm_micro_batch(cfg, dist, unwrap(wrapped), dtype, micro)     # auto on CUDA: one real step
@@ -1475,7 +1482,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
                       gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
     trainer.restore()
     trainer.log.record_changes(changes, trainer.step)
-    record = run_record(cfg, micro, dist, dtype, use_flash, fused_kernels, params)
+    record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -118,7 +119,7 @@ def config(args, residual: str, checkpointing: bool | None = None, module=T, ker
 def build_model(cfg: T.Config, device: torch.device, module=T, use_flash: bool = False):
     """The trainer's GPT on the kernel path a run of it would take on this device."""
     if module is T:
-        return T.GPT(cfg, use_flash, fused.chosen(cfg, device))
+        return T.GPT(cfg, use_flash, fused.kernel_path(cfg, device, functools.partial(T.CONNECTIONS[cfg.residual], cfg, 1))[0])
     if hasattr(module, "use_fused_kernels"):                # a revision that chose the path in the trainer
         return module.GPT(cfg, use_flash, module.use_fused_kernels(cfg, device))
     return module.GPT(cfg, use_flash)

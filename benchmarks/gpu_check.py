@@ -5,8 +5,10 @@
 Parts, each under its own time limit, one PASS/FAIL line each:
   bf16, attention   the card's bf16 support; flash-attn installed, else PyTorch SDPA's flash backend run
   timings           the trainer (train_c4.py, bundled sample, GPT-2 BPE, bf16) for a few steps per method
-                    (baseline, hc, mhc) x --kernels (reference, fused) x (eager, --compile), at width 2048,
-                    depth 4, 8 x 1024 tokens per step: median step time, tokens/s, MFU, peak memory
+                    (baseline, hc, mhc, mhc-lite, identity-hc) on every --kernels path that has it (reference,
+                    fused, triton), eager; then each method with --compile on its fastest eager path; width 2048,
+                    depth 4, 8 x 1024 tokens per step: median step time, tokens/s, MFU, peak memory. The trainer's
+                    auto takes the fastest path timed here (result.json's timings)
   compile           every --compile run finished
   memory plan       the trainer's --estimate allocated peak against the measured one (mHC, eager)
   tokens/s, MFU     the measured baseline against the plan's assumption (40% of the card's bf16 peak)
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))      # run as a script (run_experiments.sh --check): the trainer's modules beside it
 PROG = "run_experiments.sh --check"
 BUDGET_S = 570                     # the whole check, so that it ends within 10 minutes with its start-up
-METHODS, KERNELS, MODES = ("baseline", "hc", "mhc"), ("reference", "fused"), ("eager", "compile")
+METHODS, KERNELS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc"), ("reference", "fused", "triton")
 STEPS, WARM_STEPS = 10, 4          # median over the steps after the first WARM_STEPS (compile, allocator, loader)
 ASSUMED_MFU = 0.40                 # what the planner assumes without a measurement
 SIZE = ["--data", "sample", "--tokenizer", "gpt2", "--dtype", "bf16", "--width", "2048", "--depth", "4",
@@ -43,12 +45,14 @@ TOKENS_PER_STEP = 8 * 1024
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):
-        self.exit(2, f"{PROG}: error: {message} (it takes --out DIR only)\n")
+        self.exit(2, f"{PROG}: error: {message} (it takes --out DIR and --budget SECONDS only)\n")
 
 
 def parse_args(argv):
     p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs", help="the runs folder; results go to OUT/gpu_check (default runs)")
+    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check; the parts that "
+                   f"do not fit are reported out of time (default {BUDGET_S})")
     args = p.parse_args(argv)
     if not args.out:
         p.error("--out must not be empty")
@@ -58,11 +62,11 @@ def parse_args(argv):
 class Check:
     """Runs the parts in order, each with a time limit taken from what is left of BUDGET_S."""
 
-    def __init__(self, folder):
-        self.folder, self.started, self.parts = folder, time.monotonic(), {}
+    def __init__(self, folder, budget=BUDGET_S):
+        self.folder, self.started, self.parts, self.budget = folder, time.monotonic(), {}, budget
 
     def left(self):
-        return BUDGET_S - (time.monotonic() - self.started)
+        return self.budget - (time.monotonic() - self.started)
 
     def run(self, name, command, limit):
         """Run one command to name.log; its exit status (124: out of time, or no time left to start it)."""
@@ -118,23 +122,36 @@ def step_stats(run_dir):
 
 
 def timings(check, runs):
-    """Every method x kernels x mode that has time left: {method: {"kernels/mode": stats or None}}."""
+    """Every method on every kernel path that has it, eager; then each method compiled on its fastest eager path
+    (a compile of every path would not fit the budget): {method: {"kernels/mode": stats or None}}."""
+    import fused
+    import train_c4
     table = {m: {} for m in METHODS}
-    for mode in MODES:                     # eager first: the plan's numbers before the slower compile runs
-        for path in KERNELS:
-            for method in METHODS:
-                name = f"{method}_{path}_{mode}"
-                flags = [*SIZE, "--residual", method, "--kernels", path, "--steps", str(STEPS), "--out", str(runs),
-                         "--run-name", name]
-                code = check.run(name, [sys.executable, "train_c4.py", *flags, *(["--compile"] if mode == "compile"
-                                                                                   else [])], 240)
-                stats = step_stats(runs / name) if code == 0 else None
-                shutil.rmtree(runs / name / "checkpoints", ignore_errors=True)    # GBs each, not needed
-                table[method][f"{path}/{mode}"] = stats
-                shown = "out of time" if code == 124 else f"exit {code}" if code else \
-                    f"{stats['step_s']:.3f} s/step, {stats['tokens_per_s']:,.0f} tok/s" if stats else "no timed steps"
-                print(f"      {name:<26} {shown}", flush=True)
+    for path in KERNELS:                   # eager first: the plan's numbers before the slower compile runs
+        for method in METHODS:
+            cfg = train_c4.parse_config([*SIZE, "--residual", method])
+            if path == "reference" or method != "baseline" and fused.supports(cfg, path):    # one baseline path
+                table[method][f"{path}/eager"] = timed_run(check, runs, method, path, "eager")
+    for method in METHODS:
+        eager = {key.split("/")[0]: s["step_s"] for key, s in table[method].items() if s}
+        if eager:
+            path = min(eager, key=eager.get)
+            table[method][f"{path}/compile"] = timed_run(check, runs, method, path, "compile")
     return table
+
+
+def timed_run(check, runs, method, path, mode):
+    """One trainer run of STEPS steps; its step stats, or None."""
+    name = f"{method}_{path}_{mode}"
+    flags = [*SIZE, "--residual", method, "--kernels", path, "--steps", str(STEPS), "--out", str(runs),
+             "--run-name", name, *(["--compile"] if mode == "compile" else [])]
+    code = check.run(name, [sys.executable, "train_c4.py", *flags], 240)
+    stats = step_stats(runs / name) if code == 0 else None
+    shutil.rmtree(runs / name / "checkpoints", ignore_errors=True)    # GBs each, not needed
+    shown = "out of time" if code == 124 else f"exit {code}" if code else \
+        f"{stats['step_s']:.3f} s/step, {stats['tokens_per_s']:,.0f} tok/s" if stats else "no timed steps"
+    print(f"      {name:<30} {shown}", flush=True)
+    return stats
 
 
 def fastest(table):
@@ -236,7 +253,7 @@ def main(argv=None):
     except OSError as error:
         print(f"{PROG}: cannot create {runs}: {error.strerror}", file=sys.stderr)
         return 1
-    check = Check(folder)
+    check = Check(folder, args.budget)
     print(f"{PROG}: {torch.cuda.get_device_name()}, torch {torch.__version__}; logs and run folders in {folder}",
           flush=True)
     environment(check)

@@ -19,12 +19,12 @@ RESIDUALS = ("baseline", "hc", "mhc")
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
-def block_step(residual, fused_kernels, x0, grad_out, dtype=torch.float32, autocast=False, **overrides):
+def block_step(residual, kernels, x0, grad_out, dtype=torch.float32, autocast=False, **overrides):
     """One Block (attention and MLP sublayers, each with its connection) with randomised mixing: its output,
     the input's gradient and every parameter's."""
     torch.manual_seed(0)
     cfg = tiny_config(residual, **overrides)
-    block = T.Block(cfg, 1, False, fused_kernels).to(dtype)
+    block = T.Block(cfg, 1, False, kernels).to(dtype)
     randomize_mixing(block)
     x = x0.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -53,7 +53,7 @@ def assert_equal_steps(fast, ref, rtol, atol):
 def test_fused_block_equals_the_formulas(residual, dtype, stream_major):
     x0 = state(dtype, stream_major, shape=(2, 8, 1 if residual == "baseline" else 4, 16))
     grad_out = torch.randn(x0.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-    fast, ref = (block_step(residual, fk, x0, grad_out, dtype) for fk in (True, False))
+    fast, ref = (block_step(residual, k, x0, grad_out, dtype) for k in ("fused", "reference"))
     assert_equal_steps(fast, ref, TOLERANCE[dtype], TOLERANCE[dtype])
 
 
@@ -126,9 +126,9 @@ def test_fused_sinkhorn_equals_the_loop(dtype, scale):
 def test_the_probe_reads_the_same_gains_on_both_paths(residual):
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     probes = []
-    for fused_kernels in (True, False):
+    for kernels in ("fused", "reference"):
         torch.manual_seed(0)
-        model = T.GPT(tiny_config(residual, depth=2), fused_kernels=fused_kernels)
+        model = T.GPT(tiny_config(residual, depth=2), kernels=kernels)
         randomize_mixing(model)
         probes.append(T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), True))
     fast, ref = probes
@@ -137,17 +137,22 @@ def test_the_probe_reads_the_same_gains_on_both_paths(residual):
         assert fast[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
-def test_auto_takes_the_fused_path_on_the_cpu_only():
-    pick = {kernels: {device: fused.chosen(tiny_config("hc", kernels=kernels), torch.device(device))
-                      for device in ("cpu", "cuda")} for kernels in ("auto", "reference", "fused")}
-    assert pick == {"auto": {"cpu": True, "cuda": False}, "reference": {"cpu": False, "cuda": False},
-                    "fused": {"cpu": True, "cuda": True}}
+def test_auto_takes_the_fused_path_on_the_cpu_and_never_on_cuda(tmp_path):
+    def never_checked(kernels):
+        raise AssertionError("only the triton path is self-checked")
+    pick = {kernels: {device: fused.kernel_path(tiny_config("hc", kernels=kernels, out=str(tmp_path)),
+                                                torch.device(device), never_checked)[0]
+                      for device in ("cpu", "cuda")} for kernels in ("reference", "fused")}
+    pick["auto"] = {"cpu": fused.kernel_path(tiny_config("hc", out=str(tmp_path)), torch.device("cpu"),
+                                             never_checked)[0]}
+    assert pick == {"auto": {"cpu": "fused"}, "reference": {"cpu": "reference", "cuda": "reference"},
+                    "fused": {"cpu": "fused", "cuda": "fused"}}
     assert T.parse_config([]).kernels == "auto"
 
 
-@pytest.mark.parametrize("fused_kernels", [False, True])
+@pytest.mark.parametrize("kernels", ["reference", "fused"])
 @pytest.mark.parametrize("residual", RESIDUALS)
-def test_one_block_compiles_to_one_graph_and_matches_eager(residual, fused_kernels):
+def test_one_block_compiles_to_one_graph_and_matches_eager(residual, kernels):
     """fullgraph=True fails on any graph break. aot_eager traces forward and backward as inductor would, without
     its C++ code generation: 0.3-3 s per block here, where inductor takes 13-50 s per tiny model on a 2-core CPU
     (test_perf.py compiles with it); 3 Sinkhorn iterations keep the graph small."""
@@ -156,7 +161,7 @@ def test_one_block_compiles_to_one_graph_and_matches_eager(residual, fused_kerne
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        block = T.Block(tiny_config(residual, sinkhorn_iters=3), 1, False, fused_kernels)
+        block = T.Block(tiny_config(residual, sinkhorn_iters=3), 1, False, kernels)
         randomize_mixing(block)
         run = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
         x = x0.clone().requires_grad_()
@@ -170,12 +175,13 @@ def test_one_block_compiles_to_one_graph_and_matches_eager(residual, fused_kerne
     assert_equal_steps(results[1], results[0], 1e-5, 1e-5)
 
 
-FSDP_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")      # the last two run the formulas on both paths
+FSDP_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")      # fused.py has the first two; the others run the formulas
 
 
-def test_fsdp_gives_the_same_gradients_on_both_paths(tmp_path):
+def test_fsdp_gives_the_same_gradients_on_every_path(tmp_path):
     """One 2-process gloo job (tests/kernels_fsdp_probe.py): FSDP2 shards the connections on their own, and the
-    fused Functions see sharded-then-gathered parameters of shape (1,) for the scalars."""
+    fused Functions and the Triton kernels (in the interpreter) see sharded-then-gathered parameters of shape (1,)
+    for the scalars."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "tests" / "kernels_fsdp_probe.py"), *FSDP_ARMS], capture_output=True,
@@ -183,8 +189,12 @@ def test_fsdp_gives_the_same_gradients_on_both_paths(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     worst = json.loads(done.stdout.strip().splitlines()[-1])
     for residual in FSDP_ARMS:
-        assert worst[residual]["loss"] < 1e-5 and worst[residual]["grad"] < 1e-5, worst
-        assert worst[residual]["parameters"] >= 40                 # every block's body and both connections
+        for kernels in ("fused", "triton"):
+            found = worst[f"{residual}/{kernels}"]
+            assert found["loss"] < 1e-5 and found["grad"] < 1e-5, worst
+            assert found["parameters"] >= 40                        # every block's body and both connections
+        assert worst[f"{residual}/triton"]["taken"] == "triton"
+        assert worst[f"{residual}/fused"]["taken"] == ("fused" if residual in ("hc", "mhc") else "reference")
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def test_forward_expands_once_and_collapses_once():
 @pytest.mark.parametrize("residual", ["hc", "mhc"])
 def test_the_state_stays_stream_major_through_every_block(residual):
     """(B, T, n, C) stored as (n, B, T, C): each stream one contiguous slab, which fused.py's speed relies on."""
-    model = T.GPT(tiny_config(residual, depth=2), fused_kernels=True)
+    model = T.GPT(tiny_config(residual, depth=2), kernels="fused")
     layouts = []
     for block in model.blocks:
         block.register_forward_hook(lambda module, args, out: layouts.extend(

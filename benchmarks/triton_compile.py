@@ -1,0 +1,153 @@
+"""Every kernel of triton_kernels.py compiled for Hopper (sm_90) on this machine, no GPU needed: registers, spills,
+stack and shared memory from ptxas's report, and the bytes each must move per token; then the bandwidth floor and
+the step ratio over the baseline that the floor and the kernels' traffic imply on an H100 and an H200.
+
+    python benchmarks/triton_compile.py                      # width 2048, n 4, bf16 sublayers: docs/benchmarks.md
+    python benchmarks/triton_compile.py --width 1024 --expansion 8
+    python benchmarks/triton_compile.py --smoke --json out.json    # tests: n 3, width 96
+
+The kernels are compiled as the JIT compiles them at a real launch: block sizes from triton_kernels.block_sizes,
+unit strides specialised to 1, pointers and multiples of 16 marked divisible by 16, 4 warps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"          # compiled, not interpreted: triton_kernels keeps an explicit 0
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+import plan  # noqa: E402
+import triton_kernels as K  # noqa: E402
+
+ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"},
+                    "_mhc_read_forward": {"u_ptr"}, "_mhc_read_backward": {"gu_ptr"},
+                    "_hc_read_forward": {"u_ptr"}, "_hc_read_backward": {"gu_ptr"}}
+UNIT_STRIDES = {"sxc", "syc", "sgc"}
+BANDWIDTH = {"H100 SXM": 3.35e12, "H200": 4.8e12}               # bytes/s, the datasheets'
+PEAK = {"H100 SXM": plan.GPU_PEAK_BF16_FLOPS["NVIDIA H100 80GB HBM3"], "H200": 989e12}
+
+
+def variants(n: int, width: int):
+    """(kernel, label, constexprs, arms) for every kernel and every constexpr branch the arms take."""
+    BT, BC, NP = K.block_sizes(n, width)
+    blocks = dict(N=n, NP=NP, BT=BT, BC=BC)
+    mhc_family = [("mhc", 1, True), ("mhc recompute", 1, False), ("mhc-lite", 2, False), ("identity-hc", 0, False)]
+    for label, mix, stored in mhc_family:
+        arm = label.split()[0]
+        R = K.res_logit_count(arm, n)
+        extra = dict(MIX=mix, R=R, BR=K._chunk(R))
+        if label != "mhc recompute":
+            yield K._mhc_read_forward, label, {**blocks, **extra, "STORE_SUMS": stored}, arm
+        yield K._mhc_read_backward, label, {**blocks, **extra, "STORED": stored}, arm
+    KP = triton.next_power_of_2(n + 2)
+    yield K._hc_read_forward, "hc", {**blocks, "KP": KP}, "hc"
+    yield K._hc_read_backward, "hc", {**blocks, "KP": KP}, "hc"
+    yield K._write_forward, "every arm", blocks, "mhc"
+    yield K._write_backward, "every arm", blocks, "mhc"
+
+
+def compile_for_hopper(kernel, constexprs: dict, width: int):
+    """triton.compile of one kernel for sm_90 with the signature a real launch gives it."""
+    name = kernel.fn.__name__
+    constants = {**constexprs, **{arg: 1 for arg in kernel.arg_names if arg in UNIT_STRIDES}}
+    signature, attrs = {}, {}
+    for index, arg in enumerate(kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = ("*bf16" if arg in ACTIVATION_TYPES[name] else "*i32" if arg == "perm_ptr" else "*fp32")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif arg == "eps":
+            signature[arg] = "fp32"
+        else:
+            signature[arg] = "i32"
+            if arg in ("C", "sxt", "sxn", "syt", "sgt", "sgn"):          # multiples of the width, 2048 here
+                attrs[(index,)] = [["tt.divisibility", 16]] if width % 16 == 0 else []
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers, spills, stack and shared memory of the PTX's kernel, from ptxas -v (the ptxas triton ships)."""
+    arch = re.search(r"\.target\s+(\S+)", ptx).group(1)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
+        file.write(ptx)
+        file.flush()
+        done = subprocess.run([str(ptxas), f"-arch={arch}", "-v", file.name, "-o", os.devnull], capture_output=True,
+                              text=True, check=True)
+    text = done.stderr
+    number = lambda pattern: int(re.search(pattern, text).group(1))         # noqa: E731
+    return {"arch": arch, "registers": number(r"Used (\d+) registers"),
+            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads"),
+            "stack": number(r"(\d+) bytes stack frame")}
+
+
+def kernel_rows(n: int, width: int) -> list[dict]:
+    rows = []
+    for kernel, label, constexprs, arm in variants(n, width):
+        compiled = compile_for_hopper(kernel, constexprs, width)
+        name = kernel.fn.__name__
+        rows.append({"kernel": name, "variant": label, **ptxas_report(compiled.asm["ptx"]),
+                     "shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"]),
+                     "bytes_per_token": K.traffic(arm, n, width)[name],
+                     "blocks": {k: v for k, v in constexprs.items() if k in ("BT", "BC", "BR")}})
+        print(f"  {name:<20} {label:<14} {rows[-1]['registers']:>4} regs  spills {rows[-1]['spill_stores']}/"
+              f"{rows[-1]['spill_loads']} B  stack {rows[-1]['stack']} B  smem {rows[-1]['shared']:>6} B  "
+              f"{rows[-1]['bytes_per_token'] / 1024:6.1f} KiB/token", flush=True)
+    return rows
+
+
+def step_ratios(n: int, width: int, depth: int) -> list[dict]:
+    """Step time over the baseline's, from the bytes the streams move beyond the baseline's residual (x + y: 4C
+    read and written forward, and the same backward) at the card's bandwidth, over the baseline's FLOPs at the
+    planner's MFU range (plan.MFU_RANGE) of the card's bf16 peak. The 1.7B/2.5B models: width 2048, depth 32/48."""
+    non_embedding = 12 * depth * width * width
+    flops = 6 * non_embedding + 12 * depth * width * 1024
+    baseline = 2 * (2 * 4 * width + 2 * width) + (3 * 4 * width + 2 * 2 * width)     # residual add, both ways
+    rows = []
+    for what, per_connection in (("floor", sum(K.floor(n, width).values())),
+                                 ("triton kernels", sum(K.traffic("mhc", n, width).values()))):
+        extra = 2 * depth * (per_connection - baseline)
+        for card, bandwidth in BANDWIDTH.items():
+            ratios = [1 + extra / bandwidth / (flops / (mfu * PEAK[card])) for mfu in plan.MFU_RANGE]
+            rows.append({"traffic": what, "card": card, "bytes_per_token_per_connection": per_connection,
+                         "ratio_at_mfu": dict(zip(map(str, plan.MFU_RANGE), ratios))})
+            print(f"  {what:<15} {card:<9} {per_connection / 1024:6.1f} KiB/token/connection: step x "
+                  f"{min(ratios):.2f}-{max(ratios):.2f} of the baseline at {plan.MFU_RANGE[1]:.0%}-"
+                  f"{plan.MFU_RANGE[0]:.0%} MFU", flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--expansion", type=int, default=4)
+    p.add_argument("--depth", type=int, default=32, help="for the step ratio (the 1.7B model: 32)")
+    p.add_argument("--smoke", action="store_true", help="n 3, width 96: what the tests compile")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    n, width = (3, 96) if args.smoke else (args.expansion, args.width)
+    BT, BC, NP = K.block_sizes(n, width)
+    print(f"triton {triton.__version__}, sm_90, n {n}, width {width}: {BT} tokens x {BC} channels per program, "
+          f"4 warps")
+    rows = kernel_rows(n, width)
+    print(f"bandwidth floor and step ratio (mHC, n {n}, width {width}, depth {args.depth}):")
+    ratios = step_ratios(n, width, args.depth)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"triton": triton.__version__, "n": n, "width": width,
+                                               "kernels": rows, "ratios": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
