@@ -39,11 +39,12 @@ def test_every_launcher_command_parses():
             matrix.build_parser().parse_args(words)
 
 
-def test_the_gpu_section_opens_with_the_check_and_says_the_gpu_path_is_untested():
+def test_the_gpu_section_says_what_has_run_on_a_gpu_and_which_path_a_run_takes():
     section = README.split("## On a GPU node", 1)[1]
-    assert section.lstrip().startswith("**The GPU path has not yet run on a GPU.**")
+    assert section.lstrip().startswith("The GPU path has run on one H200") and "No H100 has timed it" in section
     assert section.index("bash run_experiments.sh --check") < section.index("train_c4.py --depth")
-    assert "`step_seconds`" in section and "docs/planning.md" in section      # result.json's format is there
+    assert "result.json" in section and "docs/planning.md" in section      # result.json's format is there
+    assert "**Which path a GPU run takes**" in section and "self-check" in section
     planning = (ROOT / "docs" / "planning.md").read_text()
     for key in ("step_seconds", "tokens_per_step", "timings"):
         assert f"`{key}`" in planning
