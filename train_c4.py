@@ -123,8 +123,8 @@ class Config:
     attn: str = option("auto", MODEL, ("auto", "flash", "sdpa"), "attention kernel: flash-attn 2, PyTorch SDPA, or "
         "auto (flash when installed on CUDA with bf16)")
     kernels: str = option("auto", MODEL, ("auto", "reference", "fused", "triton"), "the residual streams' code: "
-        "the papers' formulas with autograd (reference), fused.py's hand-written backwards (fused), triton_kernels.py's "
-        "GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path --check timed fastest, "
+        "the papers' formulas with autograd (reference), fused.py's hand-written backwards (fused), "
+        "triton_kernels.py's GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path --check timed fastest, "
         "else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
     dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
     batch_size: int = option(32, OPTIMISATION, (1, 2 ** 16), "global sequences per optimizer step, whatever the "
@@ -350,8 +350,9 @@ class _StreamMixing(nn.Module):
             x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
             x, H_res = fused.stream_update(x, H_pre, H_post, H_res, sublayer), H_res.detach().movedim((0, 1), (-2, -1))
         elif self.kernels == "triton":  # triton_kernels.py: coefficients and read, then write, a few kernels each
-            u, H_post, H_res, res_logits, x = getattr(fused.triton_kernels(), self.triton_read)(self, x)
-            x = fused.triton_kernels().write(x, H_res, H_post, sublayer(u))
+            kernels = fused.triton_kernels()
+            u, H_post, H_res, res_logits, x = getattr(kernels, self.triton_read)(self, x)
+            x = kernels.write(x, H_res, H_post, sublayer(u))
         else:
             # per sequence: one set from the streams averaged over the positions (B, 1, n, C), broadcast to every
             # position; a later token then changes an earlier position's output (not causal, docs/model.md)
@@ -484,6 +485,11 @@ class IdentityHC(ManifoldHyperConnection):
 
 CONNECTIONS = {"baseline": lambda *_: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection,
                "mhc-lite": MHCLite, "identity-hc": IdentityHC}
+
+
+def kernel_path(cfg: Config, device: torch.device) -> tuple[str, str]:
+    """The streams' path a run takes on `device` and why (fused.kernel_path; a self-check builds one connection)."""
+    return fused.kernel_path(cfg, device, functools.partial(CONNECTIONS[cfg.residual], cfg, 1))
 
 
 class Block(nn.Module):
@@ -1468,7 +1474,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     tokenizer = make_tokenizer(cfg.tokenizer)
     val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
     torch.manual_seed(cfg.seed)
-    kernels, kernels_reason = fused.kernel_path(cfg, dist.device, functools.partial(CONNECTIONS[cfg.residual], cfg, 1))
+    kernels, kernels_reason = kernel_path(cfg, dist.device)
     model = GPT(cfg, use_flash, kernels).to(dist.device)
     wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
     optimizer = make_optimizer(model, cfg)

@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+from fused import _autocast_off       # the coefficients in fp32 whatever the autocast, as on the fused path
+
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     # "0": compile only, for sm_90
     # the interpreter is chosen when a function is decorated, triton.language's own included: a triton imported
     # before (torch._dynamo imports it) is imported again, so that its functions run in the interpreter too
@@ -268,7 +270,8 @@ def _mhc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, a_pre_ptr, a_post_ptr, a_re
     z_post = tl.load(raw_ptr + t[:, None] * K + N + s[None, :], mask=m2, other=0.0) * inv_rms[:, None]
     h_pre = _sigmoid(tl.load(a_pre_ptr).to(tl.float32) * z_pre + tl.load(b_pre_ptr + s, mask=smask, other=0.0))
     h_pre = tl.where(m2, h_pre, 0.0)
-    h_post = 2.0 * _sigmoid(tl.load(a_post_ptr).to(tl.float32) * z_post + tl.load(b_post_ptr + s, mask=smask, other=0.0))
+    b_post = tl.load(b_post_ptr + s, mask=smask, other=0.0)
+    h_post = 2.0 * _sigmoid(tl.load(a_post_ptr).to(tl.float32) * z_post + b_post)
     tl.store(h_pre_ptr + t[:, None] * N + s[None, :], h_pre, mask=m2)
     tl.store(h_post_ptr + t[:, None] * N + s[None, :], h_post, mask=m2)
     i3, j3 = s[None, :, None], s[None, None, :]
@@ -567,10 +570,6 @@ def _launch_shape(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 # microseconds of host time), where tracing would run the interpreter's Python on the CPU and, on a GPU, need
 # every launch registered as a custom op with a shape function
 _compiled_around = torch.compiler.disable
-
-
-def _autocast_off(x: torch.Tensor):
-    return torch.autocast(x.device.type, enabled=False)
 
 
 def sublayer_dtype(x: torch.Tensor) -> torch.dtype:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import importlib.util
 import json
 import os
@@ -33,7 +32,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import fused  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -119,7 +117,7 @@ def config(args, residual: str, checkpointing: bool | None = None, module=T, ker
 def build_model(cfg: T.Config, device: torch.device, module=T, use_flash: bool = False):
     """The trainer's GPT on the kernel path a run of it would take on this device."""
     if module is T:
-        return T.GPT(cfg, use_flash, fused.kernel_path(cfg, device, functools.partial(T.CONNECTIONS[cfg.residual], cfg, 1))[0])
+        return T.GPT(cfg, use_flash, T.kernel_path(cfg, device)[0])
     if hasattr(module, "use_fused_kernels"):                # a revision that chose the path in the trainer
         return module.GPT(cfg, use_flash, module.use_fused_kernels(cfg, device))
     return module.GPT(cfg, use_flash)
