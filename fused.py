@@ -29,18 +29,25 @@ def triton_kernels():
     return module
 
 
+def asked_path(cfg, on_gpu: bool) -> str:
+    """The path --kernels asks for, before any timing or self-check: auto means fused on the CPU (docs/benchmarks.md
+    times it faster than the formulas there) and triton on a GPU; the baseline has only its one stream."""
+    if cfg.residual == "baseline" or cfg.kernels == "reference":
+        return "reference"
+    return "fused" if cfg.kernels == "fused" or not on_gpu and cfg.kernels == "auto" else "triton"
+
+
 def kernel_path(cfg, device: torch.device, make_connection) -> tuple[str, str]:
     """The streams' path a run takes and why, for config.json and train.log. --kernels reference / fused / triton
     where the path has the arm; auto: on CUDA the path --check timed fastest for this arm on this GPU (its
-    result.json in --out), else triton once it passes its self-check, else the formulas; on the CPU fused, which
-    docs/benchmarks.md times faster than the formulas there. A triton path that fails to import, compile or agree
-    with the formulas (make_connection(path) builds one connection to compare) falls back to the formulas."""
+    result.json in --out), else asked_path's. A triton path that fails to import, compile or agree with the
+    formulas (make_connection(path) builds one connection to compare) falls back to the formulas."""
     if cfg.residual == "baseline" or cfg.kernels == "reference":
         return "reference", "the baseline's one stream" if cfg.residual == "baseline" else "--kernels reference"
     timed = measured_path(cfg, device) if cfg.kernels == "auto" and device.type == "cuda" else None
     if timed:
         return timed
-    wanted = "fused" if cfg.kernels == "fused" or device.type == "cpu" and cfg.kernels == "auto" else "triton"
+    wanted = asked_path(cfg, device.type == "cuda")
     if not supports(cfg, wanted):
         return "reference", f"{wanted} has no {cfg.residual} with these settings: the formulas"
     if wanted == "fused":
@@ -53,20 +60,39 @@ def kernel_path(cfg, device: torch.device, make_connection) -> tuple[str, str]:
     return "triton", f"{asked}; {how}; self-check passed"
 
 
-def measured_path(cfg, device: torch.device) -> tuple[str, str] | None:
-    """The fastest path --check timed for this arm, mode (eager or compiled) and GPU ({out}/gpu_check/result.json)."""
+def fastest_timed(cfg, check: dict, gpu: str) -> tuple[str, float] | None:
+    """(path, seconds per step) of the fastest path --check timed for this arm and mode (eager or compiled) on this
+    GPU, from its result.json (`check`); None where it timed none."""
+    mode = "compile" if cfg.compile else "eager"
     try:
-        check = json.loads((Path(cfg.out) / "gpu_check" / "result.json").read_text())
-        mode = "compile" if cfg.compile else "eager"
         timed = {key.split("/")[0]: stats["step_s"] for key, stats in check["timings"][cfg.residual].items()
                  if stats and key.endswith("/" + mode) and supports(cfg, key.split("/")[0])}
-        gpu = torch.cuda.get_device_name(device)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return None
     if check.get("gpu") != gpu or not timed:
         return None
     path = min(timed, key=timed.get)
-    return path, f"auto: --check timed it fastest for {cfg.residual} ({mode}) on this {gpu}, {timed[path]:.3f} s/step"
+    return path, timed[path]
+
+
+def load_check(out: str) -> dict:
+    """--check's result.json in this --out, {} where there is none or it cannot be read."""
+    try:
+        check = json.loads((Path(out) / "gpu_check" / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return check if isinstance(check, dict) else {}
+
+
+def measured_path(cfg, device: torch.device) -> tuple[str, str] | None:
+    """fastest_timed for this device, from {out}/gpu_check/result.json, with the reason."""
+    check = load_check(cfg.out)
+    gpu = torch.cuda.get_device_name(device) if check else None
+    timed = fastest_timed(cfg, check, gpu) if check else None
+    if timed is None:
+        return None
+    mode = "compile" if cfg.compile else "eager"
+    return timed[0], f"auto: --check timed it fastest for {cfg.residual} ({mode}) on this {gpu}, {timed[1]:.3f} s/step"
 
 
 def triton_problem(device: torch.device, make_connection) -> str | None:

@@ -776,7 +776,9 @@ def job_line(opt, job, slot, answer):
     return (f"{job.name:<17} {where + slot:<18} micro-batch {job.micro or answer['micro']}"
             + (" (auto)" if answer.get("auto") and not job.micro else "") + f", global batch {answer['batch']}"
             + (f", {answer['memory']}" if answer.get("memory") else "")
-            + (f", {hours_range(answer['seconds'])}" if answer.get("seconds") else "")
+            + (f", {answer['path']} path" if answer.get("path") else "")
+            + (f", {hours_range(answer['seconds'])} ({answer['basis'].split(',')[0].split(': ')[-1]})"
+               if answer.get("seconds") else "")
             + (f", resumes (step {job.step})" if job.step is not None else ""))
 
 

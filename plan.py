@@ -16,12 +16,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
+import json
+import math
 import os
+import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import fused
 from contract import EXIT_BAD_CONFIG
 
 
@@ -91,17 +99,26 @@ _VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBac
 
 class _CudaAutocastOnCpu(torch.overrides.TorchFunctionMode):
     """CPU autocast with CUDA's casting policy where the two differ for this model: on CUDA, layer_norm and
-    sum run in fp32 (a bf16 input is cast, and layer_norm saves the fp32 copy); the CPU keeps bf16."""
+    sum run in fp32 (a bf16 input and weights are cast, and layer_norm saves the fp32 copy); the CPU keeps bf16."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (torch.is_autocast_enabled("cpu") and args and isinstance(args[0], torch.Tensor)
                 and args[0].dtype == torch.bfloat16):
-            if func is F.layer_norm:
-                args = (args[0].float(), *args[1:])
+            if func is F.layer_norm:                # every floating argument, the weights too, in fp32
+                args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t,
+                                                    (args, kwargs))
             elif func in (torch.sum, torch.Tensor.sum) and kwargs.get("dtype") is None:
                 kwargs = {**kwargs, "dtype": torch.float32}
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_autocast(enabled: bool = True):
+    """bf16 autocast on the CPU with CUDA's policy (_CudaAutocastOnCpu): what a GPU run saves and moves."""
+    with _CudaAutocastOnCpu() if enabled else contextlib.nullcontext(), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+        yield
 
 
 class _SavedTensorCounter:
@@ -155,9 +172,7 @@ def saved_bytes(model: nn.Module, idx: torch.Tensor, bf16: bool) -> dict:
                         body.register_forward_pre_hook(counter.enter((i, part, "body"))),
                         conn.register_forward_hook(counter.leave), body.register_forward_hook(counter.leave)]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
-                _CudaAutocastOnCpu() if bf16 else contextlib.nullcontext(), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), cuda_autocast(bf16):
             model(idx, idx)
     finally:
         for handle in handles:
@@ -487,13 +502,38 @@ def print_estimate(gpt: type, cfg: Config, params: dict) -> None:
               f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
     print(auto_line)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    estimate = run_time(cfg, params, world, name or ASSUMED_GPU)
-    where = f"{world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}"
-    if estimate is None:
-        print(f"time: no estimate, the dense bf16 peak of {name} is not known (GPU_PEAK_BF16_FLOPS)")
-    else:
-        print(f"time on {where}: {range_text(estimate.step, 's')} per step, {range_text(estimate.total, 'h')} for "
-              f"{cfg.steps:,} steps ({estimate.basis}; evaluation, probes, checkpoints and start-up included)")
+    print_time(gpt, cfg, params, micro, world, name or ASSUMED_GPU,
+               f"{world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}")
+    if name is None:
+        print_time(gpt, cfg, params, micro, world, "cpu", "this CPU")
+
+
+def print_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, where: str) -> None:
+    """The step on every kernel path the arm has, counted and priced term by term, and the run on its own path; on
+    the CPU, the run's line alone."""
+    cfg = device_config(cfg, gpu)
+    rates = device_rates(cfg, micro, gpu)
+    if rates is None:
+        print(f"time on {where}: no estimate, its bf16 peak or bandwidth is not known (GPU_PEAK_BF16_FLOPS, "
+              "GPU_BANDWIDTH)")
+        return
+    check = fused.load_check(cfg.out)
+    path = planned_path(cfg, gpu, check)
+    if gpu != "cpu":
+        print(f"time on {where}: one step of {cfg.tokens_per_step:,} tokens, counted on the model, at "
+              f"{rates_text(rates)}")
+        print(f"  {'path':<10}{'kernels':>9}{'MB/token':>10}  " + "".join(f"{t:<14}" for t in TERMS) + "step")
+        print(f"  {'':<10}{'a block':>9}{'a block':>10}")
+        for other in (p for p in ("reference", "fused", "triton") if fused.supports(cfg, p)):
+            cost = step_cost(gpt, cfg, params, other, micro, world, rates)
+            work = step_work(gpt, work_key(cfg), other)
+            print(f"  {other:<10}{work.launches[0]:>9,}{work.block_bytes_per_token(cfg.width) / 1e6:>10.2f}  "
+                  + "".join(f"{range_text(cost.terms[t]):<14}" for t in TERMS) + f"{range_text(cost.seconds)}, "
+                  f"{cost.dominant}-bound" + ("  <- this run's path" if other == path else ""))
+    estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured_rate(check, cfg, path, gpu))
+    print(f"  the run on {where if gpu == 'cpu' else 'it'}, {path} path ({estimate.basis}): "
+          f"{range_text(estimate.step)} a step, {range_text(estimate.total)} for {cfg.steps:,} steps with "
+          "evaluation, probes, checkpoints and start-up")
 
 
 def _estimate_micro_batch(gpt: type, cfg: Config, world: int) -> tuple[int, str]:
@@ -511,14 +551,202 @@ def _estimate_micro_batch(gpt: type, cfg: Config, world: int) -> tuple[int, str]
 
 
 # ----------------------------------------------------------------------------------------------
+# the work of a training step, counted on the real model: what each kernel moves, how many are launched
+
+# the memory bandwidth of each card (spec sheet, bytes/s), for the kernels that only move data
+GPU_BANDWIDTH = {
+    "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 PCIe": 2.0e12, "NVIDIA H100 NVL": 3.9e12, "NVIDIA H200": 4.8e12,
+    "NVIDIA H200 NVL": 4.8e12, "NVIDIA GH200 480GB": 4.0e12, "NVIDIA A100-SXM4-40GB": 1.555e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12, "NVIDIA A100-PCIE-40GB": 1.555e12, "NVIDIA A100 80GB PCIe": 1.935e12,
+    "NVIDIA B200": 8.0e12, "NVIDIA L40S": 0.864e12,
+}
+# aten ops that launch no kernel: allocations, metadata, dtype promotion (views: OpOverload.is_view)
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+              "_unsafe_view", "promote_types", "_local_scalar_dense", "set_"}
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+COUNT_SEQ = 8                   # the counted models' sequence length, and their micro-batches of 1 and 2 sequences
+OPTIMIZER_BYTES = 28            # fused AdamW per parameter and step: weight, gradient, 2 states read; 3 written
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes a kernel touches in t: the span of its strides, so that a broadcast (stride 0) counts once."""
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return min(t.numel(), span) * t.element_size()
+
+
+def _tensors(*values):
+    """The tensors among aten's arguments and results: tensors, or lists and tuples of them (faster than pytree's)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(*value)
+        elif isinstance(value, dict):
+            yield from _tensors(*value.values())
+
+
+class KernelCounter(TorchDispatchMode):
+    """Every aten op a forward and backward runs, as the GPU would run it eagerly: one kernel launch each, and the
+    bytes of its tensors (inputs and outputs) unless it is a matmul of the model's width or attention, which the
+    FLOP count prices instead. A matmul is of the width when two of its three sizes reach it (the counted models keep
+    fewer tokens than the width): the mixing's projections and n x n products are bandwidth-bound and counted as
+    bytes. Triton kernels, replaced by stubs (counting), report their own bytes through launch()."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width, self.launches, self.bytes = width, 0, 0
+
+    def launch(self, nbytes: float) -> None:
+        self.launches += 1
+        self.bytes += nbytes
+
+    def _priced_by_flops(self, name: str, args) -> bool:
+        if "attention" in name:
+            return True
+        if name not in _MATMULS:
+            return False
+        a, b = args[-2].shape[-2:], args[-1].shape[-2:]
+        return sum(size >= self.width for size in (a[0], a[1], b[1])) >= 2
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not (func.is_view or name in _NO_KERNEL):
+            self.launch(0 if self._priced_by_flops(name, args) else sum(map(_extent, _tensors(args, kwargs, out))))
+        return out
+
+
+@contextlib.contextmanager
+def counting(width: int, triton: tuple[str, int, int] | None = None):
+    """A KernelCounter over the code run inside. triton (arm, n, tokens): triton_kernels' kernels replaced by launches
+    of the bytes they move (their own count, triton_kernels.traffic), so that the triton path runs on the CPU for
+    counting: its cuBLAS and torch calls are counted as they run."""
+    counter = KernelCounter(width)
+    module = importlib.import_module("triton_kernels") if triton else None
+    per_token = module.traffic(triton[0], triton[1], width) if triton else {}
+    saved = {name: getattr(module, name) for name in per_token if name.startswith("_")}
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: counter.launch(per_token[self.name] * triton[2])
+    try:
+        for name in saved:
+            setattr(module, name, Stub(name))
+        with counter:
+            yield counter
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
+
+
+def _zeroed_model(gpt: type, cfg: Config, path: str) -> nn.Module:
+    """The model with every parameter and buffer 0: the counts do not depend on the values, and building it on the
+    meta device skips the initialisation, most of a count's time. Swapping keeps the tied weights tied."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    with torch.device("meta"):
+        model = gpt(cfg, kernels=path)
+    try:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        model.to_empty(device="cpu")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
+    return model
+
+
+def count_steps(gpt: type, cfg: Config, path: str, width: int, depth: int) -> dict[int, tuple[int, int]]:
+    """{sequences: (kernel launches, bytes)} of one forward and backward of the real GPT at this width and depth, for
+    micro-batches of 1 and 2 COUNT_SEQ-token sequences, on the CPU, under CUDA's autocast policy where it uses bf16."""
+    small = dataclasses.replace(cfg, width=width, depth=depth, seq_len=COUNT_SEQ, compile=False, kernels=path)
+    bf16, counts, model = cfg.dtype != "fp32", {}, _zeroed_model(gpt, small, path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for sequences in (1, 2):
+            idx = torch.randint(0, model.wte.num_embeddings, (sequences, COUNT_SEQ))
+            with counting(width, (cfg.residual, cfg.expansion, idx.numel()) if path == "triton" else None) as counter:
+                with cuda_autocast(bf16):
+                    _, loss = model(idx, idx)
+                loss.backward()
+            model.zero_grad(set_to_none=True)        # each micro-batch counted as the first: no accumulation
+            counts[sequences] = counter.launches, counter.bytes
+    return counts
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """What one micro-batch's forward and backward does besides its FLOPs, counted on the model (count_step at two
+    widths, two depths and two micro-batches: bytes per token are linear in the width, the launches fixed)."""
+    path: str
+    launches: tuple[int, int]           # per block, and the rest (embedding, expansion, collapse, head, loss)
+    block_bytes: tuple[float, float]    # per token per block: a * width + b
+    rest_bytes: tuple[float, float]     # per token, the rest
+    per_parameter: tuple[float, float]  # bytes per micro-batch per parameter of a block, of the rest: autocast's
+                                        # weight copies and their gradients' casts, the embedding's gradient
+
+    def micro_launches(self, depth: int) -> int:
+        return depth * self.launches[0] + self.launches[1]
+
+    def block_bytes_per_token(self, width: int) -> float:
+        return self.block_bytes[0] * width + self.block_bytes[1]
+
+    def bytes_per_token(self, width: int, depth: int) -> float:
+        return depth * self.block_bytes_per_token(width) + self.rest_bytes[0] * width + self.rest_bytes[1]
+
+
+def work_key(cfg: Config) -> Config:
+    """The settings the counted work depends on: the model's kind, not its size, schedule or seed."""
+    return dataclasses.replace(cfg, width=type(cfg).width, depth=type(cfg).depth, seq_len=type(cfg).seq_len,
+                               batch_size=type(cfg).batch_size, micro_batch_size="auto", steps=1, seed=0,
+                               dtype="fp32" if cfg.dtype == "fp32" else "bf16", run_name="", out="")
+
+
+def _counted_width(cfg: Config) -> int:
+    """The smaller counted width: a multiple of the heads, twice what the mixing's matmuls have in place of the width
+    (the coefficients per token, the counted tokens times the streams), so that KernelCounter tells them apart."""
+    n = cfg.expansion
+    coefficients = 2 * n + (math.factorial(n) if cfg.residual == "mhc-lite" else n * n)
+    return cfg.heads * -(-2 * max(coefficients, 2 * COUNT_SEQ * n) // cfg.heads)
+
+
+@functools.cache
+def step_work(gpt: type, key: Config, path: str) -> StepWork:
+    """count_steps at two widths and depths, fitted: key from work_key, path one that fused.supports."""
+    w1 = _counted_width(key)
+    counts = {(w, d): count_steps(gpt, key, path, w, d) for w in (w1, 2 * w1) for d in (1, 2)}
+    launches = counts[w1, 2][1][0] - counts[w1, 1][1][0]
+    per_token = {wd: (c[2][1] - c[1][1]) / COUNT_SEQ for wd, c in counts.items()}
+    fixed = {wd: c[1][1] - COUNT_SEQ * per_token[wd] for wd, c in counts.items()}      # per micro-batch
+    numels = _parameter_numels(gpt, dataclasses.replace(key, width=2 * w1, depth=2, seq_len=COUNT_SEQ))
+    fixed_block = fixed[2 * w1, 2] - fixed[2 * w1, 1]
+
+    def line(part):                                 # a * width + b through the two widths
+        low, high = part(w1), part(2 * w1)
+        return (high - low) / w1, 2 * low - high
+    return StepWork(path, (launches, counts[w1, 1][1][0] - launches),
+                    line(lambda w: per_token[w, 2] - per_token[w, 1]),
+                    line(lambda w: 2 * per_token[w, 1] - per_token[w, 2]),
+                    (fixed_block / numels["block"], (fixed[2 * w1, 1] - fixed_block) / (numels["total"] - 2 * numels["block"])))
+
+
+# ----------------------------------------------------------------------------------------------
 # the time of a run, as a range (low, high): training steps, evaluation, probes, checkpoint writes, start-up
 
-# the share of the GPU's dense bf16 peak a baseline step reaches: assumed (no GPU has timed this trainer yet);
-# 40% is the usual for dense 1-3B models in bf16, the range what public GPT-2-style runs of that size report
-MFU_RANGE = (0.45, 0.30)
-# step time over the baseline's where no GPU check has timed it: docs/benchmarks.md's CPU ratios (eager and
-# compiled, widths 256-512, 1-2 threads) span these; a GPU may hide or add host overhead (the same page)
-METHOD_COST = {"baseline": (1.0, 1.0), "hc": (1.16, 1.37), "mhc": (1.18, 1.48)}
+# The rates a step is priced at, (fast, slow). A GPU: its GEMMs (cuBLAS bf16 at a 1-3B model's shapes, FlashAttention
+# forward and backward) at a share of the dense bf16 peak; every other kernel's bytes at a share of the memory
+# bandwidth (large elementwise kernels reach about 90% of it, small and strided ones less); the idle gap between two
+# queued kernels; and eager PyTorch's host time to issue one op (Python, the dispatcher, the launch), which runs
+# beside the device: the step waits for the host when the kernels are shorter than that. Public figures for these
+# cards, not measurements of this trainer: --check's timings replace them (docs/planning.md).
+GEMM_SHARE = (0.65, 0.45)
+BANDWIDTH_SHARE = (0.85, 0.40)
+LAUNCH_GAP_S = (1e-6, 3e-6)
+HOST_OP_S = (5e-6, 12e-6)
+CPU_SLOW_SHARE = 2 / 3          # the CPU's slow end: its timed rates at two thirds, the cores shared with other work
 MEASURED_SPREAD = (0.9, 1.2)     # around a measured step time: another depth or micro-batch moves it
 CHECKPOINT_GBPS = (2.0, 0.5)     # a checkpoint's files written at local NVMe speed, down to a network disk's
 # imports, model build, the data streams' first batches, the first step's kernels: minutes for a 2.5B model on a
@@ -529,41 +757,166 @@ FORWARD_SHARE = 1 / 3
 
 
 @dataclasses.dataclass(frozen=True)
+class Rates:
+    """What one device does per second, (fast, slow): its GEMMs' FLOPs and its other kernels' bytes; the seconds of
+    a launch gap on the device and of one op on the host; whether host and device overlap (a GPU) or not (a CPU)."""
+    name: str
+    flops: tuple[float, float]
+    bandwidth: tuple[float, float]
+    gap: tuple[float, float]
+    host: tuple[float, float]
+    overlapped: bool
+
+
+def gpu_rates(gpu: str) -> Rates | None:
+    peak, bandwidth = GPU_PEAK_BF16_FLOPS.get(gpu), GPU_BANDWIDTH.get(gpu)
+    if not (peak and bandwidth):
+        return None
+    return Rates(gpu, tuple(share * peak for share in GEMM_SHARE),
+                 tuple(share * bandwidth for share in BANDWIDTH_SHARE), LAUNCH_GAP_S, HOST_OP_S, True)
+
+
+TERMS = ("matmuls", "memory", "launch gaps", "host")
+
+
+def rates_text(rates: Rates) -> str:
+    if not rates.overlapped:
+        return (f"this CPU timed at {rates.flops[0] / 1e9:.0f} GFLOP/s, {rates.bandwidth[0] / 1e9:.0f} GB/s, "
+                f"{rates.host[0] * 1e6:.1f} us an op (slow end: {CPU_SLOW_SHARE:.0%} of each rate)")
+    peak, bandwidth = GPU_PEAK_BF16_FLOPS[rates.name], GPU_BANDWIDTH[rates.name]
+    return (f"matmuls at {GEMM_SHARE[1]:.0%}-{GEMM_SHARE[0]:.0%} of {peak / 1e12:.0f} TFLOP/s, other kernels' bytes "
+            f"at {BANDWIDTH_SHARE[1]:.0%}-{BANDWIDTH_SHARE[0]:.0%} of {bandwidth / 1e12:.2f} TB/s, "
+            f"{LAUNCH_GAP_S[0] * 1e6:.0f}-{LAUNCH_GAP_S[1] * 1e6:.0f} us between kernels, {HOST_OP_S[0] * 1e6:.0f}-"
+            f"{HOST_OP_S[1] * 1e6:.0f} us of host time an op, host and device side by side (docs/planning.md)")
+
+
+def device_config(cfg: Config, gpu: str) -> Config:
+    """dtype auto is bf16 on a GPU, fp32 on the CPU (train_c4.compute_dtype): the counts differ."""
+    return dataclasses.replace(cfg, dtype="fp32") if gpu == "cpu" and cfg.dtype == "auto" else cfg
+
+
+def device_rates(cfg: Config, micro: int, gpu: str) -> Rates | None:
+    """The rates of one device: the GPU table's, or this CPU's timed on the run's shapes."""
+    streams = 1 if cfg.residual == "baseline" else cfg.expansion
+    return cpu_rates(micro * cfg.seq_len, cfg.width, streams) if gpu == "cpu" else gpu_rates(gpu)
+
+
+def _best_seconds(run, repeats: int = 5) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@functools.cache
+def cpu_rates(tokens: int, width: int, streams: int) -> Rates:
+    """This CPU's rates on a run's own shapes (a micro-batch's tokens), timed once with torch's threads, in under a
+    second: the MLP's first matmul in fp32; an add of two n-stream states (a small model's fit in the caches, and
+    that is the bandwidth its kernels get); a forward and backward of 100 multiplications of 8 numbers, per op."""
+    a, w = torch.randn(tokens, width), torch.randn(width, 4 * width)
+    flops = 2 * a.numel() * w.shape[1] / _best_seconds(lambda: a @ w)
+    x = torch.randn(tokens, streams, width)
+    bandwidth = 3 * x.nbytes / _best_seconds(lambda: x + x)
+    v = torch.ones(8, requires_grad=True)
+
+    def chain():
+        y = v
+        for _ in range(100):
+            y = y * 1.0
+        y.sum().backward()
+    op = _best_seconds(chain) / 202                  # 100 multiplications and the sum, forward and backward
+    return Rates("cpu", (flops, flops * CPU_SLOW_SHARE), (bandwidth, bandwidth * CPU_SLOW_SHARE), (0.0, 0.0),
+                 (op, op / CPU_SLOW_SHARE), False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Work on one device (a step's, or any code's counted by `counting`) and its seconds at `rates`, (fast, slow)."""
+    path: str
+    flops: float            # of the matmuls of the width and attention
+    bytes: float            # every other kernel's
+    launches: float
+    rates: Rates
+
+    @property
+    def terms(self) -> dict:
+        r = self.rates
+        return {"matmuls": tuple(self.flops / f for f in r.flops), "memory": tuple(self.bytes / b for b in r.bandwidth),
+                "launch gaps": tuple(self.launches * g for g in r.gap), "host": tuple(self.launches * h for h in r.host)}
+
+    @property
+    def seconds(self) -> tuple[float, float]:
+        terms = self.terms
+        device = [sum(terms[k][i] for k in ("matmuls", "memory", "launch gaps")) for i in (0, 1)]
+        return tuple(max(d, h) if self.rates.overlapped else d + h for d, h in zip(device, terms["host"]))
+
+    @property
+    def dominant(self) -> str:
+        terms = self.terms
+        return max(terms, key=lambda k: terms[k][1])
+
+
+def step_cost(gpt: type, cfg: Config, params: dict, path: str, micro: int, world: int, rates: Rates) -> StepCost:
+    """One step of `cfg` on one of `world` devices, counted on the model (step_work) and priced at `rates`."""
+    work, numels = step_work(gpt, work_key(cfg), path), parameter_numels(gpt, cfg)
+    tokens, micro_steps = cfg.tokens_per_step / world, cfg.batch_size / (micro * world)
+    blocks, shards = cfg.depth * numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
+    flops = tokens * flops_per_token(cfg, params["non_embedding"])
+    nbytes = (tokens * work.bytes_per_token(cfg.width, cfg.depth) + OPTIMIZER_BYTES * numels["total"] / shards
+              + micro_steps * (work.per_parameter[0] * blocks + work.per_parameter[1] * (numels["total"] - blocks)))
+    return StepCost(path, flops, nbytes, micro_steps * work.micro_launches(cfg.depth), rates)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunTime:
     step: tuple[float, float]       # seconds per optimizer step
     total: tuple[float, float]      # seconds of the run's remaining steps with everything else it does
     basis: str                      # where the step time comes from
+    path: str                       # the streams' kernel path it was priced for
 
 
-def range_text(values: tuple[float, float], unit: str) -> str:
-    scale = {"s": 1, "h": 3600}[unit]
-    low, high = (v / scale for v in values)
-    return f"{low:.2g}-{high:.2g} {unit}" if unit == "s" else f"{low:.1f}-{high:.1f} {unit}"
+def range_text(values: tuple[float, float]) -> str:
+    """Seconds (low, high) in the unit that suits the high end: 0.12-0.19 s, 3.1-4.6 min, 2.6-5.1 h."""
+    high = max(values)
+    scale, unit = next((s, u) for limit, s, u in ((1e-3, 1e-6, "us"), (1, 1e-3, "ms"), (120, 1, "s"),
+                                                   (7200, 60, "min"), (float("inf"), 3600, "h")) if high < limit)
+    return "-".join(f"{v / scale:.2g}" if v / scale < 100 else f"{v / scale:.0f}" for v in values) + " " + unit
 
 
-def step_seconds(cfg: Config, flops: float, world: int, gpu: str, measured: dict | None = None
-                 ) -> tuple[tuple[float, float], str] | None:
+def planned_path(cfg: Config, gpu: str, check: dict | None) -> str:
+    """The streams' path a run of `cfg` will take on this device (fused.kernel_path's choice, but for its
+    self-check, which only the device can run): --check's fastest timing where auto has one, else what is asked."""
+    timed = fused.fastest_timed(cfg, check or {}, gpu) if cfg.kernels == "auto" and gpu != "cpu" else None
+    wanted = timed[0] if timed else fused.asked_path(cfg, on_gpu=gpu != "cpu")
+    return wanted if fused.supports(cfg, wanted) else "reference"
+
+
+def step_seconds(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, path: str,
+                 measured: dict | None = None) -> tuple[tuple[float, float], str] | None:
     """(low, high) seconds of one optimizer step and their basis: `measured` (the launcher's calibration, or the
-    GPU check's result for this GPU, docs/planning.md) if given, else the FLOP count at MFU_RANGE of the GPU's peak
-    times METHOD_COST. None where neither is known."""
-    work = cfg.tokens_per_step * flops
+    GPU check's timing of this arm and path on this GPU, docs/planning.md) if given, else the step counted on the
+    model and priced at the device's rates. None on a GPU whose peak or bandwidth is not known."""
     if measured and measured.get("flops_per_s"):
-        seconds = work / (measured["flops_per_s"] * world / measured.get("gpus", 1))
+        seconds = cfg.tokens_per_step * flops_per_token(cfg, params["non_embedding"]) / (
+            measured["flops_per_s"] * world / measured.get("gpus", 1))
         return (seconds * MEASURED_SPREAD[0], seconds * MEASURED_SPREAD[1]), measured["basis"]
-    peak = gpu_peak_flops(gpu)
-    if not peak:
+    cfg = device_config(cfg, gpu)
+    rates = device_rates(cfg, micro, gpu)
+    if rates is None:
         return None
-    cost = METHOD_COST.get(cfg.residual, METHOD_COST["mhc"])
-    low, high = (work * c / (mfu * peak * world) for mfu, c in zip(MFU_RANGE, cost))
-    overhead = "" if cost == (1.0, 1.0) else f", x {cost[0]:.2f}-{cost[1]:.2f} for the stream mixing (CPU-measured)"
-    return (low, high), (f"{cfg.residual} from the FLOP count at {MFU_RANGE[1]:.0%}-{MFU_RANGE[0]:.0%} MFU of "
-                         f"the {peak / 1e12:.0f} TFLOP/s bf16 peak{overhead}")
+    cost = step_cost(gpt, cfg, params, path, micro, world, rates)
+    # Inductor fuses the small ops into kernels that cannot be counted without compiling: priced as eager, which
+    # the compiled step should not exceed, until --check times it
+    return cost.seconds, f"modelled, {cost.dominant}-bound" + (", as eager (compile not modelled)" if cfg.compile else "")
 
 
-def run_time(cfg: Config, params: dict, world: int, gpu: str, measured: dict | None = None,
-             done_steps: int = 0) -> RunTime | None:
+def run_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, path: str,
+             measured: dict | None = None, done_steps: int = 0) -> RunTime | None:
     """The remaining steps of a run and what else it does on the way, in seconds, as (low, high)."""
-    step = step_seconds(cfg, flops_per_token(cfg, params["non_embedding"]), world, gpu, measured)
+    step = step_seconds(gpt, cfg, params, micro, world, gpu, path, measured)
     if step is None:
         return None
     (low, high), basis = step
@@ -575,20 +928,23 @@ def run_time(cfg: Config, params: dict, world: int, gpu: str, measured: dict | N
     startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
     total = tuple((steps + forward_steps) * s + checkpoint_bytes / (gbps * 1e9) + start
                   for s, gbps, start in zip((low, high), CHECKPOINT_GBPS, startup))
-    return RunTime((low, high), total, basis)
+    return RunTime((low, high), total, basis, path)
 
 
-def measured_rate(check: dict, method: str, gpu: str) -> dict | None:
-    """The GPU check's timing of `method` ({out}/gpu_check/result.json, format in docs/planning.md) as work per
-    second, if it was measured on this GPU."""
+def measured_rate(check: dict, cfg: Config, path: str, gpu: str) -> dict | None:
+    """The GPU check's timing of this arm on this path and mode ({out}/gpu_check/result.json, format in
+    docs/planning.md) as work per second, if it was measured on this GPU."""
+    method, mode = cfg.residual, "compile" if cfg.compile else "eager"
     timing = (check.get("methods") or {}).get(method) or {}
     try:
-        rate = timing["tokens_per_step"] * timing["flops_per_token"] / timing["step_seconds"]
+        seconds = check["timings"][method][f"{path}/{mode}"]["step_s"]
+        rate = timing["tokens_per_step"] * timing["flops_per_token"] / seconds
     except (KeyError, TypeError, ZeroDivisionError):
         return None
     if check.get("gpu") != gpu or not rate > 0:
         return None
-    return {"flops_per_s": rate, "gpus": timing.get("gpus", 1), "basis": f"{method} step timed by the GPU check"}
+    return {"flops_per_s": rate, "gpus": timing.get("gpus", 1),
+            "basis": f"{method} on the {path} path ({mode}): measured, timed by the GPU check"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,7 +963,7 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
     time (None where unknown). `job`: done_steps, and the launcher's calibration (tokens_per_s) or the GPU check's
     timing (check) if any."""
     answer = {"micro": micro, "auto": cfg.micro_batch_size == "auto", "batch": cfg.batch_size, "memory": None,
-              "seconds": None, "step_seconds": None, "basis": None}
+              "seconds": None, "step_seconds": None, "basis": None, "path": None}
     if gpu != "cpu":
         plan = memory_plan(gpt, cfg, micro, world, card)
         if plan.total > plan.card:
@@ -616,12 +972,14 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
                             "-- --activation-checkpointing, or --gpus-per-run 2 or more (python train_c4.py "
                             "--estimate shows the plan)")
         answer["memory"] = f"{plan.total / GiB:.1f} of {plan.card / GiB:.0f} GiB"
-    flops = flops_per_token(cfg, params["non_embedding"])
+    check, flops = job.get("check") or {}, flops_per_token(cfg, params["non_embedding"])
+    path = planned_path(cfg, gpu, check)
     if job.get("tokens_per_s"):
         measured = {"flops_per_s": job["tokens_per_s"] * flops, "gpus": world, "basis": "calibrated just now"}
     else:
-        measured = measured_rate(job.get("check") or {}, cfg.residual, gpu)
-    estimate = run_time(cfg, params, world, gpu, measured, job.get("done_steps") or 0)
+        measured = measured_rate(check, cfg, path, gpu)
+    estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured, job.get("done_steps") or 0)
+    answer["path"] = path
     if estimate is not None:
         answer.update(seconds=list(estimate.total), step_seconds=list(estimate.step), basis=estimate.basis)
     return answer
@@ -630,10 +988,15 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
 def node_answer(gpu: str, jobs: list[dict]) -> dict:
     """--plan-jobs' answer: the GPU planned for, the assumptions behind every time (printed by the dry run), and
     the jobs' answers."""
-    bases = sorted({job["basis"] for job in jobs if job.get("basis")})
+    measured = sorted({job["basis"] for job in jobs if job.get("basis") and not job["basis"].startswith("modelled")})
+    rates = gpu_rates(gpu)
+    modelled = ("this CPU's rates, timed on each run's shapes" if gpu == "cpu" else rates_text(rates) if rates
+                else f"none: the bf16 peak or bandwidth of {gpu or 'this GPU'} is not known")
     startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
     return {"gpu": gpu, "jobs": jobs, "assumptions": [
-        "Step times: " + ("; ".join(bases) if bases else "none known for this GPU"),
+        "Step times, modelled: each job's kernels counted on its model (every launch, the bytes each moves, the "
+        f"matmuls' FLOPs) on its kernel path, at {modelled}",
+        *(["Step times, measured: " + "; ".join(measured)] if measured else []),
         f"Each time includes evaluation and probes (forward passes at {FORWARD_SHARE:.2f} of a step per sequence), "
         f"checkpoint writes (fp32 weights and AdamW states at {CHECKPOINT_GBPS[1]:g}-{CHECKPOINT_GBPS[0]:g} GB/s) and "
         f"start-up ({startup[0]:.0f}-{startup[1]:.0f} s); low end: the fast assumptions together, "

@@ -11,7 +11,7 @@ Parts, each under its own time limit, one PASS/FAIL line each:
                     auto takes the fastest path timed here (result.json's timings)
   compile           every --compile run finished
   memory plan       the trainer's --estimate allocated peak against the measured one (mHC, eager)
-  tokens/s, MFU     the measured baseline against the plan's assumption (40% of the card's bf16 peak)
+  step model, MFU   every eager step against the planner's modelled range (plan.step_cost); the baseline's MFU
   FSDP              the trainer under torchrun --parallel fsdp (one process): a checkpoint, then a resume
 
 Writes {out}/gpu_check/: result.json (its format: docs/planning.md; the dry run's planner reads its
@@ -35,7 +35,6 @@ PROG = "run_experiments.sh --check"
 BUDGET_S = 570                     # the whole check, so that it ends within 10 minutes with its start-up
 METHODS, KERNELS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc"), ("reference", "fused", "triton")
 STEPS, WARM_STEPS = 10, 4          # median over the steps after the first WARM_STEPS (compile, allocator, loader)
-ASSUMED_MFU = 0.40                 # what the planner assumes without a measurement
 SIZE = ["--data", "sample", "--tokenizer", "gpt2", "--dtype", "bf16", "--width", "2048", "--depth", "4",
         "--seq-len", "1024", "--batch-size", "8", "--micro-batch-size", "8", "--warmup", "2",
         "--eval-every", "1000", "--eval-batches", "1", "--metrics-every", "1000", "--layer-metrics-every", "1000",
@@ -176,7 +175,28 @@ def planned_allocated_gb(check):
     return float(found.group(1)) if found else None
 
 
-def judge(check, table, planned):
+def modelled_steps(table, gpu):
+    """The planner's step range (seconds) for every timed arm and path on this GPU: {method: {path: (low, high)}}."""
+    import plan
+    import train_c4
+    rates, model = plan.gpu_rates(gpu), {}
+    if rates is None:
+        return model
+    for method, timed in table.items():
+        cfg = train_c4.parse_config([*SIZE, "--residual", method])
+        params = train_c4.count_parameters(cfg)
+        for path in {key.split("/")[0] for key in timed}:
+            model.setdefault(method, {})[path] = plan.step_cost(train_c4.GPT, cfg, params, path, 8, 1, rates).seconds
+    return model
+
+
+def inside_count(table, model):
+    eager = [(s["step_s"], model[m][key.split("/")[0]]) for m, paths in table.items() for key, s in paths.items()
+             if s and key.endswith("/eager") and m in model]
+    return f"{sum(low <= step <= high for step, (low, high) in eager)} of {len(eager)}"
+
+
+def judge(check, table, planned, gpu):
     best = fastest(table)
     compiled = [s for paths in table.values() for path, s in paths.items() if path.endswith("/compile")]
     check.verdict("compile", bool(compiled) and all(compiled), f"{sum(map(bool, compiled))} of "
@@ -187,17 +207,19 @@ def judge(check, table, planned):
     check.verdict("memory plan", planned is not None and measured is not None and measured <= planned,
                   f"mHC measured peak {measured or 0:.1f} GB against {plan}")
     base = best.get("baseline", {})
+    model = modelled_steps(table, gpu)
+    low, high = model.get("baseline", {}).get(base.get("path", "").split("/")[0], (None, None))
+    check.verdict("step model", bool(low) and low / 2 <= base["step_s"] <= 2 * high,
+                  f"baseline {base.get('step_s', 0):.3f} s/step against the planner's {low:.3f}-{high:.3f} s; PASS "
+                  f"within half and twice of it; {inside_count(table, model)} eager timings inside their modelled range"
+                  if low else f"no model for {gpu}: its bf16 peak or bandwidth is not in plan.py")
     mfu = base.get("mfu")
-    planned_tps = base["tokens_per_s"] * ASSUMED_MFU / mfu if mfu else None
-    plan = (f"the planned {planned_tps:,.0f} ({TOKENS_PER_STEP / planned_tps:.3f} s/step) at {ASSUMED_MFU:.0%} MFU; "
-            "PASS from half of it" if planned_tps else "no plan without the card's bf16 peak")
-    check.verdict("tokens/s", bool(planned_tps) and base["tokens_per_s"] >= planned_tps / 2,
-                  f"baseline {base.get('tokens_per_s', 0):,.0f} ({base.get('step_s', 0):.3f} s/step) against {plan}")
-    check.verdict("MFU", mfu is not None, f"baseline {mfu:.1%} against the planned {ASSUMED_MFU:.0%}" if mfu is not None
+    check.verdict("MFU", mfu is not None, f"baseline {mfu:.1%}" if mfu is not None
                   else "unknown: the trainer has no bf16 peak for this card (GPU_PEAK_BF16_FLOPS)")
     for method, s in best.items():
-        print(f"      {method:<9} {s['step_s']:.3f} s/step ({s['path']}), {s['tokens_per_s']:,.0f} tok/s, "
-              f"MFU {s['mfu'] or 0:.1%}, peak {s['mem_peak_gb']:.1f} GB", flush=True)
+        low, high = model.get(method, {}).get(s["path"].split("/")[0], (0, 0))
+        print(f"      {method:<9} {s['step_s']:.3f} s/step ({s['path']}; modelled {low:.3f}-{high:.3f}), "
+              f"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu'] or 0:.1%}, peak {s['mem_peak_gb']:.1f} GB", flush=True)
 
 
 def fsdp(check, runs):
@@ -227,14 +249,16 @@ def timed_flops_per_token(method):
 def write_result(folder, device, parts, table):
     from run_folder import write_json_atomic
     """result.json: per method, its fastest path's step seconds with what the planner needs to scale them
-    (`methods`, docs/planning.md); every path's figures under `timings`."""
+    (`methods`, docs/planning.md); every path's figures under `timings`, the planner's range beside them under
+    `modelled`."""
     best = fastest(table)
     methods = {m: {"step_seconds": s["step_s"], "tokens_per_step": TOKENS_PER_STEP, "gpus": 1,
                    "flops_per_token": timed_flops_per_token(m)} for m, s in best.items()}
     result = {"format": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **device,
               "trainer_flags": SIZE, "tokens_per_step": TOKENS_PER_STEP, "parts": parts, "methods": methods,
               "step_seconds": {m: s["step_s"] for m, s in best.items()},
-              "paths": {m: s["path"] for m, s in best.items()}, "timings": table}
+              "paths": {m: s["path"] for m, s in best.items()}, "timings": table,
+              "modelled": modelled_steps(table, device.get("gpu"))}
     write_json_atomic(folder / "result.json", result)          # a reader never sees half a file
 
 
@@ -260,7 +284,7 @@ def main(argv=None):
     fsdp(check, runs)                    # before the timings, which take whatever time is left
     planned = planned_allocated_gb(check)
     table = timings(check, runs)
-    judge(check, table, planned)
+    judge(check, table, planned, torch.cuda.get_device_name())
     device = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     write_result(folder, device, check.parts, table)
     failed = [part for part, verdict in check.parts.items() if verdict == "FAIL"]

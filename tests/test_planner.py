@@ -214,7 +214,7 @@ def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, m
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A6000")
     T.main(["--estimate", "--depth", "32", "--gpu-memory-gb", "48"])
-    assert "no estimate, the dense bf16 peak of NVIDIA RTX A6000 is not known" in capsys.readouterr().out
+    assert "no estimate, its bf16 peak or bandwidth is not known" in capsys.readouterr().out
 
 
 def imports(path: Path, top_level_only: bool = False) -> set:
@@ -285,7 +285,9 @@ def test_dry_run_without_gpus_plans_the_documented_node_per_method_with_ranges(t
     for depth in (32, 48):          # the stream mixing costs time: mHC's range lies above the baseline's
         baseline, mhc = hours(lines[f"baseline_d{depth}_s42"]), hours(lines[f"mhc_d{depth}_s42"])
         assert baseline[0] < baseline[1] and mhc[0] > baseline[0] and mhc[1] > baseline[1]
-    assert "x 1.18-1.48 for the stream mixing" in r.stdout and "checkpoint writes" in r.stdout
+    assert "triton path" in lines["mhc_d32_s42"] and "reference path" in lines["baseline_d32_s42"]
+    assert "(modelled)" in lines["mhc_d32_s42"] and "Step times, modelled: each job's kernels counted" in r.stdout
+    assert "checkpoint writes" in r.stdout
     wall = re.search(r"Wall time: 12 job\(s\) on 8 slot\(s\).*", r.stdout).group()
     cost = re.search(r"Cost at \$3.00 per GPU-hour: 8 GPU\(s\) x .* = \$([\d,]+)-\$([\d,]+) for the node", r.stdout)
     assert hours(wall)[0] < hours(wall)[1] and cost and int(cost[1].replace(",", "")) < int(cost[2].replace(",", ""))
@@ -294,20 +296,26 @@ def test_dry_run_without_gpus_plans_the_documented_node_per_method_with_ranges(t
 
 
 def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
-    """{out}/gpu_check/result.json (docs/planning.md) replaces the assumed MFU for the GPU it was measured on."""
+    """{out}/gpu_check/result.json (docs/planning.md) replaces the model for the arm, path and GPU it timed."""
     check = tmp_path / "runs" / "gpu_check" / "result.json"
     check.parent.mkdir(parents=True)
-    check.write_text(json.dumps({"gpu": "NVIDIA H200", "methods": {
-        "mhc": {"step_seconds": 2.0, "tokens_per_step": 32768, "flops_per_token": 1.0e10, "gpus": 1}}}))
+    check.write_text(json.dumps({"gpu": "NVIDIA H200", "timings": {"mhc": {"triton/eager": {"step_s": 2.0}}},
+                                 "methods": {"mhc": {"step_seconds": 2.0, "tokens_per_step": 32768,
+                                                     "flops_per_token": 1.0e10, "gpus": 1}}}))
     r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1", "--gpu-type",
                  "NVIDIA H200")
     assert r.returncode == 0, r.stderr
-    assert "8 x NVIDIA H200" in r.stdout and "mhc step timed by the GPU check" in r.stdout
+    line = next(line for line in r.stdout.splitlines() if line.startswith("mhc_d32_s1"))
+    assert "8 x NVIDIA H200" in r.stdout and "triton path" in line and "(measured)" in line
+    assert "Step times, measured: mhc on the triton path (eager): measured, timed by the GPU check" in r.stdout
     # 10,000 steps of 2 s at 1e10 FLOPs per token, scaled to depth 32's 1.055e10 and spread 0.9-1.2, plus the rest
-    low, high = hours(next(line for line in r.stdout.splitlines() if line.startswith("mhc_d32_s1")))
+    low, high = hours(line)
     assert 5.2 < low < 5.6 and 7.0 < high < 7.7
     r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1")
     assert r.returncode == 0 and "GPU check" not in r.stdout          # measured on another GPU than planned
+    r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1", "--gpu-type",
+                 "NVIDIA H200", "--", "--kernels", "reference")
+    assert r.returncode == 0 and "GPU check" not in r.stdout and "reference path" in r.stdout   # not the timed path
 
 
 def test_every_job_is_refused_before_any_launch_for_bad_flags_or_memory(tmp_path):
