@@ -516,7 +516,7 @@ def trainer_script():
 def trainer_base(opt):
     """The trainer command the run's flags are appended to."""
     if opt.gpus_per_run > 1 and not os.environ.get("RUN_EXPERIMENTS_TRAINER"):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return [sys.executable, str(ROOT / "torchrun.py"), "--standalone",       # torchrun without its traceback
                 f"--nproc_per_node={opt.gpus_per_run}", str(ROOT / "train_c4.py")]
     return trainer_script()
 

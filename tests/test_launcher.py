@@ -490,7 +490,7 @@ def test_dry_run_of_quick_demo_and_multi_gpu_default_trainer(tmp_path):
     r = launch(tmp_path, "--dry-run", "--gpus", "0,1,2,3", "--gpus-per-run", "2", "--methods", "hc",
                "--depths", "32", "--seeds", "42", env=env)
     assert r.returncode == 0
-    assert "torch.distributed.run --standalone --nproc_per_node=2" in r.stdout
+    assert "torchrun.py --standalone --nproc_per_node=2" in r.stdout
     assert "--parallel fsdp" in r.stdout and "CUDA_VISIBLE_DEVICES=0,1 " in r.stdout
     # the plan shows the trainer's own resolution of auto, for 2 GPUs under FSDP
     assert re.search(r"micro-batch \d+ \(auto\), global batch 32, [\d.]+ of 80 GiB", r.stdout)
