@@ -172,7 +172,7 @@ class Config:
     out: str = option("runs", RUN_FOLDER, None, "folder holding the run folders")
     run_name: str = option("", RUN_FOLDER, None, "run folder name (default {residual}_d{depth}_s{seed})")
     resume: str = option("auto", RUN_FOLDER, ("auto", "never"), "auto: continue from the newest complete checkpoint; "
-        "never: refuse an existing run")
+        "never: start over, an earlier run's files moved to RUN/previous-N/")
     allow_changed_settings: bool = option(False, RUN_FOLDER, None, "resume a run folder although its training "
         "settings (lr, steps, batch, schedule, seed, data) differ from this command's; the change is recorded in the "
         "run folder (settings_changes.jsonl)")

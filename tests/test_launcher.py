@@ -796,3 +796,14 @@ os.kill(os.getpid(), signal.SIGKILL)
     status = json.loads((tmp_path / "runs" / "hc_d2_s1" / "status.json").read_text())
     assert status["state"] == "failed" and status["step"] == 3 and status["exit_code"] == 137
     assert "killed by signal 9" in status["reason"]
+
+
+def test_summary_of_a_run_with_a_step_beyond_int64_has_no_traceback(tmp_path):
+    run = tmp_path / "runs" / "hc_d2_s1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 9223372036854775808, "loss": 1.0}\n')
+    (run / "status.json").write_text('{"state": "running", "step": 1}')
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_REPORT=ROOT / "report.py")
+    r = launch(tmp_path, "--summary", env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "step beyond 2**63 - 1, line skipped" in r.stderr
