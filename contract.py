@@ -55,6 +55,13 @@ RUN_NAME_SUFFIX = {"stress": "_stress", "seed-study": "_seed-study"}
 METHODS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc")
 SINKHORN_METHODS = frozenset({"mhc"})                               # mhc-lite and identity-hc have no Sinkhorn
 COEFFICIENT_METHODS = frozenset({"hc", "mhc", "mhc-lite", "identity-hc"})
+# the settings only some arms have, and those arms: the trainer refuses such a flag given for another arm
+MIXING_METHODS = METHODS[1:]
+MHC_FAMILY = ("mhc", "mhc-lite", "identity-hc")
+ARMS_OF = {"sinkhorn_iters": ("mhc",), "hc_scale_init": ("hc",), "coefficient_norm": ("hc",),
+           "mhc_gate_init": MHC_FAMILY, "mhc_pre_bias": MHC_FAMILY, "mhc_tanh": MHC_FAMILY,
+           "mhc_res_diag": ("mhc", "mhc-lite"), **dict.fromkeys(("coefficients", "expansion", "read_stream",
+           "collapse", "dynamic_init_std", "kernels", "no_mixing_decay"), MIXING_METHODS)}
 ARM_DEFAULTS = {"sinkhorn_iters": 20, "coefficients": "token"}
 PRESET_ARM_DEFAULTS = {"seed-study": {"coefficients": "sequence"}}  # the public study's per-sequence model
 COEFFICIENT_SUFFIX = {"token": "_tok", "sequence": "_seq"}

@@ -34,8 +34,8 @@ def _plain(convert, pattern: str):
     return parse
 
 
-PARSE = {"int": _plain(int, r"[+-]?[0-9]+"),
-         "float": _plain(float, r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")}
+NUMBER = r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?"
+PARSE = {"int": _plain(int, r"[+-]?[0-9]+"), "float": _plain(float, NUMBER)}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -57,6 +57,8 @@ def build_parser(config_class, description: str, epilog: str) -> argparse.Argume
     """One flag per field, in --help groups in field order; a flag not given stays out of the parsed namespace."""
     parser = OneLineErrorParser(description=description, epilog=epilog, argument_default=argparse.SUPPRESS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    # argparse reads "-1e6" as a flag (it knows only "-1" and "-.5" as numbers): every plain number is a value
+    parser._negative_number_matcher = re.compile(NUMBER.replace("[+-]?", "-", 1) + "$")
     fields, allowed_names = dataclasses.fields(config_class), choices(config_class)
     groups = {title: parser.add_argument_group(title) for title in dict.fromkeys(f.metadata["group"] for f in fields)}
     for field in fields:
@@ -67,6 +69,15 @@ def build_parser(config_class, description: str, epilog: str) -> argparse.Argume
             group.add_argument(flag(field.name), type=PARSE.get(field.type, str), choices=allowed_names.get(field.name),
                                help=facts["help"] + f" (default {field.default!r}, or the preset's)")
     return parser
+
+
+def refuse_unused(explicit: dict, arm: str, arms_of: dict) -> None:
+    """A flag given for a setting the chosen arm does not have would change nothing: refused, naming the arms it
+    is for (`arms_of`: {field: those arms, in order}). A preset's own fields are not given, so they stay silent."""
+    for name, arms in arms_of.items():
+        if name in explicit and arm not in arms:
+            raise ConfigError(f"{flag(name)} has no effect on --residual {arm}; it applies to "
+                              f"{', '.join(arms)}")
 
 
 def check_bounds(cfg) -> None:

@@ -108,7 +108,7 @@ USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo|--demo-all] [--residual L
 
 
 class UsageError(Exception):
-    """A bad flag or environment knob: one line, the usage, exit 2."""
+    """A bad flag, environment knob or placement: one line (with the usage for a flag or knob), exit 2."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -472,8 +472,15 @@ def warn(message):
 
 
 def discover_gpus(opt):
-    """The GPU indices to use; ['cpu'] (one slot, its jobs see no GPU) when none is found."""
-    found = opt.gpus if opt.gpus is not None else nvidia_smi("index")
+    """The GPU indices to use; ['cpu'] (one slot, its jobs see no GPU) when none is found. --gpus may name only
+    GPUs of this node (with none found: of the documented 8-GPU node, the one a plan is then for)."""
+    listed = nvidia_smi("index")
+    node = listed or [str(i) for i in range(DOCUMENTED_NODE_GPUS)]
+    unknown = [g for g in opt.gpus or [] if g not in node]
+    if unknown:
+        raise UsageError(f"--gpus {','.join(unknown)}: this node has GPU(s) {','.join(node)}"
+                         + ("" if listed else " (none found here: the documented node's)"))
+    found = opt.gpus if opt.gpus is not None else listed
     gpus = [g for g in found if g not in opt.exclude_gpus]
     if found and not gpus:
         raise RunError("--exclude-gpus leaves no GPU to use")
@@ -483,7 +490,7 @@ def discover_gpus(opt):
             opt.gpus_per_run = 1
         return ["cpu"]
     if len(gpus) < opt.gpus_per_run:
-        raise RunError(f"--gpus-per-run {opt.gpus_per_run} but only {len(gpus)} GPU(s): {' '.join(gpus)}")
+        raise UsageError(f"--gpus-per-run {opt.gpus_per_run} but only {len(gpus)} GPU(s): {' '.join(gpus)}")
     return gpus
 
 
@@ -509,7 +516,7 @@ def trainer_script():
 def trainer_base(opt):
     """The trainer command the run's flags are appended to."""
     if opt.gpus_per_run > 1 and not os.environ.get("RUN_EXPERIMENTS_TRAINER"):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return [sys.executable, str(ROOT / "torchrun.py"), "--standalone",       # torchrun without its traceback
                 f"--nproc_per_node={opt.gpus_per_run}", str(ROOT / "train_c4.py")]
     return trainer_script()
 
@@ -1143,6 +1150,17 @@ class Matrix:
         """The trainer's own reason for its exit: status.json, else the last line of train.log."""
         return self.status(job).get("reason") or last_line(self.opt.out / job.name / "train.log")
 
+    def record_death(self, job, code):
+        """A trainer that died without recording its end (SIGKILL, rank 0 killed under torchrun) leaves status.json
+        `running`: the launcher, which saw the exit, records it as failed."""
+        path = self.opt.out / job.name / "status.json"
+        status = read_json(path)
+        if code in TRAINER_EXIT_CODES or status.get("state") != "running":
+            return
+        died = f"killed by signal {code - 128}" if code > 128 else f"exit {code}"
+        write_json(path, {**status, "state": "failed", "exit_code": code, "updated": time.time(),
+                          "reason": f"the trainer ended ({died}) without recording its state; seen by the launcher"})
+
     def on_exit(self, job, status):
         for g in job.gpus.split(","):
             if self.gpu_state[g] != "quarantined":
@@ -1150,6 +1168,7 @@ class Matrix:
         code = self.trainer_code(job, status)
         self.log("EXIT", f"{job.name} code={status}"
                          + (f" (trainer code {code} from status.json)" if code != status else "") + f" gpus={job.gpus}")
+        self.record_death(job, code)
         if self.stopping and code not in (EXIT_OK, EXIT_DIVERGED):
             job.state, job.reason = "interrupted", f"stopped by the launcher (exit {status}); resumes on the next run"
             return
@@ -1343,6 +1362,9 @@ def main(argv):
         gpus = discover_gpus(opt)
         node = this_node(opt, gpus)
         fill_node(opt, jobs, node.gpus)
+        if opt.gpus_per_run == 1 and extra_value(opt.extra, "--parallel") == "fsdp":
+            raise UsageError("-- --parallel fsdp shards a run over its GPUs under torchrun: give --gpus-per-run 2 "
+                             "or more")
         if opt.dry_run:
             return dry_run(opt, jobs, node)
         if opt.requests is None:
@@ -1360,6 +1382,9 @@ def main(argv):
     except RunError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_FAILED
+    except UsageError as error:      # what only the node or the matrix shows is wrong: nothing was launched
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except JobsRefused as error:
         for line in str(error).splitlines():
             print(f"{PROG}: error: {line}", file=sys.stderr)

@@ -952,9 +952,12 @@ def measured_rate(check: dict, cfg: Config, path: str, gpu: str) -> dict | None:
 
 def card_bytes(cfg: Config, gpu: str, card_gib: float | None = None) -> float:
     """The memory of one GPU of the launcher's node: --gpu-memory-gb, else what nvidia-smi said (card_gib), else
-    the named card's, else DEFAULT_GPU_MEMORY_GIB."""
+    the named card's (a card the table lacks is refused), else, for a CPU plan, DEFAULT_GPU_MEMORY_GIB."""
     if cfg.gpu_memory_gb > 0:
         return cfg.gpu_memory_gb * GiB
+    if not card_gib and gpu not in (*GPU_MEMORY_GIB, "cpu"):    # a plan for a card of unknown size is a guess
+        raise PlanError(f"GPU type {gpu!r} is not in the planner's table ({', '.join(GPU_MEMORY_GIB)}): give its "
+                        "memory with -- --gpu-memory-gb N")
     return (card_gib or GPU_MEMORY_GIB.get(gpu, DEFAULT_GPU_MEMORY_GIB)) * GiB
 
 

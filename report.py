@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import bisect
 import csv
+import errno
 import io
 import json
 import math
 import os
+import stat
 import sys
 import time
 import warnings
@@ -33,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from contract import ARM_DEFAULTS, COEFFICIENT_SUFFIX, RUN_NAME, RUN_NAME_SUFFIX, arm_settings
+from contract import ARM_DEFAULTS, COEFFICIENT_SUFFIX, METHODS, RUN_NAME, RUN_NAME_SUFFIX, arm_settings
 
 # --- config / CLI: constants every later section reads ------------------------------------------
 
@@ -224,10 +226,21 @@ def _timestamp(v):
     return _num(v)
 
 
+def open_regular(path):
+    """`path` opened for reading when it is a regular file: a FIFO would block (O_NONBLOCK: not even the open
+    waits), a device may never end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def read_json(path):
     """A JSON object from a small file, or None (missing, half-written, not an object)."""
     try:
-        obj = json.loads(path.read_text())
+        with open_regular(path) as f:
+            obj = json.loads(f.read())
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:     # RecursionError: nested too deeply to parse
@@ -261,20 +274,19 @@ def whole_number(value):
 def read_metrics(path, run):
     """Parse metrics.jsonl once, line by line, into run.series / run.layers / run.tokens."""
     clock, problems = WallClock(), LineProblems(path)
-    last_step, bad, last_bad, lineno = -1, 0, False, 0
-    with open(path, "rb") as f:
+    last_step, bad, cut, lineno = -1, 0, False, 0
+    with open_regular(path) as f:
         for lineno, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
                 step = whole_number(rec["step"])
             except (ValueError, KeyError, TypeError, IndexError, RecursionError):
-                if line.strip():
-                    bad, last_bad = bad + 1, True
+                if line.strip():        # only a last line without its newline was cut by a kill mid-write
+                    bad, cut = bad + 1, not line.endswith(b"\n")
                     run.first_bad_line = run.first_bad_line or lineno
                 continue
-            last_bad = False
-            if step < 0:
-                problems.add("negative step, line skipped", lineno)
+            if not 0 <= step < 2 ** 63:     # the trainer's steps are int64
+                problems.add(f"{'negative step' if step < 0 else 'step beyond 2**63 - 1'}, line skipped", lineno)
                 continue
             if step < last_step:            # resumed from an earlier checkpoint: newer log wins
                 for s in run.series.values():
@@ -285,7 +297,7 @@ def read_metrics(path, run):
             last_step = step
             clock.tick(_num(rec.get("time")))
             _keep(rec, step, run, problems, lineno)
-    run.bad_lines = bad - last_bad
+    run.bad_lines = bad - cut
     run.last_step = last_step if last_step >= 0 else None
     if lineno == 0:
         warn(f"{path}: empty, no step logged yet")
@@ -329,7 +341,7 @@ def identify(folder, config):
         return None
     try:
         return str(method).lower(), int(depth), (None if seed is None else int(seed))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):      # OverflowError: a depth of 1e400 (infinity)
         return None
 
 
@@ -345,6 +357,18 @@ def arm_of(folder, config, method):
     return (preset, *arm_settings(method, preset, int(iters) if iters else None, coefficients))
 
 
+RUN_STATES = ("running", "completed", "diverged", "failed", "interrupted")
+
+
+def read_status(path):
+    """status.json, its state dropped (with a warning) when it is none the trainer writes."""
+    status = read_json(path) or {}
+    if "state" in status and status["state"] not in RUN_STATES:
+        warn(f"{path}: state {str(status['state'])[:40]!r} is none of {', '.join(RUN_STATES)}; read as unknown")
+        del status["state"]
+    return status
+
+
 def load_run(folder):
     """Read one run folder; None (with a warning) when its method or depth cannot be told."""
     config = read_json(folder / "config.json")
@@ -352,8 +376,10 @@ def load_run(folder):
     if ident is None:
         warn(f"{folder}: no residual/depth in config.json and the name is not like hc_d48_s123; skipped")
         return None
-    run = Run(folder.name, folder, *ident, config=config or {},
-              status=read_json(folder / "status.json") or {},
+    if ident[0] not in METHODS:
+        warn(f"{folder}: residual {ident[0][:40]!r} is none of {', '.join(METHODS)}; skipped")
+        return None
+    run = Run(folder.name, folder, *ident, config=config or {}, status=read_status(folder / "status.json"),
               series={k: Series() for k in SCALAR_KEYS}, layers={k: Series() for k in LAYER_KEYS})
     run.preset, run.sinkhorn_iters, run.coefficients = arm_of(folder, config, run.method)
     clock = WallClock()
@@ -1385,7 +1411,8 @@ class Matrix:
 def read_matrix(root, log="matrix.log"):
     """The last invocation's QUEUE line and every job event after it; None without one."""
     try:
-        lines = (root / log).read_text(errors="replace").splitlines()
+        with open_regular(root / log) as f:
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
     starts = [i for i, line in enumerate(lines) if " QUEUE " in line]

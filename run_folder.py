@@ -26,6 +26,10 @@ def first_cause(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     lines = str(error).strip().splitlines()
+    if isinstance(error, pickle.UnpicklingError) and lines and lines[0].startswith("Weights only load failed"):
+        # torch's first line advises weights_only=False, the one thing never to do with a file of unknown origin
+        refused = next((line for line in lines[1:] if "GLOBAL" in line or "global" in line), "")
+        return f"UnpicklingError: it holds objects besides tensors and plain data, refused unread ({refused.strip()})"
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
@@ -56,11 +60,27 @@ def save_file(obj, path: Path) -> None:
     fsync_path(path)
 
 
+def open_own(path: Path, mode: str):
+    """open(path, mode) for a file of the run folder, never through a symbolic link (O_NOFOLLOW): a link there
+    would point the write at a file outside the folder."""
+    flags = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode]
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise ConfigError(f"{path} is a symbolic link; a run folder's files are never written through one: "
+                          "remove it") from None
+    return os.fdopen(fd, mode, buffering=1 if "b" not in mode else -1)
+
+
 def write_atomically(path: Path, write) -> None:
     """write(temp file), then rename it over `path`: readers see the old file or the new one, never half of one,
     and a failed write (full disk, quota, read-only, permission) leaves no temp file behind."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
+        tmp.unlink(missing_ok=True)             # a link left under the temp name would take the write elsewhere
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -88,10 +108,18 @@ def check_writable_folder(folder: Path, what: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # the lock and the logs: train.log, metrics.jsonl (append + flush), status.json (atomic, with a reserve)
 
+def refuse_links(run_dir: Path) -> None:
+    """A symbolic link among the run folder's own entries would take its writes outside --out: refused unread."""
+    links = sorted(entry.name for entry in os.scandir(run_dir) if entry.is_symlink())
+    if links:
+        raise ConfigError(f"{run_dir / links[0]} is a symbolic link; a run folder's files are never written through "
+                          "one: replace it with the file itself, or choose another --run-name")
+
+
 def lock_run_folder(run_dir: Path):
     """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
     so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
-    handle = open(run_dir / ".lock", "a+")
+    handle = open_own(run_dir / ".lock", "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -100,9 +128,10 @@ def lock_run_folder(run_dir: Path):
         handle.close()
         raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
                           "--run-name or --out") from None
-    handle.truncate(0)
-    handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
+    with contextlib.suppress(OSError):     # the flock is the lock; the note only names its holder (a full disk)
+        handle.truncate(0)
+        handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
     return handle
 
 
@@ -113,6 +142,7 @@ def _same_file(stream, path: Path) -> bool:
         return False
 
 
+STATUS_RESERVE = ".status-reserve"
 STATUS_RESERVE_BYTES = 1 << 20     # far more than any status.json; random bytes, which no file system compresses
 
 
@@ -123,16 +153,19 @@ class RunLog:
         self.run_dir, self.enabled = run_dir, enabled
         self.bar = None
         self.live = {}      # what status.json shows of a running run besides its state (README, "A run's folder")
+        # freed when the final status.json finds the disk full, so that the final state is still recorded
+        self.reserve = run_dir / STATUS_RESERVE
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            refuse_links(run_dir)
+            if (run_dir / ".lock").is_dir():        # no process can hold it, so none is writing this folder
+                raise self.refuse(f"{run_dir / '.lock'} is a folder, not the run's lock file; remove it and rerun")
             self.lock = lock_run_folder(run_dir)
-            # freed when status.json finds the disk full, so that the final state is still recorded
-            self.reserve = run_dir / ".status-reserve"
-            with contextlib.suppress(OSError):
-                self.reserve.write_bytes(os.urandom(STATUS_RESERVE_BYTES))
+            with contextlib.suppress(OSError), open_own(self.reserve, "wb") as reserve:
+                reserve.write(os.urandom(STATUS_RESERVE_BYTES))
             # the launcher already appends our stdout to train.log; writing it twice would double every line
             tee = not _same_file(sys.stdout, run_dir / "train.log")
-            self.log_file = open(run_dir / "train.log", "a", buffering=1) if tee else None
+            self.log_file = open_own(run_dir / "train.log", "a") if tee else None
             self.metrics_file = None
 
     def info(self, message: str) -> None:
@@ -157,7 +190,7 @@ class RunLog:
                 self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
                           "dropped")
             write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-        self.metrics_file = open(path, "a")
+        self.metrics_file = open_own(path, "a")
 
     def metrics(self, record: dict) -> None:
         if self.enabled:
@@ -170,7 +203,8 @@ class RunLog:
                                    "free disk space and rerun to resume") from error
 
     def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
-        """status.json, rewritten atomically on every change of state and at every log step."""
+        """status.json, rewritten atomically on every change of state and at every log step; only a final state
+        may spend the reserve (a `running` one that finds the disk full fails the run, which is then recorded)."""
         if not self.enabled:
             return
         record = {"state": state, "step": step, "exit_code": exit_code, "reason": reason, "updated": time.time(),
@@ -178,7 +212,7 @@ class RunLog:
         try:
             write_json_atomic(self.run_dir / "status.json", record)
         except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.reserve.exists():
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or state == "running" or not self.reserve.exists():
                 raise
             self.reserve.unlink()
             write_json_atomic(self.run_dir / "status.json", record)
@@ -197,6 +231,52 @@ class RunLog:
             return {}
         return previous if isinstance(previous, dict) else {}
 
+    def previous_config(self) -> dict | None:
+        """config.json's "config" record of the run in this folder; None without one; refused (log.refuse) when
+        unreadable: what made the run cannot be known."""
+        path = self.run_dir / "config.json"
+        if not path.exists():
+            return None
+        try:
+            old = json.loads(path.read_text())["config"]
+        except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+            old = None
+        if not isinstance(old, dict):
+            raise self.refuse(f"{path} is unreadable (no \"config\" record); move that run folder away or choose "
+                              "another --run-name")
+        return old
+
+    def lost_progress(self, ckpt_every: int) -> str | None:
+        """Why this folder, with no checkpoint left, must not start over: status.json names a checkpoint, or
+        metrics.jsonl goes past the first checkpoint step. None for a new folder, or one whose run ended before
+        its first checkpoint (it starts again and recomputes the same lines)."""
+        if not self.enabled:
+            return None
+        metrics = self.run_dir / "metrics.jsonl"
+        steps = [step for _, step in _metrics_records(metrics) if step is not None] if metrics.is_file() else []
+        saved = self.previous_status().get("last_checkpoint_step")
+        if not (type(saved) is int and saved > 0 or max(steps, default=0) > ckpt_every):
+            return None
+        return (f"{self.run_dir} holds a run's history (metrics to step {max(steps, default=0)}) but no checkpoint "
+                "to resume from; choose another --run-name, or pass --resume never to start over (its files are "
+                "moved aside, not deleted)")
+
+    def set_aside_history(self) -> None:
+        """--resume never: every file of an earlier run moves to RUN/previous-N/ (never deleted); the lock, the
+        reserve and train.log, which this run holds open, stay."""
+        if not self.enabled:
+            return
+        kept = {".lock", STATUS_RESERVE, "train.log"}
+        entries = [e for e in self.run_dir.iterdir() if e.name not in kept and not e.name.startswith("previous-")]
+        if not entries:
+            return
+        aside = next(self.run_dir / f"previous-{n}" for n in range(1, 1 << 30)
+                     if not (self.run_dir / f"previous-{n}").exists())
+        aside.mkdir()
+        for entry in entries:
+            os.replace(entry, aside / entry.name)
+        self.info(f"--resume never: the earlier run's files moved to {aside}; starting over")
+
     def record_changes(self, changes: dict, step: int) -> None:
         """A resume under changed training settings (--allow-changed-settings), said in the log and kept in
         settings_changes.jsonl."""
@@ -205,7 +285,7 @@ class RunLog:
         self.info(f"continuing at step {step} under changed settings (--allow-changed-settings): "
                   f"{changes_text(changes)}")
         if self.enabled:
-            with open(self.run_dir / "settings_changes.jsonl", "a") as f:
+            with open_own(self.run_dir / "settings_changes.jsonl", "a") as f:
                 f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
 
     def count_restart(self) -> None:
@@ -245,6 +325,12 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     found = [d for d in root.glob("step-*") if d.name[5:].isascii() and d.name[5:].isdigit()] if root.is_dir() else []
     return sorted(found, key=lambda d: int(d.name[5:]))
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Only the newest `keep` checkpoints stay (also on a resume: a kill may land between a seal and its prune)."""
+    for old in checkpoint_dirs(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def set_aside(folder: Path) -> Path:
@@ -359,8 +445,7 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sha
             marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
                       "files": dict(sorted(item for part in digests for item in part.items()))}
             seal(tmp, final, marker)
-            for old in checkpoint_dirs(run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune(run_dir, keep)
     except (OSError, CheckpointException) as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = checkpoint_dirs(run_dir)
@@ -414,10 +499,11 @@ def read_checkpoint(run_dir: Path, dist, log) -> tuple[Path, dict, dict] | None:
     return next(verified_checkpoints(newest_first(run_dir, dist), dist, log), None)
 
 
-def resume_from(run_dir: Path, dist, load, log) -> tuple[Path, dict] | None:
+def resume_from(run_dir: Path, dist, load, log, ckpt_every: int, keep: int) -> tuple[Path, dict] | None:
     """(folder, files) of the newest checkpoint that verifies and that `load(folder, files, marker)` takes (it
-    returns a problem or None); the newer ones are then set aside, to be written again. None without checkpoints;
-    when every one fails, refused and recorded (log.refuse): starting over would overwrite a run's history."""
+    returns a problem or None); the newer ones are then set aside, to be written again. None without checkpoints
+    in a folder without progress; when every one fails, or none is left of a run that made progress, refused and
+    recorded (log.refuse): starting over would overwrite a run's history."""
     problems = []
 
     def fall_back(line: str) -> None:
@@ -432,11 +518,16 @@ def resume_from(run_dir: Path, dist, load, log) -> tuple[Path, dict] | None:
                 if newer == folder:
                     break
                 log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
+            if dist.is_main:
+                prune(run_dir, keep)
             return folder, files
         fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
     if problems:
         raise log.refuse(f"no checkpoint of {run_dir} is usable (newest: {problems[0].split(';')[0]}); move that "
                          "folder away or choose another --run-name to start over")
+    lost = agreed_problem(dist, log.lost_progress(ckpt_every))
+    if lost:
+        raise log.refuse(lost)
     return None
 
 

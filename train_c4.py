@@ -41,7 +41,7 @@ from tqdm import tqdm
 import flags
 import fused
 import plan
-from failures import failure
+from failures import exit_process, failure
 from flags import COUNT, NATURAL, option
 from monitor import WANDB_MODES, Progress, device_name, run_record, start_wandb, wandb_record
 from plan import flops_per_token, gpu_peak_flops, parameter_summary
@@ -172,7 +172,7 @@ class Config:
     out: str = option("runs", RUN_FOLDER, None, "folder holding the run folders")
     run_name: str = option("", RUN_FOLDER, None, "run folder name (default {residual}_d{depth}_s{seed})")
     resume: str = option("auto", RUN_FOLDER, ("auto", "never"), "auto: continue from the newest complete checkpoint; "
-        "never: refuse an existing run")
+        "never: start over, an earlier run's files moved to RUN/previous-N/")
     allow_changed_settings: bool = option(False, RUN_FOLDER, None, "resume a run folder although its training "
         "settings (lr, steps, batch, schedule, seed, data) differ from this command's; the change is recorded in the "
         "run folder (settings_changes.jsonl)")
@@ -205,6 +205,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Defaults, then the preset, then explicit flags; every check that can fail before a run starts."""
     explicit = vars(build_parser().parse_args(argv))
     cfg = Config(**{**PRESETS[explicit.get("preset", "c4")], **explicit})
+    flags.refuse_unused(explicit, cfg.residual, contract.ARMS_OF)
     validate(cfg)
     if not cfg.run_name:
         cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset,
@@ -1096,22 +1097,15 @@ TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_
 
 
 def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
-    """Refuse to continue a run folder made by a different model, or any existing run under --resume never;
-    refuse changed training settings unless --allow-changed-settings. Returns the allowed changes
-    ({key: [old, new]})."""
-    path = run_dir / "config.json"
-    if not path.exists():
-        return {}
+    """Refuse to continue a run folder made by a different model; refuse changed training settings unless
+    --allow-changed-settings. Under --resume never an earlier run's files are moved aside. Returns the allowed
+    changes ({key: [old, new]})."""
     if cfg.resume == "never":
-        raise ConfigError(f"{run_dir} already holds a run and --resume never refuses to overwrite it; "
-                          "choose another --run-name or --out")
-    try:
-        old = json.loads(path.read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
-        old = None
-    if not isinstance(old, dict):
-        raise log.refuse(f"{path} is unreadable (no \"config\" record); move that run folder away or choose another "
-                         "--run-name")
+        log.set_aside_history()
+        return {}
+    old = log.previous_config()
+    if old is None:
+        return {}
     for key in MODEL_KEYS:
         was = old.get(key, Config.__dataclass_fields__[key].default)       # a key newer than the run: its default
         if was != getattr(cfg, key):
@@ -1332,7 +1326,8 @@ class Trainer:
 
     def restore(self) -> None:
         """Called after wrapping: FSDP loads its shards in place, resharded to this world size."""
-        found = resume_from(self.run_dir, self.dist, self._load, self.log)
+        found = resume_from(self.run_dir, self.dist, self._load, self.log, self.cfg.ckpt_every,
+                            self.cfg.keep_checkpoints)
         if found is None:
             return
         folder, files = found
@@ -1500,11 +1495,11 @@ def train(cfg: Config) -> None:
     dist = setup_distributed()
     trainer = build_trainer(cfg, dist)
     log, stop = trainer.log, StopRequest()
-    # a fresh start logs its own step-0 probe again, so nothing of an earlier attempt is kept
-    log.open_metrics(keep_through_step=trainer.step if trainer.step else -1)
-    log.count_restart()
-    log.status("running", trainer.step)
-    try:
+    try:        # from here every failure is recorded: a full disk may already refuse the first `running` state
+        # a fresh start logs its own step-0 probe again, so nothing of an earlier attempt is kept
+        log.open_metrics(keep_through_step=trainer.step if trainer.step else -1)
+        log.count_restart()
+        log.status("running", trainer.step)
         trainer.run(stop)
     except Diverged as error:
         log.status("diverged", trainer.step, EXIT_DIVERGED, str(error))
@@ -1570,17 +1565,6 @@ def main(argv: list[str] | None = None) -> int:
             # (-15) instead of with its own exit code
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return code
-
-
-def exit_process(code: int) -> None:
-    """Under torchrun, leave without the interpreter's teardown: after a clean destroy_process_group, gloo's
-    threads still abort about one rank exit in ten on a loaded CPU (std::terminate, SIGABRT), which turns a
-    finished run's exit 0 or a saved stop's 75 into a crash. Everything the run writes is flushed by then."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if "WORLD_SIZE" in os.environ:
-        os._exit(code)
-    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -102,14 +102,16 @@ def at_width(args, width: int) -> None:
 
 def config(args, residual: str, checkpointing: bool | None = None, module=T, kernels: str | None = None) -> T.Config:
     argv = ["--residual", residual, "--depth", str(args.depth), "--width", str(args.width), "--heads", str(args.heads),
-            "--expansion", str(args.n), "--seq-len", str(args.seq), "--tokenizer", args.tokenizer,
+            "--seq-len", str(args.seq), "--tokenizer", args.tokenizer,
             "--micro-batch-size", str(args.micro_batch), "--batch-size", str(args.micro_batch),
             "--dtype", args.dtype, "--probe-sequences", str(args.probe_sequences)]
     if args.activation_checkpointing if checkpointing is None else checkpointing:
         argv.append("--activation-checkpointing")
     if args.compile:
         argv.append("--compile")
-    if (kernels or args.kernels[0]) != "auto":               # trainers from before --kernels know only their one path
+    if residual != "baseline":      # the streams' settings: the trainer refuses them for the baseline, which has none
+        argv += ["--expansion", str(args.n)]
+    if (kernels or args.kernels[0]) != "auto" and residual != "baseline":   # older trainers: only their one path
         argv += ["--kernels", kernels or args.kernels[0]]
     return module.parse_config(argv)
 

@@ -5,8 +5,9 @@ silent nonsense (an exit 0 whose result is wrong, a status.json left untrue). No
 
 Trainer: each invocation resumes (or consolidates) a copy of a finished tiny run (checkpoints step-3 and
 step-6) after one to three random damages (crafted markers, train_state, model, optimizer and data states
-with their checksums fixed up, config.json, metrics lines, status.json, symlinked or misnamed folders), or
-runs a random command line. It runs in a process forked from this one (torch is imported once).
+with their checksums fixed up, config.json, metrics lines, status.json, symlinked or misnamed folders, a run
+folder entry that is a link to a file outside it, checkpoints deleted or emptied, a .lock that is a folder), with
+now and then a flag the arm does not have. It runs in a process forked from this one (torch is imported once).
 Launcher: run_experiments.sh --dry-run / --summary with random flags over a folder of crafted run folders.
 report.py: random crafted metrics.jsonl, status.json and config.json. Results go to docs/reliability.md.
 """
@@ -31,6 +32,7 @@ import run_folder  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 RUN = "mhc_d2_s42"
+VICTIM = "victim.txt"           # beside the trainer's --out: no invocation may change it
 BASE_ARGS = ["--preset", "tiny", "--steps", "6", "--ckpt-every", "3", "--eval-every", "3"]
 DEEP = "[" * 60_000 + "]" * 60_000
 JSON_VALUES = [None, [], {}, "abc", -1, 0, 1e400, 2.5, 10 ** 30, True, DEEP, {"config": None}, {"files": []},
@@ -57,7 +59,7 @@ def damage(run_dir, rng):
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
     folder = rng.choice(checkpoints) if checkpoints else None
     kind = rng.choice(["marker", "payload", "payload", "config", "metrics", "status", "symlink", "misnamed",
-                       "lock", "truncate"])
+                       "lock", "truncate", "link", "history", "lock folder"])
     if folder is None or kind == "config":
         value = rng.choice(JSON_VALUES)
         (run_dir / "config.json").write_text(DEEP if value is DEEP else json.dumps(value))
@@ -79,6 +81,17 @@ def damage(run_dir, rng):
         shutil.copytree(folder, run_dir / "checkpoints" / f"step-{rng.choice([4, 12])}", symlinks=True)
     elif kind == "lock":
         (run_dir / ".lock").write_text(rng.choice(["", "process 1 on nowhere\n", "\x00" * 100]))
+    elif kind == "link":        # the trainer must refuse it: VICTIM, outside --out, stays as it is
+        entry = run_dir / rng.choice([".status-reserve", ".lock", "train.log", "metrics.jsonl", "status.json"])
+        entry.unlink(missing_ok=True)
+        entry.symlink_to(run_dir.parent.parent / VICTIM)
+    elif kind == "history":
+        shutil.rmtree(run_dir / "checkpoints")
+        if rng.random() < 0.5:
+            (run_dir / "checkpoints").mkdir()
+    elif kind == "lock folder":
+        (run_dir / ".lock").unlink(missing_ok=True)
+        (run_dir / ".lock").mkdir()
     else:
         victim = folder / rng.choice(["model.pt", "optimizer.pt", run_folder.MARKER])
         victim.write_bytes(victim.read_bytes()[: rng.randrange(0, 200)])
@@ -151,6 +164,7 @@ def fuzz_trainer(count, rng, work, tally, examples):
     base = work / "base"
     code, _, stderr = forked([*BASE_ARGS, "--out", str(base)], work)
     assert code == 0, stderr
+    (work / VICTIM).write_text("not the trainer's\n")
     for i in range(count):
         out = work / f"t{i}"
         shutil.copytree(base, out, symlinks=True)
@@ -161,10 +175,13 @@ def fuzz_trainer(count, rng, work, tally, examples):
             code, _, stderr = forked(["--consolidate", str(run_dir), str(weights)], out)
             problem = nonsense_after_consolidate(run_dir, weights, code)
         else:
-            extra = rng.choice([[], [], ["--allow-changed-settings"],
-                                ["--no-mixing-decay", "--allow-changed-settings"]])
+            extra = rng.choice([[], [], ["--allow-changed-settings"], ["--no-mixing-decay", "--allow-changed-settings"],
+                                ["--hc-scale-init", "0.1"], ["--mhc-gate-init", "-1e6"], ["--resume", "never"]])
             code, _, stderr = forked([*BASE_ARGS, "--out", str(out), *extra], out)
             problem = nonsense_after_training(run_dir, code)
+        if (work / VICTIM).read_text() != "not the trainer's\n":
+            problem = f"{VICTIM}, outside --out, was written"
+            (work / VICTIM).write_text("not the trainer's\n")
         record(tally, examples, "trainer", code, stderr, problem, what)
         shutil.rmtree(out)
 
@@ -188,11 +205,17 @@ def crafted_runs(root, rng, count):
         lines = [json.dumps({"step": s, "loss": rng.choice([1.0, float("nan"), "x", None, 1e308]),
                              "amax_fwd": rng.choice([1.0, 50.0, float("inf"), [1, 2]])})
                  for s in range(rng.randrange(5))]
-        lines += rng.sample(["[]", DEEP, '{"step": 1e400}', '{"step": -1}', "{", '{"step": 2.5}', "\x00"], 2)
+        lines += rng.sample(["[]", DEEP, '{"step": 1e400}', '{"step": -1}', "{", '{"step": 2.5}', "\x00",
+                             '{"step": 9223372036854775808}', '{"step": "3"}'], 2)
         (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         for name in ("status.json", "config.json"):
-            value = rng.choice(JSON_VALUES + [{"state": "completed", "step": 1e400}, {"config": {"depth": "x"}}])
+            value = rng.choice(JSON_VALUES + [{"state": "completed", "step": 1e400}, {"config": {"depth": "x"}},
+                                              {"state": ["x"], "step": 1}, {"config": {"residual": "nope", "depth": 2}}])
             (run_dir / name).write_text(DEEP if value is DEEP else json.dumps(value))
+        if rng.random() < 0.1:      # must be skipped, never read: a read would block
+            victim = run_dir / rng.choice(["metrics.jsonl", "status.json", "config.json"])
+            victim.unlink()
+            os.mkfifo(victim)
 
 
 def fuzz_report(count, rng, work, tally, examples):
@@ -208,7 +231,8 @@ def fuzz_report(count, rng, work, tally, examples):
 
 LAUNCHER_FLAGS = [["--dry-run"], ["--summary"], ["--methods", "hc,mhc"], ["--methods", ""], ["--depths", "2,x"],
                   ["--seeds", "1e400"], ["--gpus", "0,1"], ["--gpus", "x"], ["--max-retries", "-1"], ["--quick"],
-                  ["--", "--lr", "nan"], ["--", "--steps", "3"], ["--stagger", "1e400"], ["--gpus-per-run", "3"]]
+                  ["--", "--lr", "nan"], ["--", "--steps", "3"], ["--stagger", "1e400"], ["--gpus-per-run", "3"],
+                  ["--gpus", "99"], ["--", "--parallel", "fsdp"], ["--gpu-type", "NVIDIA Nope"]]
 
 
 def fuzz_launcher(count, rng, work, tally, examples):

@@ -59,7 +59,31 @@ BAD_INPUT = [
     (["--probe-sequences", "100"], "--probe-sequences 100 exceeds the 8 held-out sequences"),
     (["--data-timeout", "0.0001"], "--data-timeout must be from 10"),
     (["--parallel", "fsdp"], "--parallel fsdp shards over torchrun's processes"),
+    # a flag the chosen arm does not have would change nothing
+    (["--residual", "baseline", "--coefficients", "sequence"], "--coefficients has no effect on --residual baseline"),
+    (["--residual", "baseline", "--sinkhorn-iters", "5"], "it applies to mhc"),
+    (["--residual", "baseline", "--expansion", "2"], "--expansion has no effect on --residual baseline"),
+    (["--residual", "baseline", "--collapse", "first"], "it applies to hc, mhc, mhc-lite, identity-hc"),
+    (["--residual", "baseline", "--read-stream", "first"], "--read-stream has no effect"),
+    (["--residual", "baseline", "--kernels", "fused"], "--kernels has no effect on --residual baseline"),
+    (["--residual", "baseline", "--no-mixing-decay"], "--no-mixing-decay has no effect"),
+    (["--residual", "hc", "--mhc-tanh"], "--mhc-tanh has no effect on --residual hc; it applies to mhc, mhc-lite"),
+    (["--residual", "hc", "--mhc-res-diag", "2"], "--mhc-res-diag has no effect on --residual hc"),
+    (["--residual", "mhc-lite", "--sinkhorn-iters", "5"], "--sinkhorn-iters has no effect on --residual mhc-lite"),
+    (["--residual", "identity-hc", "--sinkhorn-iters", "5"], "no effect on --residual identity-hc"),
+    (["--residual", "identity-hc", "--mhc-res-diag", "2"], "no effect on --residual identity-hc"),
+    (["--residual", "mhc", "--hc-scale-init", "0.1"], "--hc-scale-init has no effect on --residual mhc"),
 ]
+
+
+def test_a_presets_own_fields_stay_silent_and_negative_numbers_are_values():
+    assert T.parse_config(["--preset", "seed-study", "--residual", "hc"]).coefficients == "sequence"
+    assert T.parse_config(["--preset", "tiny", "--residual", "baseline"]).expansion == 4
+    assert T.parse_config(["--mhc-gate-init", "-1e6", "--mhc-pre-bias", "-.5", "--mhc-res-diag", "-2"]).mhc_gate_init \
+        == -1e6
+    assert T.parse_config(["--mhc-pre-bias", "-.5"]).mhc_pre_bias == -0.5
+    with pytest.raises(T.ConfigError, match="--seed must be from 0"):
+        T.parse_config(["--seed", "-1"])
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUT)

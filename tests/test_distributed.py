@@ -253,3 +253,14 @@ def test_ddp_and_fsdp_share_one_precision_policy(tmp_path):
         for key in ("amax_fwd", "amax_bwd", "amax_study", "amax_bwd_converged"):
             assert abs(ddp[key] - fsdp[key]) < 1e-5, (ddp["step"], key)
         assert ddp["sinkhorn_col_err"] == pytest.approx(fsdp["sinkhorn_col_err"], rel=0.1)
+
+
+def test_torchrun_py_leaves_the_ranks_own_line_and_their_exit_code(tmp_path):
+    """torchrun adds a ChildFailedError traceback and a failure table to every non-zero rank exit, and exits 1."""
+    done = subprocess.run([sys.executable, str(ROOT / "torchrun.py"), "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "train_c4.py"), "--preset", "tiny", "--depth", "99999"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    # torchrun may end the other rank (SIGTERM) before it has said the same
+    assert lines and set(lines) <= {f"error: rank {r}: --depth must be from 1 to 512, got 99999" for r in (0, 1)}

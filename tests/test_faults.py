@@ -150,6 +150,11 @@ def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(t
     monkeypatch.setattr(Path, "write_text", full_disk)
     with pytest.raises(OSError):
         log.status("running", 5)
+    # a running state leaves the reserve to the final state
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".status-reserve", "metrics.jsonl", "status.json",
+                                                          "train.log"]
+    with pytest.raises(OSError):
+        log.status("failed", 5, 1, "No space left on device")
     # the status-reserve file was spent on a second try, which failed too
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl", "status.json", "train.log"]
     assert json.loads((tmp_path / "status.json").read_text())["step"] == 0

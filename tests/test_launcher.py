@@ -490,7 +490,7 @@ def test_dry_run_of_quick_demo_and_multi_gpu_default_trainer(tmp_path):
     r = launch(tmp_path, "--dry-run", "--gpus", "0,1,2,3", "--gpus-per-run", "2", "--methods", "hc",
                "--depths", "32", "--seeds", "42", env=env)
     assert r.returncode == 0
-    assert "torch.distributed.run --standalone --nproc_per_node=2" in r.stdout
+    assert "torchrun.py --standalone --nproc_per_node=2" in r.stdout
     assert "--parallel fsdp" in r.stdout and "CUDA_VISIBLE_DEVICES=0,1 " in r.stdout
     # the plan shows the trainer's own resolution of auto, for 2 GPUs under FSDP
     assert re.search(r"micro-batch \d+ \(auto\), global batch 32, [\d.]+ of 80 GiB", r.stdout)
@@ -751,3 +751,59 @@ def test_slurm_dry_run_previews_the_submission_and_without_sbatch_nothing_is_lef
     r = launch(tmp_path, *args, env=env)
     assert r.returncode == 1 and "error: sbatch not found: --slurm submits from a SLURM login node" in r.stderr
     assert not list(tmp_path.rglob("slurm-matrix-*"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Refused before launching; a trainer that died without recording its end
+
+@pytest.mark.parametrize("args, message", [
+    (["--dry-run", "--", "--parallel", "fsdp"], "-- --parallel fsdp shards a run over its GPUs"),
+    (["--dry-run", "--gpus", "99"], "--gpus 99: this node has GPU(s) 0,1,2,3,4,5,6,7 (none found here"),
+    (["--dry-run", "--gpus", "0,1", "--gpus-per-run", "3"], "--gpus-per-run 3 but only 2 GPU(s)"),
+    (["--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", "--", "--parallel", "fsdp"],
+     "--gpus-per-run 2 or more"),
+])
+def test_what_the_node_cannot_run_is_refused_before_launching(tmp_path, args, message):
+    r = launch(tmp_path, *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_unknown_gpu_type_needs_its_memory(tmp_path):
+    env = launcher_env(tmp_path)
+    del env["RUN_EXPERIMENTS_TRAINER"]                  # the real trainer plans the jobs
+    matrix = ("--dry-run", "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpu-type", "NVIDIA Nope 12GB")
+    r = launch(tmp_path, *matrix, env=env, timeout=300)
+    assert r.returncode == 2 and "'NVIDIA Nope 12GB' is not in the planner's table" in r.stderr, r.stdout + r.stderr
+    r = launch(tmp_path, *matrix, "--", "--gpu-memory-gb", "12", env=env, timeout=300)
+    assert r.returncode == 0 and "of 12 GiB" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_trainer_killed_without_recording_its_end_is_recorded_by_the_launcher(tmp_path):
+    killed = tmp_path / "killed.py"
+    killed.write_text(f"""import json, os, signal, sys
+argv = sys.argv[1:]
+if "--plan-jobs" in argv:
+    os.execv(sys.executable, [sys.executable, {str(FAKE_TRAINER)!r}, *argv])
+folder = os.path.join(argv[argv.index("--out") + 1], argv[argv.index("--run-name") + 1])
+os.makedirs(folder, exist_ok=True)
+with open(os.path.join(folder, "status.json"), "w") as f:
+    json.dump({{"state": "running", "step": 3, "exit_code": None, "reason": "", "updated": 0}}, f)
+os.kill(os.getpid(), signal.SIGKILL)
+""")
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=f"{PY} {killed}")
+    launch(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", "--max-retries", "0", env=env)
+    status = json.loads((tmp_path / "runs" / "hc_d2_s1" / "status.json").read_text())
+    assert status["state"] == "failed" and status["step"] == 3 and status["exit_code"] == 137
+    assert "killed by signal 9" in status["reason"]
+
+
+def test_summary_of_a_run_with_a_step_beyond_int64_has_no_traceback(tmp_path):
+    run = tmp_path / "runs" / "hc_d2_s1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 9223372036854775808, "loss": 1.0}\n')
+    (run / "status.json").write_text('{"state": "running", "step": 1}')
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_REPORT=ROOT / "report.py")
+    r = launch(tmp_path, "--summary", env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "step beyond 2**63 - 1, line skipped" in r.stderr

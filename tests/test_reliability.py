@@ -371,3 +371,117 @@ def test_report_reads_a_crafted_matrix_log_with_a_warning(tmp_path, capsys):
     (tmp_path / "matrix.log").write_text("2026-01-01T00:00:00.000+0000 QUEUE slots=x runs=hc_d2_s1\n")
     assert report.read_matrix(tmp_path) is None
     assert "its last QUEUE line is unreadable" in capsys.readouterr().err
+
+
+# ---- links, history without a checkpoint, the reserve kept for the final state, a pruned resume
+
+@pytest.mark.parametrize("name", [".status-reserve", ".lock", "train.log", "metrics.jsonl", "checkpoints"])
+def test_a_link_in_a_run_folder_is_refused_and_its_target_untouched(tmp_path, name):
+    victim = tmp_path / "victim"
+    victim.write_text("data\n")
+    (tmp_path / "out" / "r").mkdir(parents=True)
+    (tmp_path / "out" / "r" / name).symlink_to(victim)
+    code, _, stderr = run(tmp_path / "out", "--steps", "2", "--run-name", "r")
+    assert code == 2 and one_line(stderr) and f"r/{name} is a symbolic link" in stderr, stderr
+    assert victim.read_text() == "data\n" and sorted(p.name for p in tmp_path.iterdir()) == ["out", "victim"]
+
+
+def test_the_run_folders_files_are_never_opened_through_a_link(tmp_path):
+    """What refuse_links checks at the start also holds for a link made later: O_NOFOLLOW."""
+    victim = tmp_path / "victim"
+    victim.write_text("data\n")
+    (tmp_path / "train.log").symlink_to(victim)
+    with pytest.raises(T.ConfigError, match="train.log is a symbolic link"):
+        run_folder.open_own(tmp_path / "train.log", "a")
+    assert victim.read_text() == "data\n"
+
+
+@pytest.mark.parametrize("emptied", [True, False])
+def test_a_run_with_history_but_no_checkpoint_is_refused_and_resume_never_moves_it_aside(finished, tmp_path,
+                                                                                         emptied):
+    out, run_dir = copy_of(finished, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    if emptied:
+        (run_dir / "checkpoints").mkdir()
+    else:       # a kill before the next log step: status.json does not name the checkpoint yet
+        status = status_of(run_dir)
+        del status["last_checkpoint_step"]
+        (run_dir / "status.json").write_text(json.dumps(status))
+    history = (run_dir / "metrics.jsonl").read_bytes()
+    code, _, stderr = run(out)
+    assert code == 2 and one_line(stderr), stderr
+    assert "metrics to step 20" in stderr and "--run-name" in stderr and "--resume never" in stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == history
+    assert status_of(run_dir)["state"] == "failed" and status_of(run_dir)["exit_code"] == 2
+    code, stdout, stderr = run(out, "--resume", "never")
+    assert code == 0 and "moved to" in stdout, stderr
+    assert (run_dir / "previous-1" / "metrics.jsonl").read_bytes() == history
+    assert (run_dir / "previous-1" / "config.json").exists() and status_of(run_dir)["state"] == "completed"
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(21))
+
+
+def test_a_running_state_on_a_full_disk_leaves_the_reserve_for_the_final_state(tmp_path, monkeypatch):
+    log = run_folder.RunLog(tmp_path, enabled=True)
+    real_write = run_folder.write_json_atomic
+
+    def full_while_reserved(path, obj):
+        if (tmp_path / ".status-reserve").exists():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, obj)
+
+    monkeypatch.setattr(run_folder, "write_json_atomic", full_while_reserved)
+    with pytest.raises(OSError):
+        log.status("running", 12)
+    assert (tmp_path / ".status-reserve").exists()
+    log.status("failed", 12, 1, "could not append step 13 (No space left on device)")
+    assert status_of(tmp_path)["state"] == "failed"
+
+
+def test_a_full_disk_after_a_checkpoint_still_records_the_failure(tmp_path):
+    """The disk fills right after step-10 is sealed: the next `running` state fails the run, which is recorded."""
+    prelude = """
+import errno, run_folder
+_seal, _write, _full = run_folder.seal, run_folder.write_json_atomic, []
+def seal(*args):
+    _seal(*args)
+    _full.append(True)
+def write(path, obj):
+    if _full and run_folder.Path(path.parent / ".status-reserve").exists():
+        raise OSError(errno.ENOSPC, "No space left on device")
+    _write(path, obj)
+run_folder.seal, run_folder.write_json_atomic = seal, write
+"""
+    code = f"{prelude}\nimport sys, train_c4\nsys.exit(train_c4.main({['--preset', 'tiny', '--out', str(tmp_path)]!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 1 and one_line(result.stderr), result.stderr
+    status = status_of(tmp_path / RUN)
+    assert status["state"] == "failed" and "No space left on device" in status["reason"]
+
+
+def test_a_lock_that_is_a_folder_is_refused_and_recorded(tmp_path):
+    (tmp_path / "out" / RUN / ".lock").mkdir(parents=True)
+    code, _, stderr = run(tmp_path / "out")
+    assert code == 2 and one_line(stderr) and ".lock is a folder" in stderr, stderr
+    status = status_of(tmp_path / "out" / RUN)
+    assert status["state"] == "failed" and status["exit_code"] == 2
+
+
+def test_a_resume_keeps_only_keep_checkpoints(tmp_path):
+    """A kill between a seal and its prune leaves one checkpoint too many; the rerun prunes it."""
+    assert run(tmp_path, "--ckpt-every", "5", "--keep-checkpoints", "3")[0] == 0
+    code, stdout, stderr = run(tmp_path, "--ckpt-every", "5", "--keep-checkpoints", "2")
+    assert code == 0, stderr
+    assert sorted(d.name for d in (tmp_path / RUN / "checkpoints").iterdir()) == ["step-15", "step-20"]
+
+
+def test_the_refusal_of_a_crafted_pickle_never_advises_weights_only_false(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    torch.save({"x": Payload()}, tmp_path / "model.pt")
+    with pytest.raises(Exception) as refused:
+        torch.load(tmp_path / "model.pt", weights_only=True)
+    line = run_folder.first_cause(refused.value)
+    assert "weights_only" not in line and "getcwd" in line and "refused" in line

@@ -3,6 +3,7 @@ computed by hand here (not by report.py's own helpers)."""
 import csv
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -673,3 +674,42 @@ def test_watch_view_from_matrix_log_and_live_status(tmp_path):
     assert rows[1].split() == ["0,1,2,3", "hc_d4_s2", "10/100", "4.500", "812", "2,000", "0:54:00"]
     assert rows[2:] == ["done: hc_d4_s1 completed", "queued: mhc_d4_s2", "failed: baseline_d4_s1 (matrix.log says why)"]
     assert report.main([str(tmp_path / "nothing"), "--watch"]) == 2
+
+
+# --- out-of-range values and files that are not regular: one warning each, never a traceback or a hang ---------
+
+@pytest.mark.parametrize("line, warning", [
+    ('{"step": 9223372036854775808, "loss": 1.0}', "step beyond 2**63 - 1, line skipped"),
+    ('{"step": "3", "loss": 1.0}', "skipped 1 unreadable metrics line(s)"),
+    ("[" * 60_000 + "]" * 60_000, "skipped 1 unreadable metrics line(s)"),
+])
+def test_an_out_of_range_last_line_is_kept_out_with_a_warning(tmp_path, line, warning):
+    hc_seed1(tmp_path)
+    with open(tmp_path / "hc_d4_s1" / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    done = subprocess.run([sys.executable, str(ROOT / "report.py"), str(tmp_path), "--no-plots"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count(warning) == 1 and "| HC | 4 | 1/1 |" in done.stdout, done.stderr
+
+
+def test_a_fifo_is_not_read_and_never_blocks(tmp_path):
+    d = hc_seed1(tmp_path)
+    for name in ("metrics.jsonl", "status.json"):
+        (d / name).unlink()
+        os.mkfifo(d / name)
+    done = subprocess.run([sys.executable, str(ROOT / "report.py"), str(tmp_path), "--no-plots"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("not a regular file") == 2
+
+
+def test_a_residual_or_state_that_is_none_the_trainer_writes_stays_out_of_the_table(tmp_path, capsys):
+    write_run(tmp_path, "hc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}], config={"residual": "nope"})
+    d = write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}])
+    (d / "status.json").write_text(json.dumps({"state": ["x"], "step": 1}))
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("residual 'nope' is none of baseline, hc, mhc") == 1
+    assert err.count("state \"['x']\" is none of running") == 1
+    assert "nope" not in out and "['x']" not in out and "| mHC | 4 |" in out
