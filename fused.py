@@ -13,12 +13,19 @@ from pathlib import Path
 import torch
 
 
+def study_variants(cfg) -> list[str]:
+    """The public study's variants of HC and mHC a config asks for (the kernels implement the papers' only)."""
+    papers = dict(hc_dynamic="stream", hc_write_init="all", mhc_bias_others="minus", mhc_post_bias=0.0,
+                  mixing_norm="plain", sinkhorn_order="columns-first", mixing_precision="fp32")
+    return [key for key, value in papers.items() if getattr(cfg, key) != value]
+
+
 def supports(cfg, path: str = "fused") -> bool:
     """Whether a path has the run's arm. fused: HC's and mHC's per-token coefficients as the papers write them;
     triton (triton_kernels.py): those of every arm with streams; reference: all. Every other arm and the public
     study's variants run the formulas whatever --kernels says (config.json's "kernels")."""
     papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \
-        and not cfg.mhc_tanh
+        and not cfg.mhc_tanh and not study_variants(cfg)
     arms = {"fused": ("baseline", "hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}
     return path == "reference" or (path in arms and cfg.residual in arms[path] and papers)
 
