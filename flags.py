@@ -75,8 +75,10 @@ def build_parser(config_class, description: str, epilog: str) -> argparse.Argume
     groups = {title: parser.add_argument_group(title) for title in dict.fromkeys(f.metadata["group"] for f in fields)}
     for field in fields:
         facts, group = field.metadata, groups[field.metadata["group"]]
-        if field.type == "bool":        # --no-X too: a bool a preset sets can be turned back
-            group.add_argument(flag(field.name), action=argparse.BooleanOptionalAction, help=facts["help"])
+        if field.type == "bool":        # --no-X too, so that a preset's switch can be turned back (not --no-no-X)
+            negatable = not field.name.startswith("no_")
+            group.add_argument(flag(field.name), action=argparse.BooleanOptionalAction if negatable else "store_true",
+                               help=facts["help"])
         elif facts["repeated"]:
             group.add_argument(flag(field.name), action="append", help=facts["help"] + f" (default {field.default!r})")
         else:

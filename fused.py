@@ -23,7 +23,8 @@ def study_variants(cfg) -> list[str]:
 def supports(cfg, path: str = "fused") -> bool:
     """Whether a path has the run's arm. fused: HC's and mHC's per-token coefficients as the papers write them;
     triton (triton_kernels.py): those of every arm with streams; reference: all. Every other arm and the public
-    study's variants run the formulas whatever --kernels says (config.json's "kernels")."""
+    study's variants run the formulas (config.json's "kernels"); train_c4.validate refuses an explicit
+    --kernels fused or triton for the study's variants (study_variants)."""
     papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \
         and not cfg.mhc_tanh and not study_variants(cfg)
     arms = {"fused": ("baseline", "hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}

@@ -43,8 +43,8 @@ import fused
 import plan
 from failures import failure
 from flags import COUNT, NATURAL, option
-from monitor import WANDB_MODES, Progress, device_name, run_record, start_wandb, wandb_record
-from plan import flops_per_token, gpu_peak_flops, parameter_summary
+from monitor import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
+from plan import flops_per_token, gpu_peak_flops
 from prefetch import Loader
 from run_folder import (RunLog, check_resumable, check_writable_folder, dcp_load, first_cause, resume_from,
                         rng_state, set_rng_state, write_checkpoint, write_json_atomic)
@@ -115,7 +115,7 @@ class Config:
     coefficient_norm: str = option("stream", MODEL, ("stream", "flat"), "HC's coefficients from each stream's own "
         "LayerNorm, or from the streams divided by the RMS of the flattened state (mHC-style)")
     dynamic_init_std: float = option(0.0, MODEL, (0, 1e6), "std of the initial dynamic mixing weights (HC's W_m, W_r, "
-        "W_b; mHC's phi): 0 starts them at zero")
+        "W_b; mHC's phi): 0 starts them at zero (the study's: 0.02, its 0.01 re-drawn by its init)")
     mhc_tanh: bool = option(False, MODEL, None, "a tanh on mHC's projected logits z, before the gates and biases")
     collapse: str = option("sum", MODEL, ("sum", "first"), "the n streams to one after the last block: their sum, or "
         "stream 0")
@@ -1158,28 +1158,8 @@ def unwrap(model: nn.Module) -> GPT:
 # and when a run may continue (check_resumable): run_folder.py
 
 # ----------------------------------------------------------------------------------------------
-# logging: what a run announces once; its files: run_folder.py (RunLog), its record, pace and W&B: monitor.py
-
-def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
-    cfg, log = trainer.cfg, trainer.log
-    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
-             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
-             f"({record['dtype']}, {record['attention']} attention)")
-    log.info(f"streams' kernels: {record['kernels']} ({record['kernels_reason']})")
-    log.info(f"model: {parameter_summary(params)}")
-    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
-             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
-    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
-             f"{trainer.flops_per_token:.3g} FLOPs per token")
-    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
-    read = len(set(trainer.loader.batches.owners))
-    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
-             f"data seed {cfg.data_seed}")
-    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
-    for line in odd_settings(cfg):
-        log.info(f"warning: {line}")
-
+# logging: what a run announces once (monitor.announce); its files: run_folder.py (RunLog), its record, pace and
+# W&B: monitor.py
 
 def held_out_source(data: DataFiles, val_data: str) -> str:
     if data.held_out_slice:
@@ -1517,7 +1497,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
-    announce(trainer, params, record, data)
+    announce(trainer, params, record, held_out_source(data, cfg.val_data), odd_settings(cfg))
     return trainer
 
 

@@ -78,6 +78,12 @@ def test_a_preset_after_the_separator_names_the_runs(tmp_path):
     assert {j.name for j in jobs} == {f"{m}_d32_s{s}_seed-study" for m in ("hc", "mhc") for s in (42, 123, 456)}
     flags = matrix.trainer_flags(opt, jobs[0])
     assert flags.count("--preset") == 1 and flag(flags, "--preset") == "seed-study"
+    # repeated presets reach the trainer together, in order, and name the runs as the trainer would
+    opt, jobs = jobs_of(tmp_path, "--residual", "hc", "--depth", "4", "--seed", "1", "--", "--preset", "demo",
+                        "--preset=seed-study")
+    assert [j.name for j in jobs] == ["hc_d4_s1_seed-study"]
+    flags = matrix.trainer_flags(opt, jobs[0])
+    assert flags.count("--preset") == 1 and flag(flags, "--preset") == "demo,seed-study"
 
 
 def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):

@@ -1,7 +1,9 @@
 """--preset seed-study against the public study's HC and mHC, rebuilt here from its choices as docs/model.md's table
 lists them ("The public study's model"): separate Linears of the flattened state, tanh, the study's biases and
 Sinkhorn, an RMSNorm with a learnable scale. Our code and this one get the same weights and must agree in fp64."""
+import json
 import math
+import types
 
 import pytest
 import torch
@@ -133,3 +135,135 @@ def test_seed_study_preset_equals_the_studys_layer_in_fp64(residual):
     assert (x_ours.grad - x_study.grad).abs().max() < 1e-10
     for (mine, theirs), grad in zip(pairs, ours_grads):
         assert (grad - flat(theirs, grad=True)).abs().max() < 1e-10
+
+
+# --- the preset: the study's recipe, each difference a setting to turn back ----------------------------------
+
+def test_each_difference_is_a_setting_that_turns_back_to_ours():
+    study, ours = study_config("hc"), T.parse_config(["--preset", "tiny", "--residual", "hc"])
+    assert (study.batch_size, study.steps, study.vocab) == (8, 5000, "exact")
+    assert T.padded_vocab_size("gpt2", study.vocab == "exact") == 50257
+    for key, value in contract.SEED_STUDY_MODEL.items():
+        assert getattr(study, key) == value != getattr(ours, key), key
+        flag = "--" + key.replace("_", "-")
+        back = [f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(getattr(ours, key))]
+        assert getattr(study_config("hc", *back), key) == getattr(ours, key), key
+    turned_back = T.HyperConnection(study_config("hc", "--hc-write-init", "all"), 0)
+    assert torch.equal(turned_back.B_static.detach(), torch.ones(N))
+    assert torch.equal(T.HyperConnection(study_config("hc"), 0).B_static.detach(), torch.eye(N)[0])
+
+
+def test_the_study_model_is_trained_as_the_study_trains_it():
+    """Output projections and dynamic weights at 0.02 (the study's re-draw), weight decay on every parameter."""
+    cfg = dataclasses_replace(study_config("hc"), depth=8, width=64, heads=2)
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    assert 0.017 < model.blocks[0].mlp.inner.proj.weight.std() < 0.023
+    assert 0.017 < model.blocks[0].attn_conn.dynamic.weight.std() < 0.023
+    decayed = T.make_optimizer(model, cfg).param_groups[0]["params"]
+    assert len(decayed) == len(list(model.parameters()))
+    turned_back = dataclasses_replace(cfg, proj_init="scaled", weight_decay_on="matrices")
+    ours = T.GPT(turned_back)
+    assert ours.blocks[0].mlp.inner.proj.weight.std() < 0.006
+    assert len(T.make_optimizer(ours, turned_back).param_groups[0]["params"]) < len(decayed)
+
+
+def test_the_kernels_refuse_the_studys_variants_and_auto_takes_the_formulas():
+    for path in ("fused", "triton"):
+        with pytest.raises(T.ConfigError, match=f"--kernels {path} has the papers' HC and mHC only"):
+            study_config("mhc", "--kernels", path)
+        assert not fused.supports(study_config("mhc"), path)
+    assert T.kernel_path(study_config("hc"), torch.device("cpu"))[0] == "reference"
+
+
+def dataclasses_replace(cfg, **changes):
+    return T.dataclasses.replace(cfg, **changes)
+
+
+# --- presets compose, and a run is named after its settings --------------------------------------------------
+
+def test_presets_compose_in_order_with_explicit_flags_last():
+    listed = T.parse_config(["--preset", "demo,seed-study", "--residual", "hc", "--steps", "3"])
+    repeated = T.parse_config(["--preset", "demo", "--preset", "seed-study", "--residual", "hc", "--steps", "3"])
+    assert listed == repeated and listed.preset == "demo,seed-study"
+    assert (listed.width, listed.data, listed.batch_size, listed.steps, listed.hc_dynamic) == (
+        128, "sample", 8, 3, "state")
+    assert T.parse_config(["--preset", "seed-study,demo"]).batch_size == 16       # the later preset wins
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "demo,nonsense"], "--preset: unknown 'nonsense'"),
+    (["--preset", "demo,c4"], "--preset demo,c4: c4 is the defaults and combines with no other"),
+    (["--preset", "demo,odd-batch"], "--preset demo,odd-batch cannot compose: --batch-size 12 is not divisible by "
+                                     "--micro-batch-size 16"),
+])
+def test_presets_that_cannot_compose_are_one_line_and_exit_2(argv, message, monkeypatch, capsys):
+    monkeypatch.setitem(T.PRESETS, "odd-batch", {"batch_size": 12})
+    assert T.main(argv) == contract.EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_run_is_named_after_its_settings_however_they_were_asked():
+    by_flags = ["--coefficients", "sequence"] + [
+        arg for key, value in contract.SEED_STUDY_MODEL.items()
+        for arg in ([f"--{key.replace('_', '-')}"] if value is True else [f"--{key.replace('_', '-')}", str(value)])]
+    for argv in (["--preset", "seed-study"], ["--preset", "demo,seed-study", "--depth", "32"], by_flags):
+        assert T.parse_config([*argv, "--residual", "hc"]).run_name == "hc_d32_s42_seed-study", argv
+    assert T.parse_config(["--preset", "seed-study", "--preset", "stress", "--residual", "hc"]).run_name == \
+        "hc_d32_s42_seed-study-stress"
+    assert T.parse_config(["--residual", "hc", "--depth", "48", "--seed", "123"]).run_name == "hc_d48_s123"
+    assert T.parse_config(["--preset", "stress", "--residual", "mhc"]).run_name == "mhc_d32_s42_stress"
+    # one setting turned back: no longer the study's model, so not named after it
+    assert T.parse_config(["--preset", "seed-study", "--residual", "hc", "--no-mhc-tanh"]).run_name == \
+        "hc_d32_s42_seq"
+
+
+# --- the study's reading on its own scope: the training batch, every step, full depth ---------------------------
+
+def study_reading(H_means):
+    """The study's full-depth reading of per-sublayer batch means: H_1 ... H_L, max of abs row and column sums."""
+    Q = H_means[0]
+    for H in H_means[1:]:
+        Q = Q @ H
+    return max(Q.abs().sum(-1).max().item(), Q.abs().sum(-2).max().item())
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_the_study_reading_comes_from_the_training_forwards_of_the_whole_batch(residual, tmp_path):
+    """Four micro-batches of two: the batch mean of each H_res from the forwards that trained, one forward each."""
+    cfg = study_config(residual, "--micro-batch-size", "2", "--out", str(tmp_path), "--wandb", "disabled")
+    trainer = T.build_trainer(cfg, T.Dist(0, 1, torch.device("cpu")))
+    model, batches, forwards = T.unwrap(trainer.model), [], []
+    try:
+        with torch.no_grad():
+            for name, p in model.named_parameters():       # far from init, so that the streams really mix
+                if "_conn." in name:
+                    p.add_(0.3 * torch.randn_like(p))
+        next_batch = trainer.loader.next_batch
+        trainer.loader.next_batch = lambda: batches.append(next_batch()) or batches[-1]
+        model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        loss, stop, reading = trainer.micro_steps(types.SimpleNamespace(requested=False)).tolist()
+    finally:
+        trainer.loader.close()
+    assert len(batches) == len(forwards) == 4 and stop == 0
+    with torch.no_grad():
+        means = 0
+        for x, _ in batches:
+            records = []
+            model(x, mixing_out=records)
+            means = means + torch.stack([H.double().reshape(-1, N, N).mean(0) for H, _ in records]) / len(batches)
+    assert reading == pytest.approx(study_reading(means), rel=1e-6)
+    assert abs(reading - 1) > 1e-3 if residual == "hc" else abs(reading - 1) < 1e-5     # mHC: doubly stochastic
+
+
+def test_every_training_step_logs_the_study_reading_and_the_baseline_logs_one(tmp_path):
+    for residual in ("baseline", "hc"):
+        code = T.main(["--preset", "tiny,seed-study", "--residual", residual, "--steps", "3", "--out", str(tmp_path),
+                       "--wandb", "disabled"])
+        assert code == 0
+    for name, exactly_one in (("baseline_d2_s42_seed-study", True), ("hc_d2_s42_seed-study", False)):
+        lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        readings = [line[contract.STUDY_TRAIN_KEY] for line in lines if line["step"] > 0 and "loss" in line]
+        assert len(readings) == 3 and all(math.isfinite(r) for r in readings)
+        assert (readings == [1.0] * 3) == exactly_one
