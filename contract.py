@@ -71,7 +71,7 @@ TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_
                  "no_mixing_decay", "weight_decay_on", "seed", "data", "val_data", "data_seed", "data_streams",
                  "shuffle_buffer")
 
-# The metrics.jsonl key of the study's own reading on the training batch (train_c4's study_train_gain)
+# The metrics.jsonl key of the study's own reading of each training batch (train_c4's Trainer.micro_steps)
 STUDY_TRAIN_KEY = "amax_study_train"
 
 # The residual arms and the two settings only some of them have: the launcher multiplies a setting's list only for

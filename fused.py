@@ -7,17 +7,21 @@ is one contiguous slab: a per-token mixing becomes n x n scaled adds of slabs in
 token, and each backward adds its term of x's gradient in place. Why each piece exists and what it saved, as
 measured on a 2-core CPU: docs/benchmarks.md; the derivations of the backward passes: docs/model.md.
 """
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 
+# the public study's variants that change the connections' maths, not only their initial values
+STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "hc_dynamic", "sinkhorn_order")
+
+
 def study_variants(cfg) -> list[str]:
-    """The public study's variants of HC and mHC a config asks for (the kernels implement the papers' only)."""
-    papers = dict(hc_dynamic="stream", hc_write_init="all", mhc_bias_others="minus", mhc_post_bias=0.0,
-                  mixing_norm="plain", sinkhorn_order="columns-first", mixing_precision="fp32")
-    return [key for key, value in papers.items() if getattr(cfg, key) != value]
+    """The study's variants a config asks for, away from their defaults: the kernels implement the papers' maths."""
+    defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
+    return [key for key in STUDY_VARIANTS if getattr(cfg, key) != defaults[key]]
 
 
 def supports(cfg, path: str = "fused") -> bool:

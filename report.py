@@ -341,8 +341,8 @@ def arm_of(folder, config, method):
     m = RUN_NAME.match(folder.name)
     named = m.groupdict() if m else {}
     preset = cfg.get("preset") if isinstance(cfg.get("preset"), str) else PRESET_OF_SUFFIX.get(named.get("suffix"), "")
-    if all(key in cfg for key in SEED_STUDY_MODEL):      # the study's model, however it was asked, is its arm
-        preset = named_arm(preset, cfg) or preset
+    if all(key in cfg for key in SEED_STUDY_MODEL):      # the study's arm where its settings are, however asked
+        preset = named_arm(preset, cfg) or ",".join(name for name in preset.split(",") if name != "seed-study") or "c4"
     iters = cfg.get("sinkhorn_iters") if isinstance(cfg.get("sinkhorn_iters"), int) else named.get("sinkhorn_iters")
     coefficients = cfg.get("coefficients") if isinstance(cfg.get("coefficients"), str) \
         else COEFFICIENTS_OF_SUFFIX.get(named.get("coefficients"))

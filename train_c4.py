@@ -228,14 +228,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
     The run's name comes from its settings, however they were asked for (contract.run_name)."""
     explicit = vars(build_parser().parse_args(argv))
     names = flags.preset_names(explicit.pop("preset", ["c4"]), PRESETS)
-    presets = Config(**{key: value for name in names for key, value in PRESETS[name].items()}, preset=",".join(names))
+    composed = Config(**{key: value for name in names for key, value in PRESETS[name].items()}, preset=",".join(names))
     try:                # what the presets alone make impossible is theirs to answer for, not the flags'
-        validate(presets)
-        micro = presets.micro_batch_size
-        plan.check_batch_split(presets, 1, None if micro == "auto" else int(micro))
+        validate(composed)
+        micro = composed.micro_batch_size
+        plan.check_batch_split(composed, 1, None if micro == "auto" else int(micro))
     except (ConfigError, plan.PlanError) as error:
-        raise ConfigError(f"--preset {presets.preset} cannot compose: {error}") from None
-    cfg = dataclasses.replace(presets, **explicit)
+        raise ConfigError(f"--preset {composed.preset} cannot compose: {error}") from None
+    cfg = dataclasses.replace(composed, **explicit)
     validate(cfg)
     if not cfg.run_name:
         cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset,
@@ -422,11 +422,12 @@ class HyperConnection(_StreamMixing):
     def __init__(self, cfg: Config, sublayer_index: int, kernels: str = "reference"):
         super().__init__(cfg, kernels)
         n, self.flat_norm, self.of_state = self.n, cfg.coefficient_norm == "flat", cfg.hc_dynamic == "state"
+        # the HC paper's W_m | W_r (n columns) | W_b of each stream; the study's read | write | mix of the whole state
+        self.dynamic = nn.Linear(n * cfg.width, 2 * n + n * n, bias=False) if self.of_state else nn.Linear(
+            cfg.width, n + 2, bias=False)
+        if self.of_state:               # the study's mix has a scale of its own
+            self.s_r = nn.Parameter(torch.tensor(cfg.hc_scale_init))
         # the HC paper's init, under which HC computes exactly a pre-norm transformer
-        self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)          # W_m | W_r (n columns) | W_b
-        if self.of_state:   # the study's: read | write | mix from the whole state, the mix with a scale of its own
-            self.dynamic, self.s_r = nn.Linear(n * cfg.width, 2 * n + n * n, bias=False), nn.Parameter(
-                torch.tensor(cfg.hc_scale_init))
         nn.init.zeros_(self.dynamic.weight)
         self.A_m_static = nn.Parameter(read_stream(cfg, sublayer_index).float())
         self.A_r_static = nn.Parameter(torch.eye(n))
