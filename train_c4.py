@@ -333,7 +333,7 @@ class PreNorm(nn.Sequential):
         self.norm, self.inner = StreamNorm(cfg.width, eps=cfg.norm_eps), inner        # applied in this order
 
 
-def mixing_precision(x: torch.Tensor, autocast: bool = False):
+def mixing_autocast(x: torch.Tensor, autocast: bool = False):
     """Autocast off, so that the streams are mixed in fp32 and never rounded to bf16; or, for the study's
     --mixing-precision autocast, left as the run set it."""
     return contextlib.nullcontext() if autocast else torch.autocast(x.device.type, enabled=False)
@@ -342,10 +342,10 @@ def mixing_precision(x: torch.Tensor, autocast: bool = False):
 def stream_update(x, H_pre, H_post, H_res, sublayer, autocast: bool = False):
     """x_next = H_res x + H_post^T F(norm(H_pre x)) per token, x (..., n, C), H_pre and H_post (..., n), H_res
     (..., n, n); sublayer is F(norm(.)). The streams keep their dtype (fp32) under either precision."""
-    with mixing_precision(x, autocast):
+    with mixing_autocast(x, autocast):
         u = torch.einsum("...j,...jc->...c", H_pre, x)
     y = sublayer(u).to(x.dtype)
-    with mixing_precision(x, autocast):
+    with mixing_autocast(x, autocast):
         return (H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)).to(x.dtype)
 
 
@@ -437,7 +437,7 @@ class HyperConnection(_StreamMixing):
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and no logits, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
-        with mixing_precision(x, self.autocast):                       # the coefficients in fp32 (or fp64)
+        with mixing_autocast(x, self.autocast):                       # the coefficients in fp32 (or fp64)
             x = x.to(dtype)
             if self.flat_norm:          # the public study's: every stream divided by one RMS of the whole state
                 xb = self.scaled(x * torch.rsqrt(x.square().mean((-2, -1), keepdim=True) + self.eps))
@@ -487,7 +487,7 @@ class ManifoldHyperConnection(_StreamMixing):
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and the logits projected, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
-        with mixing_precision(x, self.autocast):
+        with mixing_autocast(x, self.autocast):
             v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
             z = F.linear(self.scaled(v.unflatten(-1, (n, -1))).flatten(-2), self.phi.weight.to(dtype)) * torch.rsqrt(
                 v.square().mean(-1, keepdim=True) + self.eps)

@@ -267,3 +267,26 @@ def test_every_training_step_logs_the_study_reading_and_the_baseline_logs_one(tm
         readings = [line[contract.STUDY_TRAIN_KEY] for line in lines if line["step"] > 0 and "loss" in line]
         assert len(readings) == 3 and all(math.isfinite(r) for r in readings)
         assert (readings == [1.0] * 3) == exactly_one
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_mixing_precision_autocast_mixes_under_the_runs_bf16_and_keeps_fp32_streams(residual):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, N, WIDTH)
+    outputs = {}
+    for precision in ("fp32", "autocast"):
+        cfg = study_config(residual, "--mixing-precision", precision)
+        torch.manual_seed(1)
+        conn, sublayer = T.CONNECTIONS[residual](cfg, 0), T.PreNorm(cfg, T.MLP(cfg))
+        with torch.no_grad():
+            for p in conn.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs[precision] = conn(x, sublayer)[0]
+        assert outputs[precision].dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        plain = conn.coefficients(x.mean(1, keepdim=True))[2]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded = conn.coefficients(x.mean(1, keepdim=True))[2]
+    assert (plain - rounded).abs().max() > 1e-4          # the coefficients were computed in bf16
+    assert (outputs["fp32"] - outputs["autocast"]).abs().max() > 1e-4
