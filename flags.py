@@ -51,8 +51,8 @@ def preset_names(given: list[str], presets: dict) -> list[str]:
     names = [name.strip() for value in given for name in value.split(",")]
     unknown = [name for name in names if name not in presets]
     if unknown:
-        raise ConfigError(f"--preset: unknown {unknown[0]!r} (choose from {', '.join(presets)}; combine them as "
-                          "demo,seed-study)")
+        raise ConfigError(f"--preset: invalid choice: {unknown[0]!r} (choose from {', '.join(presets)}; combine "
+                          "them as demo,seed-study)")
     defaults = [name for name in names if not presets[name]]
     if len(names) > 1 and defaults:         # "demo,c4" cannot mean both the demo and the defaults
         raise ConfigError(f"--preset {','.join(names)}: {defaults[0]} is the defaults and combines with no other")

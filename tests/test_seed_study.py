@@ -192,7 +192,7 @@ def test_presets_compose_in_order_with_explicit_flags_last():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--preset", "demo,nonsense"], "--preset: unknown 'nonsense'"),
+    (["--preset", "demo,nonsense"], "--preset: invalid choice: 'nonsense'"),
     (["--preset", "demo,c4"], "--preset demo,c4: c4 is the defaults and combines with no other"),
     (["--preset", "demo,odd-batch"], "--preset demo,odd-batch cannot compose: --batch-size 12 is not divisible by "
                                      "--micro-batch-size 16"),
