@@ -47,7 +47,32 @@ class RunFailed(TrainerError):
 
 
 # A preset that changes the recipe gets its own run names, so its runs share an out folder with the main matrix.
-RUN_NAME_SUFFIX = {"stress": "_stress", "seed-study": "_seed-study"}
+RUN_NAME_SUFFIX = {"stress": "_stress", "seed-study": "_seed-study", "seed-study,stress": "_seed-study-stress"}
+
+# The public study's model (docs/model.md, "The public study's model"): a run whose settings are all these is named
+# after it however it was asked (--preset seed-study or the flags one by one). Its per-sequence coefficients are an
+# arm setting (PRESET_ARM_DEFAULTS), so that its token arm is named `_tok_seed-study`.
+SEED_STUDY_MODEL = dict(coefficient_norm="flat", read_stream="first", mhc_tanh=True, collapse="first",
+                        hc_dynamic="state", hc_write_init="first", mhc_res_diag=2.0, mhc_pre_bias=2.0,
+                        mhc_bias_others="zero", mhc_post_bias=2.0, dynamic_init_std=0.02, proj_init="flat",
+                        sinkhorn_order="rows-first", mixing_norm="scaled", weight_decay_on="all",
+                        mixing_precision="autocast")
+
+# config keys whose change makes a different model: resuming over them would mix two experiments
+MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
+              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
+              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse", "hc_dynamic",
+              "hc_write_init", "mhc_bias_others", "mhc_post_bias", "proj_init", "sinkhorn_order", "mixing_norm",
+              "mixing_precision", "vocab")
+# keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
+# them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
+# batches and the maths stay the same.
+TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
+                 "no_mixing_decay", "weight_decay_on", "seed", "data", "val_data", "data_seed", "data_streams",
+                 "shuffle_buffer")
+
+# The metrics.jsonl key of the study's own reading of each training batch (train_c4's Trainer.micro_steps)
+STUDY_TRAIN_KEY = "amax_study_train"
 
 # The residual arms and the two settings only some of them have: the launcher multiplies a setting's list only for
 # the methods that have it (no duplicate jobs), and a run name carries a setting only where it differs from its
@@ -70,19 +95,33 @@ RUN_NAME = re.compile(r"^(?P<method>[A-Za-z]+(?:-[A-Za-z]+)*)_d(?P<depth>\d+)_s(
                       r"(?:_it(?P<sinkhorn_iters>\d+))?(?:_(?P<coefficients>tok|seq))?(?P<suffix>_[a-z][a-z-]*)?$")
 
 
+def named_arm(presets: str | None, settings: dict | None = None) -> str | None:
+    """The key of RUN_NAME_SUFFIX a run is named after: "seed-study" where the settings (else the presets, comma
+    separated, as the launcher knows them) are the study's model, "stress" where the stress preset is among them."""
+    names = (presets or "").split(",")
+    study = all(settings.get(k) == v for k, v in SEED_STUDY_MODEL.items()) if settings else "seed-study" in names
+    return ",".join(name for name, applies in (("seed-study", study), ("stress", "stress" in names)) if applies) or None
+
+
+def _arm_defaults(preset):
+    return {**ARM_DEFAULTS, **(PRESET_ARM_DEFAULTS["seed-study"] if "seed-study" in (preset or "") else {})}
+
+
 def arm_settings(method, preset=None, sinkhorn_iters=None, coefficients=None):
     """(sinkhorn_iters, coefficients) as they apply to `method`: None where it has no such setting, the preset's
     default where not given."""
-    defaults = {**ARM_DEFAULTS, **PRESET_ARM_DEFAULTS.get(preset, {})}
+    defaults = _arm_defaults(preset)
     iters = (sinkhorn_iters or defaults["sinkhorn_iters"]) if method in SINKHORN_METHODS else None
     coefficients = (coefficients or defaults["coefficients"]) if method in COEFFICIENT_METHODS else None
     return iters, coefficients
 
 
-def run_name(method, depth, seed, preset=None, sinkhorn_iters=None, coefficients=None):
-    """`{method}_d{depth}_s{seed}`, then `_it{N}` and `_seq`/`_tok` where they differ from the preset's defaults,
-    then the preset's suffix: `hc_d48_s123`, `mhc_d32_s42_it100`, `hc_d32_s42_seq`, `hc_d32_s42_seed-study`."""
-    defaults = {**ARM_DEFAULTS, **PRESET_ARM_DEFAULTS.get(preset, {})}
+def run_name(method, depth, seed, preset=None, sinkhorn_iters=None, coefficients=None, settings=None):
+    """`{method}_d{depth}_s{seed}`, then `_it{N}` and `_seq`/`_tok` where they differ from the arm's defaults,
+    then the named arm's suffix (named_arm: from `settings` where given, else the presets `preset` names):
+    `hc_d48_s123`, `mhc_d32_s42_it100`, `hc_d32_s42_seq`, `hc_d32_s42_seed-study`."""
+    preset = named_arm(preset, settings)
+    defaults = _arm_defaults(preset)
     iters, coefficients = arm_settings(method, preset, sinkhorn_iters, coefficients)
     arm = f"_it{iters}" if iters not in (None, defaults["sinkhorn_iters"]) else ""
     arm += COEFFICIENT_SUFFIX[coefficients] if coefficients not in (None, defaults["coefficients"]) else ""

@@ -15,7 +15,7 @@ from safetensors.torch import save_file as save_safetensors
 
 import flags
 import train_c4 as T
-from contract import ConfigError, TrainerError
+from contract import MODEL_KEYS, ConfigError, TrainerError
 from run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause, safe_dcp,
                         save_file, verified_checkpoints, write_atomically)
 
@@ -54,7 +54,7 @@ def consolidate(source: Path, out: Path) -> str:
     # the model's own shapes again (FSDP held its scalars as 1-element vectors); the head is the embedding
     state = {key: state[key].reshape(like.shape) for key, like in reference.items()}
     state["lm_head.weight"] = state["wte.weight"]
-    write_weights(out, state, {key: getattr(cfg, key) for key in T.MODEL_KEYS}, folder)
+    write_weights(out, state, {key: getattr(cfg, key) for key in MODEL_KEYS}, folder)
     count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
     return (f"{out} and {out.with_suffix('.safetensors').name}: {count:,} parameters of {cfg.residual} depth "
             f"{cfg.depth} from {folder}")

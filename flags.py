@@ -12,9 +12,10 @@ INT64_MAX = 2 ** 63 - 1                         # torch.manual_seed and tensor s
 COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)  # the bounds of a count, and of a seed or a count that may be 0
 
 
-def option(default, group: str, allowed: tuple | None, help: str):
-    """A flag's facts: default, --help group and line, what it allows (number: inclusive bounds, name: choices)."""
-    return dataclasses.field(default=default, metadata=dict(group=group, allowed=allowed, help=help))
+def option(default, group: str, allowed: tuple | None, help: str, repeated: bool = False):
+    """A flag's facts: default, --help group and line, what it allows (number: inclusive bounds, name: choices);
+    a repeated flag is parsed as the list of its values (each may be comma separated)."""
+    return dataclasses.field(default=default, metadata=dict(group=group, allowed=allowed, help=help, repeated=repeated))
 
 
 def flag(name: str) -> str:
@@ -45,9 +46,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
+def preset_names(given: list[str], presets: dict) -> list[str]:
+    """The presets named by repeated and comma-separated --preset values, in order; an unknown one is refused."""
+    names = [name.strip() for value in given for name in value.split(",")]
+    unknown = [name for name in names if name not in presets]
+    if unknown:
+        raise ConfigError(f"--preset: invalid choice: {unknown[0]!r} (choose from {', '.join(presets)}; combine "
+                          "them as demo,seed-study)")
+    defaults = [name for name in names if not presets[name]]
+    if len(names) > 1 and defaults:         # "demo,c4" cannot mean both the demo and the defaults
+        raise ConfigError(f"--preset {','.join(names)}: {defaults[0]} is the defaults and combines with no other")
+    return names
+
+
 def presets_text(presets: dict) -> str:
     """The presets and what each one sets, for --help."""
-    return "presets (explicit flags win):\n" + "\n".join(textwrap.fill(
+    return "presets (applied in order: --preset demo,seed-study; explicit flags win):\n" + "\n".join(textwrap.fill(
         f"{name}: " + (", ".join(f"{flag(k)} {v}" for k, v in values.items()) or "the defaults above"),
         width=100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
         for name, values in presets.items())
@@ -63,8 +77,12 @@ def build_parser(config_class, description: str, epilog: str) -> argparse.Argume
     groups = {title: parser.add_argument_group(title) for title in dict.fromkeys(f.metadata["group"] for f in fields)}
     for field in fields:
         facts, group = field.metadata, groups[field.metadata["group"]]
-        if field.type == "bool":
-            group.add_argument(flag(field.name), action="store_true", help=facts["help"])
+        if field.type == "bool":        # --no-X too, so that a preset's switch can be turned back (not --no-no-X)
+            negatable = not field.name.startswith("no_")
+            group.add_argument(flag(field.name), action=argparse.BooleanOptionalAction if negatable else "store_true",
+                               help=facts["help"])
+        elif facts["repeated"]:
+            group.add_argument(flag(field.name), action="append", help=facts["help"] + f" (default {field.default!r})")
         else:
             group.add_argument(flag(field.name), type=PARSE.get(field.type, str), choices=allowed_names.get(field.name),
                                help=facts["help"] + f" (default {field.default!r}, or the preset's)")

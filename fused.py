@@ -7,18 +7,30 @@ is one contiguous slab: a per-token mixing becomes n x n scaled adds of slabs in
 token, and each backward adds its term of x's gradient in place. Why each piece exists and what it saved, as
 measured on a 2-core CPU: docs/benchmarks.md; the derivations of the backward passes: docs/model.md.
 """
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 
+# the public study's variants that change the connections' maths, not only their initial values
+STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "hc_dynamic", "sinkhorn_order")
+
+
+def study_variants(cfg) -> list[str]:
+    """The study's variants a config asks for, away from their defaults: the kernels implement the papers' maths."""
+    defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
+    return [key for key in STUDY_VARIANTS if getattr(cfg, key) != defaults[key]]
+
+
 def supports(cfg, path: str = "fused") -> bool:
     """Whether a path has the run's arm. fused: HC's and mHC's per-token coefficients as the papers write them;
     triton (triton_kernels.py): those of every arm with streams; reference: all. Every other arm and the public
-    study's variants run the formulas whatever --kernels says (config.json's "kernels")."""
+    study's variants run the formulas (config.json's "kernels"); train_c4.validate refuses an explicit
+    --kernels fused or triton for the study's variants (study_variants)."""
     papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \
-        and not cfg.mhc_tanh
+        and not cfg.mhc_tanh and not study_variants(cfg)
     arms = {"fused": ("baseline", "hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}
     return path == "reference" or (path in arms and cfg.residual in arms[path] and papers)
 

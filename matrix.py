@@ -293,7 +293,7 @@ def parse_options(argv):
     mode = modes.pop() if modes else "full"
     methods, depths, seeds, steps, preset = MODES[mode]
     if not preset and extra_value(extra, "--preset"):    # -- --preset seed-study: its runs are named after it
-        preset, extra = extra_value(extra, "--preset"), without_flag(extra, "--preset")
+        preset, extra = ",".join(extra_values(extra, "--preset")), without_flag(extra, "--preset")
     opt = Options(
         mode=mode, methods=args.methods or methods.split(","),
         depths=sorted({int(d) for d in (args.depths or depths.split(","))}, reverse=True),
@@ -353,15 +353,16 @@ def check_out(out):
         raise UsageError(f"--out {out}: cannot create a folder in {where}") from None
 
 
+def extra_values(extra, flag):
+    """Every value of a trainer flag among the extra flags, in order."""
+    return [extra[i + 1] if arg == flag else arg.split("=", 1)[1] for i, arg in enumerate(extra)
+            if arg == flag and i + 1 < len(extra) or arg.startswith(flag + "=")]
+
+
 def extra_value(extra, flag):
     """The value of a trainer flag among the extra flags (the last one wins, as in argparse), or None."""
-    value = None
-    for i, arg in enumerate(extra):
-        if arg == flag and i + 1 < len(extra):
-            value = extra[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
+    values = extra_values(extra, flag)
+    return values[-1] if values else None
 
 
 def without_flag(extra, flag):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from plan import parameter_summary
 from run_folder import write_atomically
 
 ROOT = Path(__file__).resolve().parent
@@ -21,7 +22,29 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
 # ----------------------------------------------------------------------------------------------
-# the run's record: config.json, and W&B's config
+# the run's record: config.json, and W&B's config; train.log's opening
+
+def announce(trainer, params: dict, record: dict, held_out: str, warning_lines: list[str]) -> None:
+    """train.log's opening: what runs where, the model, the batch, the data, and what seldom means what was meant."""
+    cfg, log = trainer.cfg, trainer.log
+    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
+             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
+             f"({record['dtype']}, {record['attention']} attention)")
+    log.info(f"streams' kernels: {record['kernels']} ({record['kernels_reason']})")
+    log.info(f"model: {parameter_summary(params)}")
+    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
+             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
+    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
+             f"{trainer.flops_per_token:.3g} FLOPs per token")
+    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
+    read = len(set(trainer.loader.batches.owners))
+    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
+             f"data seed {cfg.data_seed}")
+    log.info(f"held out for validation and the probe: {held_out}")
+    for line in warning_lines:
+        log.info(f"warning: {line}")
+
 
 def precision_policy(dtype: torch.dtype) -> dict:
     """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:

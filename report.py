@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from contract import ARM_DEFAULTS, COEFFICIENT_SUFFIX, METHODS, RUN_NAME, RUN_NAME_SUFFIX, arm_settings
+from contract import (ARM_DEFAULTS, COEFFICIENT_SUFFIX, METHODS, RUN_NAME, RUN_NAME_SUFFIX, SEED_STUDY_MODEL,
+                      STUDY_TRAIN_KEY, arm_settings, named_arm)
 
 # --- config / CLI: constants every later section reads ------------------------------------------
 
@@ -64,22 +65,23 @@ GRAD_POINTS = 60                # the gradient norm too, whose spikes would othe
 SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
                "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_study",
                "amax_fwd_converged", "amax_bwd_converged", "sinkhorn_converged_err", "sinkhorn_col_err",
-               "sinkhorn_bwd_bound")
+               "sinkhorn_bwd_bound", STUDY_TRAIN_KEY)
 LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd")
 # The published figures beside ours (results.md's reference block and the verdict), in one place: where from,
 # the method, the depth of the model (None: not ours to match), the figure, and which of our readings and arms
 # compares: the papers measure per token (our amax_fwd/amax_bwd, token coefficients), the study with its own
-# recipe (our amax_study) on its per-sequence model (--preset seed-study or --coefficients sequence).
+# recipe on its own training batch at every step (our amax_study_train) on its model (--preset seed-study).
 PAPERS_27B = "mHC paper (arXiv 2512.24880), 27B"
 STUDY = "public 1.7B study"
 PUBLISHED = (
     (PAPERS_27B, "hc", None, "up to about 3000", ("peak_fwd", "peak_bwd"), "token"),
     (PAPERS_27B, "mhc", None, "at most about 1.6", ("peak_fwd", "peak_bwd"), "token"),
-    (f"{STUDY}, 3 seeds", "hc", 32, "10,924 ± 3,247", ("peak_study",), "sequence"),
-    (f"{STUDY}, stress arm (3x lr)", "hc", 64, "14,765", ("peak_study",), "sequence"),
-    (STUDY, "mhc", 32, "1.00", ("peak_study",), "sequence"),
+    (f"{STUDY}, 3 seeds", "hc", 32, "10,924 ± 3,247", ("peak_study_train",), "sequence"),
+    (STUDY, "hc", 48, "3,721", ("peak_study_train",), "sequence"),
+    (f"{STUDY}, stress arm (3x lr)", "hc", 64, "14,765", ("peak_study_train",), "sequence"),
+    (STUDY, "mhc", 32, "1.00", ("peak_study_train",), "sequence"),
 )
-READING = {("peak_fwd", "peak_bwd"): "amax_fwd / amax_bwd", ("peak_study",): "amax_study"}
+READING = {("peak_fwd", "peak_bwd"): "amax_fwd / amax_bwd", ("peak_study_train",): STUDY_TRAIN_KEY}
 
 
 class ReportError(Exception):
@@ -351,6 +353,8 @@ def arm_of(folder, config, method):
     m = RUN_NAME.match(folder.name)
     named = m.groupdict() if m else {}
     preset = cfg.get("preset") if isinstance(cfg.get("preset"), str) else PRESET_OF_SUFFIX.get(named.get("suffix"), "")
+    if all(key in cfg for key in SEED_STUDY_MODEL):      # the study's arm where its settings are, however asked
+        preset = named_arm(preset, cfg) or ",".join(name for name in preset.split(",") if name != "seed-study") or "c4"
     iters = cfg.get("sinkhorn_iters") if isinstance(cfg.get("sinkhorn_iters"), int) else named.get("sinkhorn_iters")
     coefficients = cfg.get("coefficients") if isinstance(cfg.get("coefficients"), str) \
         else COEFFICIENTS_OF_SUFFIX.get(named.get("coefficients"))
@@ -460,6 +464,7 @@ class RunSummary:
     peak_l0_bwd: float
     peak_abs: float              # the |.| upper bound: max of amax_fwd_abs and amax_bwd_abs
     peak_study: float            # the public study's recipe (amax_study)
+    peak_study_train: float      # the same recipe at full depth on every training batch: the study's own scope
     peak_converged: float        # mHC: max of the converged forward and backward composite gains
     converged_err: float         # mHC: how far from doubly stochastic the "converged" projection still was
     peak_col_err: float          # mHC: largest Sinkhorn column error of the H_res used
@@ -533,7 +538,7 @@ def summarize(run):
         peak_fwd=_peak(fwd), peak_bwd=_peak(bwd),
         peak_l0_fwd=_peak(s["amax_l0_fwd"][1]), peak_l0_bwd=_peak(s["amax_l0_bwd"][1]),
         peak_abs=_peak(np.concatenate([s["amax_fwd_abs"][1], s["amax_bwd_abs"][1]])),
-        peak_study=_peak(s["amax_study"][1]),
+        peak_study=_peak(s["amax_study"][1]), peak_study_train=_peak(s[STUDY_TRAIN_KEY][1]),
         peak_converged=_peak(np.concatenate([s["amax_fwd_converged"][1], s["amax_bwd_converged"][1]])),
         converged_err=_peak(s["sinkhorn_converged_err"][1]), peak_col_err=_peak(s["sinkhorn_col_err"][1]),
         peak_bwd_bound=_peak(s["sinkhorn_bwd_bound"][1]),
@@ -571,7 +576,8 @@ FINAL_FIELDS = ("final_loss", "final_val")    # a diverged run has no final loss
 STAT_FIELDS = {  # RunSummary field -> finite_only (losses drop a diverged run's NaN/inf)
     "final_loss": True, "best_val": True, "final_val": True, "peak_fwd": False, "peak_bwd": False,
     "peak_l0_fwd": False, "peak_l0_bwd": False, "peak_abs": False, "peak_study": False, "peak_converged": False,
-    "peak_col_err": False, "peak_bwd_bound": False, "peak_grad_norm": False, "clip_share": True, "tokens": True}
+    "peak_study_train": False, "peak_col_err": False, "peak_bwd_bound": False, "peak_grad_norm": False,
+    "clip_share": True, "tokens": True}
 
 
 @dataclass
@@ -911,10 +917,12 @@ def truncation(row, probed):
 
 
 def published_matches(rows, method, depth, fields, coefficients):
-    """'value (label, depth d)' of each of our rows that compares with one published figure."""
+    """'value (label, depth d)' of each of our rows that compares with one published figure: the study's, of its
+    own model only (the seed-study arm)."""
     found = []
     for row in rows:
-        if (row.method, row.coefficients) != (method, coefficients) or depth not in (None, row.depth):
+        if (row.method, row.coefficients) != (method, coefficients) or depth not in (None, row.depth) or \
+                coefficients == "sequence" and "seed-study" not in row.arm:
             continue
         means = [row.stats[f].mean for f in fields if not math.isnan(row.stats[f].mean)]
         if means:
@@ -929,14 +937,15 @@ def reference_block(rows):
                ("depth", lambda p: "–" if p[2] is None else str(p[2])), ("peak composite gain", lambda p: p[3]),
                ("our reading", lambda p: READING[p[4]]),
                ("our arm", lambda p: "token coefficients (default)" if p[5] == "token" else
-                "--preset seed-study or --coefficients sequence"),
+                "--preset seed-study"),
                ("ours here", lambda p: "; ".join(published_matches(rows, p[1], p[2], p[4], p[5])) or "no such run")]
     return [markdown(columns, PUBLISHED), "",
             "The papers' figures are per token, on a 27B model: compare them with amax_fwd and amax_bwd of our "
-            "token-coefficient arms. The public study's figures use its own recipe (H averaged over the batch, "
-            "multiplied in reverse order, the larger of the largest absolute row and column sums: our amax_study) "
-            "on its own model, whose coefficients come from the streams pooled over the sequence: compare them with "
-            "amax_study of our seed-study arm (--preset seed-study), not with our per-token readings."]
+            "token-coefficient arms. The public study's figures are the peak over training steps of its own recipe "
+            f"(H averaged over the training batch, multiplied in reverse order over the full depth, the larger of "
+            f"the largest absolute row and column sums: our {STUDY_TRAIN_KEY}, logged every step) on its own model: "
+            f"compare them with {STUDY_TRAIN_KEY} of our seed-study arm (--preset seed-study), not with our "
+            "per-token readings nor the probe's amax_study (held-out batch, every --metrics-every steps)."]
 
 
 def reference_verdict(rows):
@@ -947,7 +956,8 @@ def reference_verdict(rows):
              for ours in [published_matches(rows, method, depth, fields, coefficients)] if ours]
     if not pairs:
         return ("**published figures**: no arm here compares directly (per-token amax_fwd/amax_bwd of HC or mHC "
-                "for the papers, amax_study of the seed-study arm for the public study); see the reference block.")
+                f"for the papers, {STUDY_TRAIN_KEY} of the seed-study arm for the public study); see the reference "
+                "block.")
     return "**published figures**: " + "; ".join(pairs) + "."
 
 

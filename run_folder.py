@@ -7,13 +7,13 @@ without unpickling arbitrary objects (docs/reliability.md).
 """
 from __future__ import annotations
 
-import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, shutil, socket, sys, tempfile, time
+import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, random, shutil, socket, sys, tempfile, time
 import warnings
 from pathlib import Path
 
 import torch
 
-from contract import EXIT_BAD_CONFIG, ConfigError, TrainerError
+from contract import EXIT_BAD_CONFIG, MODEL_KEYS, TRAINING_KEYS, ConfigError, TrainerError
 
 # ----------------------------------------------------------------------------------------------
 # files written whole or not at all
@@ -298,6 +298,29 @@ def changes_text(changes: dict) -> str:
     return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
 
 
+def check_resumable(run_dir: Path, cfg, log: RunLog) -> dict:
+    """Refuse to continue a run folder made by a different model; refuse changed training settings unless
+    --allow-changed-settings. Under --resume never an earlier run's files are moved aside. Returns the allowed
+    changes ({key: [old, new]})."""
+    if cfg.resume == "never":
+        log.set_aside_history()
+        return {}
+    old = log.previous_config()
+    if old is None:
+        return {}
+    recorded = {key: old.get(key, field.default) for key, field in type(cfg).__dataclass_fields__.items()}
+    for key in MODEL_KEYS:                                               # a key newer than the run: its default
+        if recorded[key] != getattr(cfg, key):
+            raise ConfigError(f"{run_dir} was trained with {key}={recorded[key]!r} but this command has "
+                              f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
+    changes = {key: [recorded[key], getattr(cfg, key)] for key in TRAINING_KEYS if recorded[key] != getattr(cfg, key)}
+    if changes and not cfg.allow_changed_settings:
+        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
+                          "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
+                          "the new ones")
+    return changes
+
+
 def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
     """(line, its step) of every line; the step is None where the line is no record: cut by a kill mid-write,
     not a JSON object, too deeply nested to parse, or without a whole-number step."""
@@ -318,6 +341,21 @@ MARKER = "COMPLETE.json"
 
 
 SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
+
+
+def rng_state() -> dict:
+    """The random states a checkpoint holds per rank, so that a resumed run draws what an uninterrupted one would."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:

@@ -43,11 +43,11 @@ import fused
 import plan
 from failures import exit_process, failure
 from flags import COUNT, NATURAL, option
-from monitor import WANDB_MODES, Progress, device_name, run_record, start_wandb, wandb_record
-from plan import flops_per_token, gpu_peak_flops, parameter_summary
+from monitor import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
+from plan import flops_per_token, gpu_peak_flops
 from prefetch import Loader
-from run_folder import (RunLog, changes_text, check_writable_folder, dcp_load, first_cause, resume_from,
-                        write_checkpoint, write_json_atomic)
+from run_folder import (RunLog, check_resumable, check_writable_folder, dcp_load, first_cause, resume_from,
+                        rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -75,10 +75,9 @@ PRESETS = {
                   layer_metrics_every=250, log_every=50, ckpt_every=500, shuffle_buffer=64, data_workers=0),
     # the public 1.7B study's stress arm (run at depths 32, 48 and 64): 3x the learning rate, 3000 steps
     "stress": dict(lr=3e-4, steps=3000),
-    # the public 1.7B study's own HC and mHC (docs/model.md, "The seed study's model"); its run names are
-    # contract.PRESET_ARM_DEFAULTS'
-    "seed-study": dict(coefficients="sequence", coefficient_norm="flat", dynamic_init_std=0.01, read_stream="first",
-                       mhc_tanh=True, collapse="first"),
+    # the public 1.7B study's own HC and mHC and its recipe (docs/model.md, "The public study's model")
+    "seed-study": dict(contract.SEED_STUDY_MODEL, coefficients="sequence", batch_size=8, micro_batch_size="8",
+                       steps=5000, vocab="exact"),
 }
 
 # --help's groups, in its order
@@ -92,7 +91,8 @@ class Config:
     """Every flag, with its facts: a new flag is one more line here. The bounds, far beyond any real run, keep
     --estimate, the planner and the loader from allocating without end, and initial values far inside float32."""
     # the defaults are the study's 1.73B model (docs/model.md, "Baseline and the transformer body")
-    preset: str = option("c4", MODEL, tuple(PRESETS), "a named set of defaults; explicit flags win")
+    preset: str = option("c4", MODEL, None, "named sets of defaults, applied in order (demo,seed-study or repeated "
+        "--preset); explicit flags win", repeated=True)
     residual: str = option("mhc", MODEL, contract.METHODS, "residual path: plain pre-norm residual, dynamic HC, "
         "manifold-constrained HC, mHC-lite (H_res a softmax mixture of the n! permutations) or identity-HC (mHC's read "
         "and write, H_res = I)")
@@ -115,10 +115,30 @@ class Config:
     coefficient_norm: str = option("stream", MODEL, ("stream", "flat"), "HC's coefficients from each stream's own "
         "LayerNorm, or from the streams divided by the RMS of the flattened state (mHC-style)")
     dynamic_init_std: float = option(0.0, MODEL, (0, 1e6), "std of the initial dynamic mixing weights (HC's W_m, W_r, "
-        "W_b; mHC's phi): 0 starts them at zero")
+        "W_b; mHC's phi): 0 starts them at zero (the study's: 0.02, its 0.01 re-drawn by its init)")
     mhc_tanh: bool = option(False, MODEL, None, "a tanh on mHC's projected logits z, before the gates and biases")
     collapse: str = option("sum", MODEL, ("sum", "first"), "the n streams to one after the last block: their sum, or "
         "stream 0")
+    hc_dynamic: str = option("stream", MODEL, ("stream", "state"), "HC's dynamic weights: a width-C Linear of each "
+        "stream (W_m | W_r | W_b, s_a shared by read and mix), or Linears of the whole flattened n*C state (read n, "
+        "write n, mix n*n outputs), each tanh-scaled by its own scale (the study's)")
+    hc_write_init: str = option("all", MODEL, ("all", "first"), "HC's static write B: ones (every stream), or "
+        "stream 0 only (the study's)")
+    mhc_post_bias: float = option(0.0, MODEL, (-1e6, 1e6), "mHC b_post: +c on the stream read (--read-stream), 0 "
+        "elsewhere")
+    mhc_bias_others: str = option("minus", MODEL, ("minus", "zero"), "mHC b_pre off the stream read: -c "
+        "(--mhc-pre-bias) or 0 (the study's)")
+    mixing_norm: str = option("plain", MODEL, ("plain", "scaled"), "the connections' norm of the streams: no weight, "
+        "--norm-eps; or with a learnable scale per entry, eps 1e-8 (the study's RMSNorm)")
+    sinkhorn_order: str = option("columns-first", MODEL, ("columns-first", "rows-first"), "Sinkhorn: the first pair "
+        "in the log domain, columns then rows (rows exact); or exp, then rows then columns, each divided by its sum + "
+        "1e-8 (columns exact; the study's)")
+    mixing_precision: str = option("fp32", MODEL, ("fp32", "autocast"), "the coefficients and the stream mixing in "
+        "fp32, or under the run's autocast (bf16 on CUDA; the study's)")
+    proj_init: str = option("scaled", MODEL, ("scaled", "flat"), "init std of the sublayers' output projections: "
+        "0.02 / sqrt(2 depth) (GPT-2's), or 0.02 like every Linear (the study's)")
+    vocab: str = option("padded", MODEL, ("padded", "exact"), "embedding rows: the tokenizer's vocabulary padded to "
+        "a multiple of 64, or exact (gpt2: 50257, the study's)")
     norm_eps: float = option(1e-5, MODEL, (1e-45, 1e300), "epsilon of every LayerNorm")
     attn: str = option("auto", MODEL, ("auto", "flash", "sdpa"), "attention kernel: flash-attn 2, PyTorch SDPA, or "
         "auto (flash when installed on CUDA with bf16)")
@@ -140,6 +160,8 @@ class Config:
         "pre-clip norm is logged")
     no_mixing_decay: bool = option(False, OPTIMISATION, None, "no weight decay on the dynamic mixing weights (HC's "
         "W_m, W_r, W_b; mHC's phi), which are otherwise decayed like every weight matrix")
+    weight_decay_on: str = option("matrices", OPTIMISATION, ("matrices", "all"), "weight decay on the weights of "
+        "linears and embeddings, or on every parameter: norms, biases, scales and gates too (the study's)")
     seed: int = option(42, OPTIMISATION, NATURAL, "model initialisation seed")
     compile: bool = option(False, OPTIMISATION, None, "torch.compile each transformer block")
     activation_checkpointing: bool = option(False, OPTIMISATION, None, "recompute each sublayer (and its stream "
@@ -202,14 +224,24 @@ def build_parser():
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Defaults, then the preset, then explicit flags; every check that can fail before a run starts."""
+    """Defaults, then the presets in order, then explicit flags; every check that can fail before a run starts.
+    The run's name comes from its settings, however they were asked for (contract.run_name)."""
     explicit = vars(build_parser().parse_args(argv))
-    cfg = Config(**{**PRESETS[explicit.get("preset", "c4")], **explicit})
+    names = flags.preset_names(explicit.pop("preset", ["c4"]), PRESETS)
+    composed = Config(**{key: value for name in names for key, value in PRESETS[name].items()}, preset=",".join(names))
+    try:                # what the presets alone make impossible is theirs to answer for, not the flags'
+        validate(composed)
+        micro = composed.micro_batch_size
+        plan.check_batch_split(composed, 1, None if micro == "auto" else int(micro))
+    except (ConfigError, plan.PlanError) as error:
+        raise ConfigError(f"--preset {composed.preset} cannot compose: {error}") from None
+    cfg = dataclasses.replace(composed, **explicit)
     flags.refuse_unused(explicit, cfg.residual, contract.ARMS_OF)
     validate(cfg)
     if not cfg.run_name:
         cfg = dataclasses.replace(cfg, run_name=contract.run_name(cfg.residual, cfg.depth, cfg.seed, cfg.preset,
-                                                                  cfg.sinkhorn_iters, cfg.coefficients))
+                                                                  cfg.sinkhorn_iters, cfg.coefficients,
+                                                                  dataclasses.asdict(cfg)))
     return cfg
 
 
@@ -222,6 +254,9 @@ def validate(cfg: Config) -> None:
     if cfg.residual == "mhc-lite" and cfg.expansion > MHC_LITE_MAX_EXPANSION:
         raise ConfigError(f"--residual mhc-lite mixes all n! permutations: --expansion {cfg.expansion} would need "
                           f"{math.factorial(cfg.expansion):,} logits per token; use at most {MHC_LITE_MAX_EXPANSION}")
+    if cfg.kernels in ("fused", "triton") and cfg.residual != "baseline" and fused.study_variants(cfg):
+        raise ConfigError(f"--kernels {cfg.kernels} has the papers' HC and mHC only, not the study's "
+                          f"--{fused.study_variants(cfg)[0].replace('_', '-')}; use --kernels auto or reference")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     micro = cfg.micro_batch_size
@@ -246,9 +281,9 @@ def odd_settings(cfg: Config) -> list[str]:
          f"{cfg.batch_size}: streams {cfg.batch_size} to {cfg.data_streams - 1} are never read")] if odd]
 
 
-def padded_vocab_size(tokenizer: str) -> int:
+def padded_vocab_size(tokenizer: str, exact: bool = False) -> int:
     # GPT-2's 50257 padded to a multiple of 64: the embedding matmuls run on aligned shapes
-    return 256 if tokenizer == "byte" else 50304
+    return 256 if tokenizer == "byte" else 50257 if exact else 50304
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,19 +334,32 @@ class PreNorm(nn.Sequential):
         self.norm, self.inner = StreamNorm(cfg.width, eps=cfg.norm_eps), inner        # applied in this order
 
 
-def stream_update(x, H_pre, H_post, H_res, sublayer):
+def mixing_autocast(x: torch.Tensor, autocast: bool = False):
+    """Autocast off, so that the streams are mixed in fp32 and never rounded to bf16; or, for the study's
+    --mixing-precision autocast, left as the run set it."""
+    return contextlib.nullcontext() if autocast else torch.autocast(x.device.type, enabled=False)
+
+
+def stream_update(x, H_pre, H_post, H_res, sublayer, autocast: bool = False):
     """x_next = H_res x + H_post^T F(norm(H_pre x)) per token, x (..., n, C), H_pre and H_post (..., n), H_res
-    (..., n, n); sublayer is F(norm(.)). Autocast is off: the streams are mixed in fp32, never rounded to bf16."""
-    with torch.autocast(x.device.type, enabled=False):
+    (..., n, n); sublayer is F(norm(.)). The streams keep their dtype (fp32) under either precision."""
+    with mixing_autocast(x, autocast):
         u = torch.einsum("...j,...jc->...c", H_pre, x)
     y = sublayer(u).to(x.dtype)
-    with torch.autocast(x.device.type, enabled=False):
-        return H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)
+    with mixing_autocast(x, autocast):
+        return (H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)).to(x.dtype)
 
 
-def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """exp(logits) made doubly stochastic by `iters` column-then-row normalisations, in fp32 or wider."""
+def sinkhorn(logits: torch.Tensor, iters: int, rows_first: bool = False) -> torch.Tensor:
+    """exp(logits) made doubly stochastic by `iters` column-then-row normalisations, in fp32 or wider; rows_first:
+    the study's, row-then-column on the linear scale with 1e-8 added to every sum."""
     P = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if rows_first:
+        P = P.exp()
+        for _ in range(iters):
+            P = P / (P.sum(-1, keepdim=True) + 1e-8)
+            P = P / (P.sum(-2, keepdim=True) + 1e-8)
+        return P
     # the first pair in the log domain: the same maths, but it cannot overflow or leave a zero sum (docs/model.md)
     P = P - P.logsumexp(-2, keepdim=True)
     return balance((P - P.logsumexp(-1, keepdim=True)).exp(), iters - 1)
@@ -343,8 +391,14 @@ class _StreamMixing(nn.Module):
 
     def __init__(self, cfg: Config, kernels: str):
         super().__init__()
-        self.n, self.width, self.eps, self.kernels = cfg.expansion, cfg.width, cfg.norm_eps, kernels
-        self.per_sequence = cfg.coefficients == "sequence"
+        self.n, self.width, self.kernels = cfg.expansion, cfg.width, kernels
+        self.per_sequence, self.autocast = cfg.coefficients == "sequence", cfg.mixing_precision == "autocast"
+        # the study's RMSNorm of the streams: a learnable scale per entry of the n x C state, eps 1e-8
+        self.eps = 1e-8 if cfg.mixing_norm == "scaled" else cfg.norm_eps
+        self.norm_scale = nn.Parameter(torch.ones(self.n, self.width)) if cfg.mixing_norm == "scaled" else None
+
+    def scaled(self, x_normed: torch.Tensor) -> torch.Tensor:
+        return x_normed if self.norm_scale is None else x_normed * self.norm_scale.to(x_normed.dtype)
 
     def forward(self, x, sublayer):
         if self.kernels == "fused":     # fused.py: the coefficients stream axes first, x passed through their maths
@@ -358,7 +412,7 @@ class _StreamMixing(nn.Module):
             # per sequence: one set from the streams averaged over the positions (B, 1, n, C), broadcast to every
             # position; a later token then changes an earlier position's output (not causal, docs/model.md)
             H_pre, H_post, H_res, res_logits = self.coefficients(x.mean(-3, keepdim=True) if self.per_sequence else x)
-            x = stream_update(x, H_pre, H_post, H_res, sublayer)
+            x = stream_update(x, H_pre, H_post, H_res, sublayer, self.autocast)
         return x, (H_res.detach(), None if res_logits is None else res_logits.detach())     # the probe's, detached
 
 
@@ -368,24 +422,32 @@ class HyperConnection(_StreamMixing):
 
     def __init__(self, cfg: Config, sublayer_index: int, kernels: str = "reference"):
         super().__init__(cfg, kernels)
-        n, self.flat_norm = self.n, cfg.coefficient_norm == "flat"
+        n, self.flat_norm, self.of_state = self.n, cfg.coefficient_norm == "flat", cfg.hc_dynamic == "state"
+        # the HC paper's W_m | W_r (n columns) | W_b of each stream; the study's read | write | mix of the whole state
+        self.dynamic = nn.Linear(n * cfg.width, 2 * n + n * n, bias=False) if self.of_state else nn.Linear(
+            cfg.width, n + 2, bias=False)
+        if self.of_state:               # the study's mix has a scale of its own
+            self.s_r = nn.Parameter(torch.tensor(cfg.hc_scale_init))
         # the HC paper's init, under which HC computes exactly a pre-norm transformer
-        self.dynamic = nn.Linear(cfg.width, n + 2, bias=False)          # W_m | W_r (n columns) | W_b
         nn.init.zeros_(self.dynamic.weight)
         self.A_m_static = nn.Parameter(read_stream(cfg, sublayer_index).float())
         self.A_r_static = nn.Parameter(torch.eye(n))
-        self.B_static = nn.Parameter(torch.ones(n))
+        self.B_static = nn.Parameter(torch.ones(n) if cfg.hc_write_init == "all" else torch.eye(n)[0])
         self.s_a, self.s_b = (nn.Parameter(torch.tensor(cfg.hc_scale_init)) for _ in range(2))
 
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and no logits, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):             # the coefficients in fp32 (or fp64)
+        with mixing_autocast(x, self.autocast):                       # the coefficients in fp32 (or fp64)
             x = x.to(dtype)
             if self.flat_norm:          # the public study's: every stream divided by one RMS of the whole state
-                xb = x * torch.rsqrt(x.square().mean((-2, -1), keepdim=True) + self.eps)
+                xb = self.scaled(x * torch.rsqrt(x.square().mean((-2, -1), keepdim=True) + self.eps))
             else:                       # the paper's: each stream's own norm, no affine
-                xb = F.layer_norm(x, x.shape[-1:], eps=self.eps)
+                xb = self.scaled(F.layer_norm(x, x.shape[-1:], eps=self.eps))
+            if self.of_state:           # (..., 2n + n^2); its mixing block is H_res itself, as it acts on x
+                d = torch.tanh(F.linear(xb.flatten(-2), self.dynamic.weight.to(dtype)))
+                return (self.s_a * d[..., :n] + self.A_m_static, self.s_b * d[..., n:2 * n] + self.B_static,
+                        self.s_r * d[..., 2 * n:].unflatten(-1, (n, n)) + self.A_r_static, None)
             d = torch.tanh(F.linear(xb, self.dynamic.weight.to(dtype)))         # (..., n, n + 2)
             A_m = self.s_a * d[..., 0] + self.A_m_static
             A_r = self.s_a * d[..., 1:n + 1] + self.A_r_static
@@ -406,16 +468,17 @@ class ManifoldHyperConnection(_StreamMixing):
     def __init__(self, cfg: Config, sublayer_index: int, kernels: str = "reference"):
         super().__init__(cfg, kernels)
         n, mixes = self.n, self.res_logit_count(self.n) > 0
-        self.iters, self.tanh = cfg.sinkhorn_iters, cfg.mhc_tanh
+        self.iters, self.tanh, self.rows_first = cfg.sinkhorn_iters, cfg.mhc_tanh, cfg.sinkhorn_order == "rows-first"
         self.phi = nn.Linear(n * cfg.width, 2 * n + self.res_logit_count(n), bias=False)    # [z_pre | z_post | z_res]
         nn.init.zeros_(self.phi.weight)
         self.a_pre, self.a_post = (nn.Parameter(torch.tensor(cfg.mhc_gate_init)) for _ in range(2))
         if mixes:
             self.a_res = nn.Parameter(torch.tensor(cfg.mhc_gate_init))
         # the paper gives no bias init (docs/model.md): read mostly one stream, write 1, H_res near I
-        self.b_pre = nn.Parameter(torch.where(read_stream(cfg, sublayer_index).bool(), cfg.mhc_pre_bias,
-                                              -cfg.mhc_pre_bias))
-        self.b_post = nn.Parameter(torch.zeros(n))
+        read = read_stream(cfg, sublayer_index)
+        self.b_pre = nn.Parameter(torch.where(read.bool(), cfg.mhc_pre_bias,
+                                              -cfg.mhc_pre_bias if cfg.mhc_bias_others == "minus" else 0.0))
+        self.b_post = nn.Parameter(cfg.mhc_post_bias * read.float())
         if mixes:
             self.b_res = nn.Parameter(self.res_bias(cfg))
 
@@ -425,9 +488,10 @@ class ManifoldHyperConnection(_StreamMixing):
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and the logits projected, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
+        with mixing_autocast(x, self.autocast):
             v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
-            z = F.linear(v, self.phi.weight.to(dtype)) * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
+            z = F.linear(self.scaled(v.unflatten(-1, (n, -1))).flatten(-2), self.phi.weight.to(dtype)) * torch.rsqrt(
+                v.square().mean(-1, keepdim=True) + self.eps)
             if self.tanh:               # the public study's: bounded logits before the gates and biases
                 z = torch.tanh(z)
             z_pre, z_post, z_res = z.split([n, n, z.shape[-1] - 2 * n], dim=-1)
@@ -438,7 +502,7 @@ class ManifoldHyperConnection(_StreamMixing):
     def mixing(self, z_res):
         """H_res (..., n, n) and the logits Sinkhorn projected (the probe measures their truncation)."""
         res_logits = self.a_res * z_res.unflatten(-1, (self.n, self.n)) + self.b_res
-        return sinkhorn(res_logits, self.iters), res_logits
+        return sinkhorn(res_logits, self.iters, self.rows_first), res_logits
 
 
 def permutation_matrices(n: int) -> torch.Tensor:
@@ -526,20 +590,20 @@ class GPT(nn.Module):
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
         self.kernels = kernels if fused.supports(cfg, kernels) else "reference"
         self.collapse_first = cfg.collapse == "first"
-        self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer), cfg.width)
+        self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer, cfg.vocab == "exact"), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg, i, use_flash, self.kernels) for i in range(cfg.depth))
         self.ln_f = StreamNorm(cfg.width, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.width, self.wte.num_embeddings, bias=False)
         self.lm_head.weight = self.wte.weight
-        self._init_weights(cfg.depth, cfg.dynamic_init_std)
+        # GPT-2: residual output projections scaled by 1/sqrt(number of residual additions); the study's: not
+        self._init_weights(0.02 / math.sqrt(2 * cfg.depth) if cfg.proj_init == "scaled" else 0.02, cfg.dynamic_init_std)
 
     @torch.no_grad()
-    def _init_weights(self, depth: int, dynamic_init_std: float):
+    def _init_weights(self, proj_std: float, dynamic_init_std: float):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                # GPT-2: residual output projections scaled by 1/sqrt(number of residual additions)
-                std = 0.02 / math.sqrt(2 * depth) if name.endswith("inner.proj") else 0.02
+                std = proj_std if name.endswith("inner.proj") else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 # the dynamic mixing weights start at 0 or rescaled to dynamic_init_std: drawn all the same, so that
                 # a seed gives the body the weights it always gave
@@ -569,10 +633,13 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
-def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = True) -> list[dict]:
-    """Weight decay on the weights of linears and embeddings only; the connections' (dynamic mixing) if decay_mixing."""
-    decay = {id(m.weight): m.weight for name, m in model.named_modules()
-             if isinstance(m, (nn.Linear, nn.Embedding)) and (decay_mixing or "_conn." not in name)}
+def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = True, everything: bool = False
+                 ) -> list[dict]:
+    """Weight decay on the weights of linears and embeddings only; the connections' (dynamic mixing) if decay_mixing;
+    everything: on every parameter (the study's AdamW(model.parameters()))."""
+    decay = {id(p): p for p in model.parameters()} if everything else {
+        id(m.weight): m.weight for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding)) and (decay_mixing or "_conn." not in name)}
     rest = [p for p in model.parameters() if id(p) not in decay]
     return [{"params": list(decay.values()), "weight_decay": weight_decay},
             {"params": rest, "weight_decay": 0.0}]
@@ -580,8 +647,8 @@ def decay_groups(model: nn.Module, weight_decay: float, decay_mixing: bool = Tru
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
     # fused: the for-loop AdamW PyTorch picks on the CPU runs ~10 small ops per parameter tensor (benchmarks.md)
-    return torch.optim.AdamW(decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay), lr=cfg.lr,
-                             betas=(0.9, 0.95), fused=True)
+    groups = decay_groups(model, cfg.weight_decay, not cfg.no_mixing_decay, cfg.weight_decay_on == "all")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
 
 
 def count_parameters(cfg: Config) -> dict:
@@ -619,6 +686,13 @@ def study_gains(H: torch.Tensor) -> torch.Tensor:
     larger of the largest absolute row and column sums (docs/model.md)."""
     products = list(itertools.accumulate(H.mean(dim=1), torch.matmul))
     return torch.stack([torch.maximum(Q.abs().sum(-1).amax(), Q.abs().sum(-2).amax()) for Q in products])
+
+
+def batch_mean_mixing(records: list, device: torch.device) -> torch.Tensor:
+    """(L, n, n): each sublayer's H_res as a forward recorded it, averaged over its tokens (the plain residual: 1)."""
+    if records[0] is None:
+        return torch.ones(len(records), 1, 1, device=device)
+    return torch.stack([H.float().reshape(-1, *H.shape[-2:]).mean(0) for H, _ in records])
 
 
 def gain_metrics(H: torch.Tensor) -> dict:
@@ -1082,80 +1156,12 @@ def unwrap(model: nn.Module) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpointing: what a checkpoint holds and when a run may continue from one (Trainer.save and .restore); how the
-# ranks write, verify and fall back: run_folder.py
-
-# keys whose change makes a different model: resuming over them would mix two experiments
-MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
-              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
-              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse")
-# keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
-# them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
-# batches and the maths stay the same.
-TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
-                 "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
-
-
-def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
-    """Refuse to continue a run folder made by a different model; refuse changed training settings unless
-    --allow-changed-settings. Under --resume never an earlier run's files are moved aside. Returns the allowed
-    changes ({key: [old, new]})."""
-    if cfg.resume == "never":
-        log.set_aside_history()
-        return {}
-    old = log.previous_config()
-    if old is None:
-        return {}
-    for key in MODEL_KEYS:
-        was = old.get(key, Config.__dataclass_fields__[key].default)       # a key newer than the run: its default
-        if was != getattr(cfg, key):
-            raise ConfigError(f"{run_dir} was trained with {key}={was!r} but this command has "
-                              f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
-    changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
-    if changes and not cfg.allow_changed_settings:
-        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
-                          "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
-                          "the new ones")
-    return changes
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
+# checkpointing: what a checkpoint holds (Trainer.save and .restore); how the ranks write, verify and fall back,
+# and when a run may continue (check_resumable): run_folder.py
 
 # ----------------------------------------------------------------------------------------------
-# logging: what a run announces once; its files: run_folder.py (RunLog), its record, pace and W&B: monitor.py
-
-def announce(trainer: Trainer, params: dict, record: dict, data: DataFiles) -> None:
-    cfg, log = trainer.cfg, trainer.log
-    log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
-             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
-             f"({record['dtype']}, {record['attention']} attention)")
-    log.info(f"streams' kernels: {record['kernels']} ({record['kernels_reason']})")
-    log.info(f"model: {parameter_summary(params)}")
-    log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
-             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
-    log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
-             f"{trainer.flops_per_token:.3g} FLOPs per token")
-    loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
-    read = len(set(trainer.loader.batches.owners))
-    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
-             f"data seed {cfg.data_seed}")
-    log.info(f"held out for validation and the probe: {held_out_source(data, cfg.val_data)}")
-    for line in odd_settings(cfg):
-        log.info(f"warning: {line}")
-
+# logging: what a run announces once (monitor.announce); its files: run_folder.py (RunLog), its record, pace and
+# W&B: monitor.py
 
 def held_out_source(data: DataFiles, val_data: str) -> str:
     if data.held_out_slice:
@@ -1245,9 +1251,11 @@ class Trainer:
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
     def micro_steps(self, stop: StopRequest) -> torch.Tensor:
-        """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only."""
-        device, loss_sum = self.dist.device, torch.zeros((), device=self.dist.device)
+        """Forward and backward of every micro-batch; the gradient is all-reduced on the last one only. Returns the
+        mean loss, the stop votes and the study's reading of the training batch (the H_res of these forwards)."""
+        device, loss_sum, mixing_sum = self.dist.device, torch.zeros((), device=self.dist.device), 0.0
         for micro_step in range(self.accum):
+            records = []
             x, y = (t.to(device, non_blocking=True) for t in self.loader.next_batch())
             last = micro_step == self.accum - 1
             if hasattr(self.model, "set_requires_gradient_sync"):
@@ -1255,13 +1263,17 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with self.autocast():
-                    _, loss = self.model(x, y)
+                    _, loss = self.model(x, y, mixing_out=records)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
+            mixing_sum = mixing_sum + batch_mean_mixing(records, device)
         stop_flag = torch.tensor(float(stop.requested), device=device)
-        return self.dist.sum(torch.stack([loss_sum / (self.accum * self.dist.world), stop_flag]))
+        share = 1 / (self.accum * self.dist.world)        # equal micro-batches: the mean of means is the batch's
+        summed = self.dist.sum(torch.cat([torch.stack([loss_sum * share, stop_flag]), mixing_sum.flatten() * share]))
+        batch_mean = summed[2:].view_as(mixing_sum).double().unsqueeze(1)
+        return torch.cat([summed[:2], study_gains(batch_mean)[-1:].float()])     # full depth only
 
-    def optimizer_step(self, stop: StopRequest) -> tuple[float, float, bool]:
+    def optimizer_step(self, stop: StopRequest) -> tuple[float, float, bool, float]:
         lr = lr_at(self.cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -1270,7 +1282,7 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         # the one host synchronisation of a step: divergence must be caught before the update is applied
-        loss, stop_votes, norm = torch.cat([loss_and_stop, grad_norm.reshape(1).to(loss_and_stop)]).tolist()
+        loss, stop_votes, study, norm = torch.cat([loss_and_stop, grad_norm.reshape(1).to(loss_and_stop)]).tolist()
         if not self.steady:
             shorten_timeout(self.dist, self.cfg.data_timeout)   # every rank has data, compiled code, communicators
             self.steady = True
@@ -1281,7 +1293,7 @@ class Trainer:
                            f"{self.step + 1} (loss {loss}, pre-clip gradient norm {norm})")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, norm, stop_votes > 0
+        return loss, norm, stop_votes > 0, study
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -1407,12 +1419,13 @@ class Trainer:
             self.log.metrics({"step": 0, "time": time.time(), **self.probe(with_layers=True)})
         while self.step < self.cfg.steps:
             started, lr, waited = time.perf_counter(), lr_at(self.cfg, self.step), self.loader.waited
-            loss, norm, stopping = self.optimizer_step(stop)
+            loss, norm, stopping, study = self.optimizer_step(stop)
             self.step += 1
             self.tokens += self.cfg.tokens_per_step
             seconds = time.perf_counter() - started
             measured = self.measurements()
             record = self.record(loss, norm, lr, seconds, self.loader.waited - waited) | measured
+            record[contract.STUDY_TRAIN_KEY] = study
             self.log.metrics(record)
             if self.wandb_run is not None and (measured or self.step % self.cfg.log_every == 0):
                 # not every step: W&B allows a run about 2 requests a second, and a matrix shares one project
@@ -1487,7 +1500,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     if dist.is_main:
         write_json_atomic(run_dir / "config.json", record)
     trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
-    announce(trainer, params, record, data)
+    announce(trainer, params, record, held_out_source(data, cfg.val_data), odd_settings(cfg))
     return trainer
 
 

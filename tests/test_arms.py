@@ -78,6 +78,12 @@ def test_a_preset_after_the_separator_names_the_runs(tmp_path):
     assert {j.name for j in jobs} == {f"{m}_d32_s{s}_seed-study" for m in ("hc", "mhc") for s in (42, 123, 456)}
     flags = matrix.trainer_flags(opt, jobs[0])
     assert flags.count("--preset") == 1 and flag(flags, "--preset") == "seed-study"
+    # repeated presets reach the trainer together, in order, and name the runs as the trainer would
+    opt, jobs = jobs_of(tmp_path, "--residual", "hc", "--depth", "4", "--seed", "1", "--", "--preset", "demo",
+                        "--preset=seed-study")
+    assert [j.name for j in jobs] == ["hc_d4_s1_seed-study"]
+    flags = matrix.trainer_flags(opt, jobs[0])
+    assert flags.count("--preset") == 1 and flag(flags, "--preset") == "demo,seed-study"
 
 
 def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):
@@ -125,8 +131,9 @@ def test_the_launcher_runs_the_arms_with_their_flags(tmp_path):
 
 # --- the report keeps the arms apart -----------------------------------------------------------------
 
-def write_run(root, name, peak, config=None, study=None, seed=1):
-    """A finished run folder: three probe lines rising to `peak` (amax_study: `study`)."""
+def write_run(root, name, peak, config=None, study=None, seed=1, study_train=None):
+    """A finished run folder: three probe lines rising to `peak` (amax_study: `study`; the training batch's
+    amax_study_train: `study_train`)."""
     method = name.split("_d")[0]
     depth = int(name.split("_d")[1].split("_")[0])
     folder = root / name
@@ -135,7 +142,8 @@ def write_run(root, name, peak, config=None, study=None, seed=1):
     (folder / "config.json").write_text(json.dumps({"config": cfg, "device": "cpu"}))
     lines = [{"step": s, "time": float(s), "loss": 4.0 - s / 10, "val_loss": 4.1 - s / 10, "grad_norm": 0.5,
               "amax_fwd": 1 + (peak - 1) * s / 3, "amax_bwd": 1 + (peak - 1) * s / 3,
-              **({"amax_study": study * s / 3} if study else {})} for s in (1, 2, 3)]
+              **({"amax_study": study * s / 3} if study else {}),
+              **({contract.STUDY_TRAIN_KEY: study_train * (4 - s) / 3} if study_train else {})} for s in (1, 2, 3)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (folder / "status.json").write_text(json.dumps({"state": "completed", "step": 3, "exit_code": 0}))
 
@@ -201,27 +209,43 @@ def test_plots_give_each_arm_its_own_line_and_colour(tmp_path):
 
 def test_results_carry_the_published_figures_and_say_which_arm_compares(tmp_path):
     write_run(tmp_path, "hc_d32_s1", 300.0, {"coefficients": "token"}, study=200.0)
+    # the study's figures: the peak over steps of its reading on the training batch (falling here from 9,000 at
+    # the first step), not the probe's amax_study, and of the seed-study arm only, not of our per-sequence model
     write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {"preset": "seed-study", "coefficients": "sequence"},
-              study=8000.0)
+              study=8000.0, study_train=9000.0)
+    write_run(tmp_path, "hc_d48_s1_seq", 50.0, {"coefficients": "sequence"}, study=7000.0, study_train=7000.0)
     assert report.main([str(tmp_path), "--no-plots"]) == 0
     text = (tmp_path / "report" / "results.md").read_text()
     block = text[text.index("## Published figures"):text.index("## Verdict")]
     for figure in ("up to about 3000", "at most about 1.6", "10,924 ± 3,247", "14,765", "| 1.00 |"):
         assert figure in block
-    # per token: our HC at token coefficients; the study: amax_study of the seed-study arm, not of the token arm
+    # per token: our HC at token coefficients; the study: its own reading of the seed-study arm
     assert "| mHC paper (arXiv 2512.24880), 27B | HC | – | up to about 3000 | amax_fwd / amax_bwd | " \
            "token coefficients (default) | 300 (HC [c4], depth 32) |" in block
-    assert "| public 1.7B study, 3 seeds | HC | 32 | 10,924 ± 3,247 | amax_study | --preset seed-study or " \
-           "--coefficients sequence | 8,000 (HC (per-sequence) [seed-study], depth 32) |" in block
-    assert "stress arm (3x lr) | HC | 64 | 14,765 | amax_study | --preset seed-study or --coefficients sequence " \
-           "| no such run |" in block
+    assert "| public 1.7B study, 3 seeds | HC | 32 | 10,924 ± 3,247 | amax_study_train | --preset seed-study " \
+           "| 9,000 (HC (per-sequence) [seed-study], depth 32) |" in block
+    assert "| public 1.7B study | HC | 48 | 3,721 | amax_study_train | --preset seed-study | no such run |" in block
+    assert "stress arm (3x lr) | HC | 64 | 14,765 | amax_study_train | --preset seed-study | no such run |" in block
     verdict = text[text.index("## Verdict"):text.index("## Runs")]
     assert ("**published figures**: HC amax_fwd / amax_bwd 300 (HC [c4], depth 32) against up to about 3000 "
-            "(mHC paper (arXiv 2512.24880), 27B); HC amax_study 8,000 (HC (per-sequence) [seed-study], depth 32) "
-            "against 10,924 ± 3,247 (public 1.7B study, 3 seeds, depth 32).") in verdict
+            "(mHC paper (arXiv 2512.24880), 27B); HC amax_study_train 9,000 (HC (per-sequence) [seed-study], "
+            "depth 32) against 10,924 ± 3,247 (public 1.7B study, 3 seeds, depth 32).") in verdict
 
 
 def test_without_a_matching_arm_the_verdict_says_so(tmp_path):
     write_run(tmp_path, "baseline_d4_s1", 1.0)
     rows, text = report.report([tmp_path], with_plots=False)
     assert "**published figures**: no arm here compares directly" in text
+
+
+def test_the_study_arm_is_told_by_its_settings_however_it_was_asked(tmp_path):
+    """The study's model asked for flag by flag is the seed-study arm; the preset with one setting turned back is
+    not, and neither compares with the study's figures."""
+    study = {**contract.SEED_STUDY_MODEL, "coefficients": "sequence"}
+    write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {"preset": "c4", **study}, study_train=9000.0)
+    write_run(tmp_path, "hc_d32_s2_seq", 50.0, {"preset": "seed-study", **study, "mhc_tanh": False}, seed=2,
+              study_train=5000.0)
+    rows = report.collect(tmp_path)
+    assert sorted(r.label for r in rows) == ["HC (per-sequence) [c4]", "HC (per-sequence) [seed-study]"]
+    assert report.published_matches(rows, "hc", 32, ("peak_study_train",), "sequence") == [
+        "9,000 (HC (per-sequence) [seed-study], depth 32)"]

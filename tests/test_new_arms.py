@@ -141,7 +141,7 @@ def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
 def test_seed_study_preset_is_the_studys_choices_and_names_its_runs_as_the_launcher_does():
     cfg = T.parse_config(["--preset", "seed-study", "--residual", "hc", "--depth", "32"])
     assert (cfg.coefficients, cfg.coefficient_norm, cfg.dynamic_init_std, cfg.read_stream, cfg.mhc_tanh,
-            cfg.collapse) == ("sequence", "flat", 0.01, "first", True, "first")
+            cfg.collapse) == ("sequence", "flat", 0.02, "first", True, "first")
     assert cfg.run_name == contract.run_name("hc", 32, 42, "seed-study") == "hc_d32_s42_seed-study"
     token = T.parse_config(["--preset", "seed-study", "--residual", "mhc", "--coefficients", "token"])
     assert token.run_name == contract.run_name("mhc", 32, 42, "seed-study", 20, "token") == "mhc_d32_s42_tok_seed-study"

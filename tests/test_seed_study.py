@@ -1,0 +1,292 @@
+"""--preset seed-study against the public study's HC and mHC, rebuilt here from its choices as docs/model.md's table
+lists them ("The public study's model"): separate Linears of the flattened state, tanh, the study's biases and
+Sinkhorn, an RMSNorm with a learnable scale. Our code and this one get the same weights and must agree in fp64."""
+import json
+import math
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import contract
+import fused
+import train_c4 as T
+
+N, WIDTH, ITERS = 4, 16, 20
+
+
+def study_config(residual, *flags):
+    return T.parse_config(["--preset", "tiny,seed-study", "--residual", residual, "--expansion", str(N), *flags])
+
+
+class StudyRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), 1e-8
+
+    def forward(self, v):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def study_sinkhorn(logits):
+    P = torch.exp(logits)
+    for _ in range(ITERS):
+        P = P / (P.sum(-1, keepdim=True) + 1e-8)
+        P = P / (P.sum(-2, keepdim=True) + 1e-8)
+    return P
+
+
+class StudyConnection(nn.Module):
+    """The study's HC (mhc=False) or mHC on streams x (B, T, n, C): coefficients from the streams pooled over the
+    sequence and flattened, then x_next = H_res x + H_post^T F(H_pre x)."""
+
+    def __init__(self, mhc):
+        super().__init__()
+        self.mhc, stream0 = mhc, torch.eye(N)[0]
+        self.norm = StudyRMSNorm(N * WIDTH)
+        self.theta_pre, self.theta_post = nn.Linear(N * WIDTH, N, bias=False), nn.Linear(N * WIDTH, N, bias=False)
+        self.theta_res = nn.Linear(N * WIDTH, N * N, bias=False)
+        self.alpha_pre, self.alpha_post, self.alpha_res = (nn.Parameter(torch.tensor(0.01)) for _ in range(3))
+        scale = 2.0 if mhc else 1.0         # mHC: b_pre[0] = b_post[0] = 2, b_res = 2 I; HC: 1, 1, I
+        self.b_pre, self.b_post = nn.Parameter(scale * stream0), nn.Parameter(scale * stream0)
+        self.b_res = nn.Parameter(scale * torch.eye(N))
+
+    def forward(self, x, sublayer):
+        v = self.norm(x.mean(1).flatten(-2))                                   # (B, nC)
+        pre, post, res = (torch.tanh(theta(v)) for theta in (self.theta_pre, self.theta_post, self.theta_res))
+        res = res.view(-1, N, N)
+        if self.mhc:
+            H_pre = torch.sigmoid(self.alpha_pre * pre + self.b_pre)
+            H_post = 2 * torch.sigmoid(self.alpha_post * post + self.b_post)
+            H_res = study_sinkhorn(self.alpha_res * res + self.b_res)
+        else:
+            H_pre, H_post = self.alpha_pre * pre + self.b_pre, self.alpha_post * post + self.b_post
+            H_res = self.alpha_res * res + self.b_res
+        y = sublayer(torch.einsum("bn,btnc->btc", H_pre, x))
+        return torch.einsum("bij,btjc->btic", H_res, x) + H_post[:, None, :, None] * y[:, :, None, :]
+
+
+def counterparts(ours, study):
+    """(our parameter, the study's parameter or parameters it holds): the three Linears are the blocks of one."""
+    weight = [study.theta_pre.weight, study.theta_post.weight, study.theta_res.weight]
+    pairs = [(ours.norm_scale, study.norm.weight)]
+    if study.mhc:
+        pairs += [(ours.phi.weight, weight), (ours.a_pre, study.alpha_pre), (ours.a_post, study.alpha_post),
+                  (ours.a_res, study.alpha_res), (ours.b_pre, study.b_pre), (ours.b_post, study.b_post),
+                  (ours.b_res, study.b_res)]
+    else:
+        pairs += [(ours.dynamic.weight, weight), (ours.s_a, study.alpha_pre), (ours.s_b, study.alpha_post),
+                  (ours.s_r, study.alpha_res), (ours.A_m_static, study.b_pre), (ours.B_static, study.b_post),
+                  (ours.A_r_static, study.b_res)]
+    return pairs
+
+
+def flat(theirs, grad=False):
+    """The study's parameter(s), or their gradients, as one flat tensor in our layout."""
+    return torch.cat([(p.grad if grad else p).detach().reshape(-1) for p in
+                      (theirs if isinstance(theirs, list) else [theirs])])
+
+
+def copy_into(ours, study):
+    with torch.no_grad():
+        for mine, theirs in counterparts(ours, study):
+            mine.copy_(flat(theirs).view_as(mine))
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_the_preset_starts_where_the_study_starts(residual):
+    """At init our connection's biases are the study's (mHC's H_res diagonal 0.711, H_pre 0.88 / 0.5, H_post 1.76 /
+    1; HC writes stream 0 only)."""
+    cfg = study_config(residual)
+    ours, study = T.CONNECTIONS[residual](cfg, 5), StudyConnection(residual == "mhc")
+    for mine, theirs in counterparts(ours, study)[2:]:
+        assert torch.equal(mine.detach().reshape(-1), flat(theirs))     # the biases and the scales 0.01
+    if residual == "mhc":
+        H_pre, H_post, H_res, _ = ours.coefficients(torch.zeros(1, 1, N, WIDTH))
+        assert H_res[0, 0, 0, 0].item() == pytest.approx(math.e ** 2 / (math.e ** 2 + 3), abs=1e-6)
+        assert H_pre[0, 0].tolist() == pytest.approx([0.8808, 0.5, 0.5, 0.5], abs=1e-4)
+        assert H_post[0, 0].tolist() == pytest.approx([1.7616, 1, 1, 1], abs=1e-4)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_seed_study_preset_equals_the_studys_layer_in_fp64(residual):
+    """Random weights far from init, copied in: the same output and the same gradients, to 1e-10."""
+    cfg = study_config(residual)
+    torch.manual_seed(0)
+    ours, study = T.CONNECTIONS[residual](cfg, 3).double(), StudyConnection(residual == "mhc").double()
+    with torch.no_grad():
+        for p in study.parameters():
+            p.copy_(p + 0.5 * torch.randn_like(p))
+    copy_into(ours, study)
+    pairs = counterparts(ours, study)
+    sublayer = T.PreNorm(cfg, T.MLP(cfg)).double()
+    x = torch.randn(3, 8, N, WIDTH, dtype=torch.float64)
+    x_ours, x_study = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ours, _ = ours(x_ours, sublayer)
+    out_study = study(x_study, sublayer)
+    assert (out_ours - out_study).abs().max() < 1e-10
+    assert (out_ours - x).abs().max() > 0.1                # the streams really are mixed and written
+    target = torch.randn_like(x)
+    (out_ours * target).sum().backward()
+    ours_grads = [mine.grad.clone().reshape(-1) for mine, _ in pairs]
+    sublayer.zero_grad()
+    (out_study * target).sum().backward()
+    assert (x_ours.grad - x_study.grad).abs().max() < 1e-10
+    for (mine, theirs), grad in zip(pairs, ours_grads):
+        assert (grad - flat(theirs, grad=True)).abs().max() < 1e-10
+
+
+# --- the preset: the study's recipe, each difference a setting to turn back ----------------------------------
+
+def test_each_difference_is_a_setting_that_turns_back_to_ours():
+    study, ours = study_config("hc"), T.parse_config(["--preset", "tiny", "--residual", "hc"])
+    assert (study.batch_size, study.steps, study.vocab) == (8, 5000, "exact")
+    assert T.padded_vocab_size("gpt2", study.vocab == "exact") == 50257
+    for key, value in contract.SEED_STUDY_MODEL.items():
+        assert getattr(study, key) == value != getattr(ours, key), key
+        flag = "--" + key.replace("_", "-")
+        back = [f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(getattr(ours, key))]
+        assert getattr(study_config("hc", *back), key) == getattr(ours, key), key
+    turned_back = T.HyperConnection(study_config("hc", "--hc-write-init", "all"), 0)
+    assert torch.equal(turned_back.B_static.detach(), torch.ones(N))
+    assert torch.equal(T.HyperConnection(study_config("hc"), 0).B_static.detach(), torch.eye(N)[0])
+
+
+def test_the_study_model_is_trained_as_the_study_trains_it():
+    """Output projections and dynamic weights at 0.02 (the study's re-draw), weight decay on every parameter."""
+    cfg = dataclasses_replace(study_config("hc"), depth=8, width=64, heads=2)
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    assert 0.017 < model.blocks[0].mlp.inner.proj.weight.std() < 0.023
+    assert 0.017 < model.blocks[0].attn_conn.dynamic.weight.std() < 0.023
+    decayed = T.make_optimizer(model, cfg).param_groups[0]["params"]
+    assert len(decayed) == len(list(model.parameters()))
+    turned_back = dataclasses_replace(cfg, proj_init="scaled", weight_decay_on="matrices")
+    ours = T.GPT(turned_back)
+    assert ours.blocks[0].mlp.inner.proj.weight.std() < 0.006
+    assert len(T.make_optimizer(ours, turned_back).param_groups[0]["params"]) < len(decayed)
+
+
+def test_the_kernels_refuse_the_studys_variants_and_auto_takes_the_formulas():
+    for path in ("fused", "triton"):
+        with pytest.raises(T.ConfigError, match=f"--kernels {path} has the papers' HC and mHC only"):
+            study_config("mhc", "--kernels", path)
+        assert not fused.supports(study_config("mhc"), path)
+    assert T.kernel_path(study_config("hc"), torch.device("cpu"))[0] == "reference"
+
+
+def dataclasses_replace(cfg, **changes):
+    return T.dataclasses.replace(cfg, **changes)
+
+
+# --- presets compose, and a run is named after its settings --------------------------------------------------
+
+def test_presets_compose_in_order_with_explicit_flags_last():
+    listed = T.parse_config(["--preset", "demo,seed-study", "--residual", "hc", "--steps", "3"])
+    repeated = T.parse_config(["--preset", "demo", "--preset", "seed-study", "--residual", "hc", "--steps", "3"])
+    assert listed == repeated and listed.preset == "demo,seed-study"
+    assert (listed.width, listed.data, listed.batch_size, listed.steps, listed.hc_dynamic) == (
+        128, "sample", 8, 3, "state")
+    assert T.parse_config(["--preset", "seed-study,demo"]).batch_size == 16       # the later preset wins
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "demo,nonsense"], "--preset: invalid choice: 'nonsense'"),
+    (["--preset", "demo,c4"], "--preset demo,c4: c4 is the defaults and combines with no other"),
+    (["--preset", "demo,odd-batch"], "--preset demo,odd-batch cannot compose: --batch-size 12 is not divisible by "
+                                     "--micro-batch-size 16"),
+])
+def test_presets_that_cannot_compose_are_one_line_and_exit_2(argv, message, monkeypatch, capsys):
+    monkeypatch.setitem(T.PRESETS, "odd-batch", {"batch_size": 12})
+    assert T.main(argv) == contract.EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_run_is_named_after_its_settings_however_they_were_asked():
+    by_flags = ["--coefficients", "sequence"] + [
+        arg for key, value in contract.SEED_STUDY_MODEL.items()
+        for arg in ([f"--{key.replace('_', '-')}"] if value is True else [f"--{key.replace('_', '-')}", str(value)])]
+    for argv in (["--preset", "seed-study"], ["--preset", "demo,seed-study", "--depth", "32"], by_flags):
+        assert T.parse_config([*argv, "--residual", "hc"]).run_name == "hc_d32_s42_seed-study", argv
+    assert T.parse_config(["--preset", "seed-study", "--preset", "stress", "--residual", "hc"]).run_name == \
+        "hc_d32_s42_seed-study-stress"
+    assert T.parse_config(["--residual", "hc", "--depth", "48", "--seed", "123"]).run_name == "hc_d48_s123"
+    assert T.parse_config(["--preset", "stress", "--residual", "mhc"]).run_name == "mhc_d32_s42_stress"
+    # one setting turned back: no longer the study's model, so not named after it
+    assert T.parse_config(["--preset", "seed-study", "--residual", "hc", "--no-mhc-tanh"]).run_name == \
+        "hc_d32_s42_seq"
+
+
+# --- the study's reading on its own scope: the training batch, every step, full depth ---------------------------
+
+def study_reading(H_means):
+    """The study's full-depth reading of per-sublayer batch means: H_1 ... H_L, max of abs row and column sums."""
+    Q = H_means[0]
+    for H in H_means[1:]:
+        Q = Q @ H
+    return max(Q.abs().sum(-1).max().item(), Q.abs().sum(-2).max().item())
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_the_study_reading_comes_from_the_training_forwards_of_the_whole_batch(residual, tmp_path):
+    """Four micro-batches of two: the batch mean of each H_res from the forwards that trained, one forward each."""
+    cfg = study_config(residual, "--micro-batch-size", "2", "--out", str(tmp_path), "--wandb", "disabled")
+    trainer = T.build_trainer(cfg, T.Dist(0, 1, torch.device("cpu")))
+    model, batches, forwards = T.unwrap(trainer.model), [], []
+    try:
+        with torch.no_grad():
+            for name, p in model.named_parameters():       # far from init, so that the streams really mix
+                if "_conn." in name:
+                    p.add_(0.3 * torch.randn_like(p))
+        next_batch = trainer.loader.next_batch
+        trainer.loader.next_batch = lambda: batches.append(next_batch()) or batches[-1]
+        model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        loss, stop, reading = trainer.micro_steps(types.SimpleNamespace(requested=False)).tolist()
+    finally:
+        trainer.loader.close()
+    assert len(batches) == len(forwards) == 4 and stop == 0
+    with torch.no_grad():
+        means = 0
+        for x, _ in batches:
+            records = []
+            model(x, mixing_out=records)
+            means = means + torch.stack([H.double().reshape(-1, N, N).mean(0) for H, _ in records]) / len(batches)
+    assert reading == pytest.approx(study_reading(means), rel=1e-6)
+    assert abs(reading - 1) > 1e-3 if residual == "hc" else abs(reading - 1) < 1e-5     # mHC: doubly stochastic
+
+
+def test_every_training_step_logs_the_study_reading_and_the_baseline_logs_one(tmp_path):
+    for residual in ("baseline", "hc"):
+        code = T.main(["--preset", "tiny,seed-study", "--residual", residual, "--steps", "3", "--out", str(tmp_path),
+                       "--wandb", "disabled"])
+        assert code == 0
+    for name, exactly_one in (("baseline_d2_s42_seed-study", True), ("hc_d2_s42_seed-study", False)):
+        lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        readings = [line[contract.STUDY_TRAIN_KEY] for line in lines if line["step"] > 0 and "loss" in line]
+        assert len(readings) == 3 and all(math.isfinite(r) for r in readings)
+        assert (readings == [1.0] * 3) == exactly_one
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_mixing_precision_autocast_mixes_under_the_runs_bf16_and_keeps_fp32_streams(residual):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, N, WIDTH)
+    outputs = {}
+    for precision in ("fp32", "autocast"):
+        cfg = study_config(residual, "--mixing-precision", precision)
+        torch.manual_seed(1)
+        conn, sublayer = T.CONNECTIONS[residual](cfg, 0), T.PreNorm(cfg, T.MLP(cfg))
+        with torch.no_grad():
+            for p in conn.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs[precision] = conn(x, sublayer)[0]
+        assert outputs[precision].dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        plain = conn.coefficients(x.mean(1, keepdim=True))[2]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded = conn.coefficients(x.mean(1, keepdim=True))[2]
+    assert (plain - rounded).abs().max() > 1e-4          # the coefficients were computed in bf16
+    assert (outputs["fp32"] - outputs["autocast"]).abs().max() > 1e-4
