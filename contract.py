@@ -83,10 +83,12 @@ COEFFICIENT_METHODS = frozenset({"hc", "mhc", "mhc-lite", "identity-hc"})
 # the settings only some arms have, and those arms: the trainer refuses such a flag given for another arm
 MIXING_METHODS = METHODS[1:]
 MHC_FAMILY = ("mhc", "mhc-lite", "identity-hc")
-ARMS_OF = {"sinkhorn_iters": ("mhc",), "hc_scale_init": ("hc",), "coefficient_norm": ("hc",),
+ARMS_OF = {"sinkhorn_iters": ("mhc",), "sinkhorn_order": ("mhc",), "hc_scale_init": ("hc",),
+           "coefficient_norm": ("hc",), "hc_dynamic": ("hc",), "hc_write_init": ("hc",),
            "mhc_gate_init": MHC_FAMILY, "mhc_pre_bias": MHC_FAMILY, "mhc_tanh": MHC_FAMILY,
-           "mhc_res_diag": ("mhc", "mhc-lite"), **dict.fromkeys(("coefficients", "expansion", "read_stream",
-           "collapse", "dynamic_init_std", "kernels", "no_mixing_decay"), MIXING_METHODS)}
+           "mhc_post_bias": MHC_FAMILY, "mhc_bias_others": MHC_FAMILY, "mhc_res_diag": ("mhc", "mhc-lite"),
+           **dict.fromkeys(("coefficients", "expansion", "read_stream", "collapse", "dynamic_init_std", "kernels",
+                            "no_mixing_decay", "mixing_norm", "mixing_precision"), MIXING_METHODS)}
 ARM_DEFAULTS = {"sinkhorn_iters": 20, "coefficients": "token"}
 PRESET_ARM_DEFAULTS = {"seed-study": {"coefficients": "sequence"}}  # the public study's per-sequence model
 COEFFICIENT_SUFFIX = {"token": "_tok", "sequence": "_seq"}
@@ -97,9 +99,12 @@ RUN_NAME = re.compile(r"^(?P<method>[A-Za-z]+(?:-[A-Za-z]+)*)_d(?P<depth>\d+)_s(
 
 def named_arm(presets: str | None, settings: dict | None = None) -> str | None:
     """The key of RUN_NAME_SUFFIX a run is named after: "seed-study" where the settings (else the presets, comma
-    separated, as the launcher knows them) are the study's model, "stress" where the stress preset is among them."""
+    separated, as the launcher knows them) are the study's model in every setting its arm has, "stress" where the
+    stress preset is among them."""
     names = (presets or "").split(",")
-    study = all(settings.get(k) == v for k, v in SEED_STUDY_MODEL.items()) if settings else "seed-study" in names
+    arm = (settings or {}).get("residual")
+    study = all(settings.get(k) == v for k, v in SEED_STUDY_MODEL.items() if arm in ARMS_OF.get(k, (arm,))) \
+        if settings else "seed-study" in names
     return ",".join(name for name, applies in (("seed-study", study), ("stress", "stress" in names)) if applies) or None
 
 

@@ -147,7 +147,8 @@ def test_each_difference_is_a_setting_that_turns_back_to_ours():
         assert getattr(study, key) == value != getattr(ours, key), key
         flag = "--" + key.replace("_", "-")
         back = [f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(getattr(ours, key))]
-        assert getattr(study_config("hc", *back), key) == getattr(ours, key), key
+        arm = "hc" if "hc" in contract.ARMS_OF.get(key, ("hc",)) else "mhc"    # an arm the setting applies to
+        assert getattr(study_config(arm, *back), key) == getattr(ours, key), key
     turned_back = T.HyperConnection(study_config("hc", "--hc-write-init", "all"), 0)
     assert torch.equal(turned_back.B_static.detach(), torch.ones(N))
     assert torch.equal(T.HyperConnection(study_config("hc"), 0).B_static.detach(), torch.eye(N)[0])
@@ -205,8 +206,8 @@ def test_presets_that_cannot_compose_are_one_line_and_exit_2(argv, message, monk
 
 
 def test_a_run_is_named_after_its_settings_however_they_were_asked():
-    by_flags = ["--coefficients", "sequence"] + [
-        arg for key, value in contract.SEED_STUDY_MODEL.items()
+    by_flags = ["--coefficients", "sequence"] + [       # the study's settings that HC has (others are refused)
+        arg for key, value in contract.SEED_STUDY_MODEL.items() if "hc" in contract.ARMS_OF.get(key, ("hc",))
         for arg in ([f"--{key.replace('_', '-')}"] if value is True else [f"--{key.replace('_', '-')}", str(value)])]
     for argv in (["--preset", "seed-study"], ["--preset", "demo,seed-study", "--depth", "32"], by_flags):
         assert T.parse_config([*argv, "--residual", "hc"]).run_name == "hc_d32_s42_seed-study", argv
@@ -215,8 +216,10 @@ def test_a_run_is_named_after_its_settings_however_they_were_asked():
     assert T.parse_config(["--residual", "hc", "--depth", "48", "--seed", "123"]).run_name == "hc_d48_s123"
     assert T.parse_config(["--preset", "stress", "--residual", "mhc"]).run_name == "mhc_d32_s42_stress"
     # one setting turned back: no longer the study's model, so not named after it
-    assert T.parse_config(["--preset", "seed-study", "--residual", "hc", "--no-mhc-tanh"]).run_name == \
+    assert T.parse_config(["--preset", "seed-study", "--residual", "hc", "--hc-write-init", "all"]).run_name == \
         "hc_d32_s42_seq"
+    assert T.parse_config(["--preset", "seed-study", "--residual", "mhc", "--no-mhc-tanh"]).run_name == \
+        "mhc_d32_s42_seq"
 
 
 # --- the study's reading on its own scope: the training batch, every step, full depth ---------------------------
