@@ -147,6 +147,9 @@ def start_wandb(cfg, run_dir: Path, config_record: dict, log):
     mode = wandb_mode(cfg)
     if mode == "disabled" or not log.enabled:
         return None
+    # wandb-core, the service wandb.init starts, leads a session of its own: with the launcher's job tag it would
+    # be signalled as if it were a torchrun rank, and a trainer saving its checkpoint would lose its W&B connection
+    os.environ.pop("RUN_EXPERIMENTS_JOB", None)
     import wandb            # about a second to import: only when W&B is on
     init = functools.partial(
         wandb.init, project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "hc-mhc-c4",

@@ -688,6 +688,30 @@ def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes
         assert steps == list(range(151))                # nothing lost or repeated across the stop
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
+def test_a_stop_spares_the_wandb_service_a_trainer_started(tmp_path):
+    """W&B offline (what a user without a login gets) starts a wandb-core service that leads a session of its own.
+    The launcher's stop must reach the trainer only: the trainer saves at its last step and its log ends cleanly,
+    with no 'Connection lost' traceback from a service killed under it."""
+    out, run = tmp_path / "runs", "mhc_d2_s1"
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_PROBE="true", WANDB_MODE="offline", WANDB_DIR=tmp_path,
+                       WANDB_SILENT="true")
+    del env["RUN_EXPERIMENTS_TRAINER"]
+    proc = start(tmp_path, "--methods", "mhc", "--depths", "2", "--seeds", "1", "--steps", "2000",
+                 "--", "--preset", "tiny", "--wandb", "offline", env=env)
+    output = interrupt_when(proc, lambda: len((out / run / "metrics.jsonl").read_text().splitlines()) > 5,
+                            "the trainer to make progress with W&B offline", timeout=120)
+    assert proc.returncode == 143, output
+    stopped = status(out, run)
+    assert (stopped["state"], stopped["exit_code"]) == ("interrupted", 75), stopped
+    assert (out / run / "checkpoints" / f"step-{stopped['step']}" / "COMPLETE.json").exists()
+    steps = [json.loads(line)["step"] for line in (out / run / "metrics.jsonl").read_text().splitlines()]
+    assert stopped["step"] == steps[-1]
+    log = (out / run / "train.log").read_text()
+    assert "W&B is offline" in log and "Traceback" not in log and "Connection lost" not in log, log[-3000:]
+
+
 def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):
     import matrix
     monkeypatch.setenv("RUN_EXPERIMENTS_NVIDIA_SMI", "false")
