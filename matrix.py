@@ -652,6 +652,7 @@ def plan_jobs(opt, jobs, node, measured=None):
     check = read_json(opt.out / "gpu_check" / "result.json")        # `run_experiments.sh --check`'s timings
     request = {"gpu": node.gpu, "world": opt.gpus_per_run, "card_gib": node.card_gib,
                "jobs": [{"flags": trainer_flags(opt, job), "done_steps": job.step or 0, "check": check,
+                         "finished": bool(job.skipped_as),
                          "tokens_per_s": (measured or {}).get(f"{job.method}_d{job.depth}")} for job in jobs]}
     command = trainer_script() + ["--plan-jobs"]
     try:
@@ -674,11 +675,15 @@ def plan_jobs(opt, jobs, node, measured=None):
 
 def check_before_launch(opt, jobs, node):
     """Every job of this node checked by the trainer before the first launch; the planned micro-batches kept
-    (an out-of-memory exit before config.json is written halves what the trainer planned)."""
-    todo = [j for j in jobs if j.node == opt.node_rank and not j.skipped_as]
-    if todo:
-        answers = plan_jobs(opt, todo, node)["jobs"]
-        for job in todo:
+    (an out-of-memory exit before config.json is written halves what the trainer planned). A finished run is
+    checked too, so that changed settings never pass for its results: the trainer refuses them, or with
+    --allow-changed-settings answers with the changes and the run is launched for the trainer to continue."""
+    mine = [j for j in jobs if j.node == opt.node_rank]
+    answers = plan_jobs(opt, mine, node)["jobs"] if mine else {}
+    for job in mine:
+        if job.skipped_as and answers[job.name].get("changes"):
+            job.state = "pending"
+        if not job.skipped_as:
             job.planned = answers[job.name]
 
 

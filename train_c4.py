@@ -1095,10 +1095,10 @@ TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_
                  "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
 
 
-def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
+def check_resumable(run_dir: Path, cfg: Config, log: RunLog | None = None) -> dict:
     """Refuse to continue a run folder made by a different model, or any existing run under --resume never;
     refuse changed training settings unless --allow-changed-settings. Returns the allowed changes
-    ({key: [old, new]})."""
+    ({key: [old, new]}). Without the run's log (the launcher's check of a finished run) nothing is recorded."""
     path = run_dir / "config.json"
     if not path.exists():
         return {}
@@ -1110,7 +1110,7 @@ def check_resumable(run_dir: Path, cfg: Config, log: RunLog) -> dict:
     except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
         old = None
     if not isinstance(old, dict):
-        raise log.refuse(f"{path} is unreadable (no \"config\" record); move that run folder away or choose another "
+        raise (log.refuse if log else ConfigError)(f"{path} is unreadable (no \"config\" record); move that run folder away or choose another "
                          "--run-name")
     for key in MODEL_KEYS:
         was = old.get(key, Config.__dataclass_fields__[key].default)       # a key newer than the run: its default
@@ -1453,12 +1453,19 @@ def plan_jobs(request: dict) -> dict:
     for job in request["jobs"]:
         try:
             cfg = parse_config(job["flags"])
+            # a run the launcher would skip as finished is compared as a resume would be: refused when its settings
+            # changed, or with --allow-changed-settings planned and launched, so that this trainer continues it
+            changes = check_resumable(Path(cfg.out) / cfg.run_name, cfg) if job.get("finished") else {}
+            if job.get("finished") and not changes:
+                answers.append({"finished": True})
+                continue
             card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
             micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
             if gpu == "cpu":
                 plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, world, torch.device("cpu"))
             resolve_data_files(cfg.data, cfg.val_data)
-            answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job))
+            answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job)
+                           | {"changes": changes_text(changes)})
         except (TrainerError, plan.PlanError) as error:
             answers.append({"error": str(error)})
     return plan.node_answer(gpu, answers)

@@ -656,6 +656,28 @@ def test_real_trainer_tiny_matrix(tmp_path):
 
 
 
+@pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
+def test_changed_settings_never_pass_for_a_finished_run(tmp_path):
+    """A finished run is skipped only under the settings it was trained with: a change the trainer refuses is
+    refused before any launch (exit 2, naming the run and the change); with --allow-changed-settings the run is
+    launched and the trainer continues it."""
+    out, run = tmp_path / "runs", "mhc_d2_s1"
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_PROBE="true")
+    del env["RUN_EXPERIMENTS_TRAINER"]
+    matrix = ("--methods", "mhc", "--depths", "2", "--seeds", "1")
+    r = launch(tmp_path, *matrix, "--steps", "20", "--", "--preset", "tiny", env=env)
+    assert r.returncode == 0 and status(out, run)["state"] == "completed", r.stdout + r.stderr
+    r = launch(tmp_path, *matrix, "--steps", "20", "--", "--preset", "tiny", env=env)      # unchanged: skipped
+    assert r.returncode == 0 and not launches(out), r.stdout + r.stderr
+    r = launch(tmp_path, *matrix, "--steps", "30", "--", "--preset", "tiny", "--lr", "1e-3", env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(rf"train_c4.py refuses {run}: .*other settings \(lr .* -> 0.001, steps 20 -> 30\)", r.stderr)
+    assert "nothing was launched" in r.stderr and status(out, run)["state"] == "completed"
+    r = launch(tmp_path, *matrix, "--steps", "30", "--", "--preset", "tiny", "--allow-changed-settings", env=env)
+    assert r.returncode == 0 and [name for _, name, _ in launches(out)] == [run], r.stdout + r.stderr
+    assert status(out, run)["state"] == "completed" and status(out, run)["step"] == 30
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
 def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes(tmp_path):
