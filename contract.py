@@ -46,6 +46,22 @@ class RunFailed(TrainerError):
         self.exit_code = exit_code
 
 
+# What a failed name lookup says (glibc, macOS, Windows): the hub cannot be reached at all, which a retry within
+# minutes does not change, unlike a rate limit or a dropped connection
+NAME_LOOKUP_FAILED = ("Name or service not known", "name resolution", "nodename nor servname", "getaddrinfo failed")
+
+
+def hub_unreachable(error: BaseException | None) -> bool:
+    """Whether an error, or one it was raised from, is a failed name lookup (the libraries wrap it two deep)."""
+    for _ in range(10):          # a bounded walk: a chain can loop
+        if error is None:
+            return False
+        if any(text in str(error) for text in NAME_LOOKUP_FAILED):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 # A preset that changes the recipe gets its own run names, so its runs share an out folder with the main matrix.
 RUN_NAME_SUFFIX = {"stress": "_stress", "seed-study": "_seed-study"}
 

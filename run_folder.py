@@ -218,6 +218,48 @@ def changes_text(changes: dict) -> str:
     return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
 
 
+# keys whose change makes a different model: resuming over them would mix two experiments
+MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
+              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
+              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse")
+# keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
+# them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
+# batches and the maths stay the same.
+TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
+                 "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
+
+
+def check_resumable(run_dir: Path, cfg, log: RunLog | None = None) -> dict:
+    """Whether the trainer's Config `cfg` may continue the run in `run_dir`: refuse a run folder made by a different
+    model, or any existing run under --resume never; refuse changed training settings unless
+    --allow-changed-settings. Returns the allowed changes ({key: [old, new]}). Without the run's log (the launcher's
+    check of a finished run) nothing is recorded."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return {}
+    if cfg.resume == "never":
+        raise ConfigError(f"{run_dir} already holds a run and --resume never refuses to overwrite it; "
+                          "choose another --run-name or --out")
+    try:
+        old = json.loads(path.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+        old = None
+    if not isinstance(old, dict):
+        raise (log.refuse if log else ConfigError)(f"{path} is unreadable (no \"config\" record); move that run "
+                                                   "folder away or choose another --run-name")
+    for key in MODEL_KEYS:
+        was = old.get(key, type(cfg).__dataclass_fields__[key].default)       # a key newer than the run: its default
+        if was != getattr(cfg, key):
+            raise ConfigError(f"{run_dir} was trained with {key}={was!r} but this command has "
+                              f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
+    changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
+    if changes and not cfg.allow_changed_settings:
+        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
+                          "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
+                          "the new ones")
+    return changes
+
+
 def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
     """(line, its step) of every line; the step is None where the line is no record: cut by a kill mid-write,
     not a JSON object, too deeply nested to parse, or without a whole-number step."""

@@ -46,8 +46,8 @@ from flags import COUNT, NATURAL, option
 from monitor import WANDB_MODES, Progress, device_name, run_record, start_wandb, wandb_record
 from plan import flops_per_token, gpu_peak_flops, parameter_summary
 from prefetch import Loader
-from run_folder import (RunLog, changes_text, check_writable_folder, dcp_load, first_cause, resume_from,
-                        write_checkpoint, write_json_atomic)
+from run_folder import (MODEL_KEYS, RunLog, changes_text, check_resumable, check_writable_folder, dcp_load,
+                        first_cause, resume_from, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -859,10 +859,12 @@ class DocumentStream:
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if not self.remote:
             raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
-        if failures > HUB_RETRIES or "Offline" in type(error).__name__:
-            raise DataUnavailable(f"C4 could not be streamed from the hub after {failures} attempt(s) ({cause}); "
-                                  "download shards once with `bash setup.sh --prefetch-c4 N` and pass their "
-                                  "glob to --data, or pass another local glob") from error
+        unreachable = contract.hub_unreachable(error)
+        if failures > HUB_RETRIES or unreachable or "Offline" in type(error).__name__:
+            raise DataUnavailable(("the hub cannot be reached" if unreachable else "C4 could not be streamed from "
+                                   f"the hub after {failures} attempt(s)") + f" ({cause}); download shards once with "
+                                  "`bash setup.sh --prefetch-c4 N` and pass their glob to --data, or pass another "
+                                  "local glob") from error
         delay = min(HUB_MAX_BACKOFF_S, 2 ** failures) * random.Random().uniform(0.5, 1.5)
         print(f"warning: hub read failed ({cause}); retry {failures}/{HUB_RETRIES} in {delay:.0f} s", file=sys.stderr)
         time.sleep(delay)
@@ -1081,49 +1083,8 @@ def unwrap(model: nn.Module) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpointing: what a checkpoint holds and when a run may continue from one (Trainer.save and .restore); how the
-# ranks write, verify and fall back: run_folder.py
-
-# keys whose change makes a different model: resuming over them would mix two experiments
-MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
-              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
-              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse")
-# keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
-# them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
-# batches and the maths stay the same.
-TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
-                 "no_mixing_decay", "seed", "data", "val_data", "data_seed", "data_streams", "shuffle_buffer")
-
-
-def check_resumable(run_dir: Path, cfg: Config, log: RunLog | None = None) -> dict:
-    """Refuse to continue a run folder made by a different model, or any existing run under --resume never;
-    refuse changed training settings unless --allow-changed-settings. Returns the allowed changes
-    ({key: [old, new]}). Without the run's log (the launcher's check of a finished run) nothing is recorded."""
-    path = run_dir / "config.json"
-    if not path.exists():
-        return {}
-    if cfg.resume == "never":
-        raise ConfigError(f"{run_dir} already holds a run and --resume never refuses to overwrite it; "
-                          "choose another --run-name or --out")
-    try:
-        old = json.loads(path.read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
-        old = None
-    if not isinstance(old, dict):
-        raise (log.refuse if log else ConfigError)(f"{path} is unreadable (no \"config\" record); move that run folder away or choose another "
-                         "--run-name")
-    for key in MODEL_KEYS:
-        was = old.get(key, Config.__dataclass_fields__[key].default)       # a key newer than the run: its default
-        if was != getattr(cfg, key):
-            raise ConfigError(f"{run_dir} was trained with {key}={was!r} but this command has "
-                              f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
-    changes = {key: [old.get(key), getattr(cfg, key)] for key in TRAINING_KEYS if old.get(key) != getattr(cfg, key)}
-    if changes and not cfg.allow_changed_settings:
-        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
-                          "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
-                          "the new ones")
-    return changes
-
+# checkpointing: what a checkpoint holds (Trainer.save and .restore); when a run may continue from one
+# (check_resumable) and how the ranks write, verify and fall back: run_folder.py
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -1479,7 +1440,12 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     dtype = compute_dtype(cfg, dist.device)
     use_flash = use_flash_attention(cfg, dist.device, dtype)
     tokenizer = make_tokenizer(cfg.tokenizer)
-    val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    try:
+        val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    except DataUnavailable as error:
+        if not log.previous_status():     # a new folder says why it holds no run; an earlier run's record stays
+            log.status("failed", 0, contract.EXIT_DATA, str(error))
+        raise
     torch.manual_seed(cfg.seed)
     kernels, kernels_reason = kernel_path(cfg, dist.device)
     model = GPT(cfg, use_flash, kernels).to(dist.device)
