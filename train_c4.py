@@ -26,6 +26,7 @@ from contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, Dat
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
+    contract.exit_without_packages("train_c4.py", "torch", "tiktoken", "tqdm")
 
 import tiktoken
 import torch
