@@ -997,9 +997,13 @@ class Matrix:
                           f"data={data}"
                           + (f" node={o.node_rank}/{o.nodes}" if o.nodes > 1 else "")
                           + f" extra={shlex.join(o.extra)}")
-        # the line report.py --watch reads the matrix from (queue order, slots, price)
+        # the line report.py --watch reads the matrix from (queue order, slots, price, and the trainer's planned
+        # seconds, the middle of its range: the view's ETA until steps are timed)
+        planned = ",".join(f"{j.name}:{sum(j.planned['seconds']) / 2:.0f}" for j in self.jobs
+                           if j.planned.get("seconds"))
         self.log("QUEUE", f"slots={slot_count(o, self.gpus)} gpus_per_run={o.gpus_per_run} gpus={','.join(self.gpus)} "
-                          f"price_per_gpu_hour={o.price:g} runs={','.join(j.name for j in self.jobs)}")
+                          f"price_per_gpu_hour={o.price:g} runs={','.join(j.name for j in self.jobs)} "
+                          f"planned_s={planned}")
         for job in self.jobs:
             if job.skipped_as:
                 self.log("SKIP", f"{job.name} already {job.skipped_as} (status.json)")

@@ -210,6 +210,15 @@ def test_matrix_split_over_two_nodes_runs_each_job_once(tmp_path):
     assert r.returncode == 0 and re.search(r"^baseline_d3_s1 +skip \(completed\)", r.stdout, re.MULTILINE)
 
 
+def test_the_queue_line_carries_the_trainers_planned_times(tmp_path):
+    """report.py's view takes a job's ETA from the plan until its steps are timed: 4 steps of 2-4 s, 12 s each."""
+    r = launch(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--steps", "4",
+               env=launcher_env(tmp_path, FAKE_STEP_SECONDS="2"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (_, _, queue), = events(tmp_path / "runs", "QUEUE")
+    assert queue.endswith(" planned_s=hc_d2_s1:12,mhc_d2_s1:12"), queue
+
+
 def test_completed_matrix_launches_nothing(tmp_path):
     out = tmp_path / "runs"
     args = ("--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1")

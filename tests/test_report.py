@@ -673,3 +673,27 @@ def test_watch_view_from_matrix_log_and_live_status(tmp_path):
     assert rows[1].split() == ["0,1,2,3", "hc_d4_s2", "10/100", "4.500", "812", "2,000", "0:54:00"]
     assert rows[2:] == ["done: hc_d4_s1 completed", "queued: mhc_d4_s2", "failed: baseline_d4_s1 (matrix.log says why)"]
     assert report.main([str(tmp_path / "nothing"), "--watch"]) == 2
+
+
+def test_watch_eta_takes_the_plan_until_steps_are_timed_and_the_clock_stops_at_the_end(tmp_path):
+    """One slot: the baseline runs (timed: 270 s to go), HC waits. Its pace is not the baseline's: until an HC
+    step is timed it takes the trainer's plan (900 s), not the baseline's 300 s. After the END line, the elapsed
+    time is the matrix's, not the time since it started."""
+    log = tmp_path / "matrix.log"
+    log.write_text("2026-12-03T10:00:00.000+0000 QUEUE slots=1 gpus_per_run=1 gpus=cpu price_per_gpu_hour=0 "
+                   "runs=baseline_d4_s1,hc_d4_s1 planned_s=baseline_d4_s1:600,hc_d4_s1:900\n"
+                   "2026-12-03T10:00:01.000+0000 LAUNCH baseline_d4_s1 gpus=cpu attempt=1\n")
+    (tmp_path / "baseline_d4_s1").mkdir()
+    (tmp_path / "baseline_d4_s1" / "status.json").write_text(json.dumps(
+        {"state": "running", "step": 10, "steps": 100, "step_time_s": 3.0, "eta_s": 270.0}))
+    now = datetime(2026, 12, 3, 10, 1, tzinfo=timezone.utc).timestamp()
+    head = report.watch_view(tmp_path, now=now).splitlines()[0]
+    assert "0:01:00 elapsed, 0:19:30 to go" in head, head
+    with log.open("a") as f:
+        f.write("2026-12-03T10:08:00.000+0000 DONE baseline_d4_s1 completed\n"
+                "2026-12-03T10:08:01.000+0000 LAUNCH hc_d4_s1 gpus=cpu attempt=1\n"
+                "2026-12-03T10:20:00.000+0000 DONE hc_d4_s1 completed\n"
+                "2026-12-03T10:20:00.000+0000 END all 2 runs finished\n")
+    later = datetime(2026, 12, 3, 11, 0, tzinfo=timezone.utc).timestamp()
+    head = report.watch_view(tmp_path, now=later).splitlines()[0]
+    assert "2 done, 0 running, 0 queued, 0 failed; 0:20:00 elapsed (ended), 0:00:00 to go" in head, head
