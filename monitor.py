@@ -89,8 +89,7 @@ class Progress:
                                  amax=self._amax())
             self.bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            if self.bar is None:
-                log.info(self.line(record))
+            log.info(self.line(record), terminal=self.bar is None)     # the bar shows the pace; train.log keeps it
             log.status("running", step)
 
     def _amax(self) -> str:

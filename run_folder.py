@@ -135,12 +135,15 @@ class RunLog:
             self.log_file = open(run_dir / "train.log", "a", buffering=1) if tee else None
             self.metrics_file = None
 
-    def info(self, message: str) -> None:
+    def info(self, message: str, terminal: bool = True) -> None:
+        """A line for train.log, and for the terminal unless it already shows the same (the progress bar, the
+        trainer's last line on stderr)."""
         if not self.enabled:
             return
         line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-        (self.bar.write if self.bar else print)(line)
-        sys.stdout.flush()
+        if terminal:
+            (self.bar.write if self.bar else print)(line)
+            sys.stdout.flush()
         if self.log_file:
             self.log_file.write(line + "\n")
 

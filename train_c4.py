@@ -1485,6 +1485,7 @@ def train(cfg: Config) -> None:
         raise
     except Interrupted as error:
         log.status("interrupted", trainer.step, EXIT_INTERRUPTED, str(error))
+        log.info(str(error), terminal=False)           # main prints it; a run started by hand keeps it in train.log
         raise
     except BaseException as error:
         code, reason, own = failure(error, dist, trainer.micro)
