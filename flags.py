@@ -64,7 +64,9 @@ def build_parser(config_class, description: str, epilog: str) -> argparse.Argume
         if field.type == "bool":
             group.add_argument(flag(field.name), action="store_true", help=facts["help"])
         else:
-            group.add_argument(flag(field.name), type=PARSE.get(field.type, str), choices=allowed_names.get(field.name),
+            # every name a flag allows is lower case: --residual HC means hc
+            parse = str.lower if allowed_names.get(field.name) else PARSE.get(field.type, str)
+            group.add_argument(flag(field.name), type=parse, choices=allowed_names.get(field.name),
                                help=facts["help"] + f" (default {field.default!r}, or the preset's)")
     return parser
 

@@ -120,9 +120,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def listed(pattern, what):
-    """An argparse type: a comma list whose every entry matches `pattern`."""
+    """An argparse type: a comma list whose every entry matches `pattern`; names in any case (HC is hc)."""
     def parse(text):
-        items = text.split(",") if text else []
+        items = text.lower().split(",") if text else []
         if not items:
             raise argparse.ArgumentTypeError(f"{what} must not be empty")
         for item in items:
@@ -776,9 +776,14 @@ def wall_and_cost(opt, jobs, answers, node):
                     f"{opt.gpus_per_run * total[0] / 3600:,.0f}-{opt.gpus_per_run * total[1] / 3600:,.0f} GPU-hours"]
 
 
-def job_line(opt, job, slot, answer):
+def name_width(jobs):
+    """The run-name column: as wide as the longest name, so that the columns stay aligned for a long arm's name."""
+    return max([17, *(len(job.name) for job in jobs)])
+
+
+def job_line(opt, job, slot, answer, width):
     where = f"node {job.node} " if opt.nodes > 1 else ""
-    return (f"{job.name:<17} {where + slot:<18} micro-batch {job.micro or answer['micro']}"
+    return (f"{job.name:<{width}} {where + slot:<18} micro-batch {job.micro or answer['micro']}"
             + (" (auto)" if answer.get("auto") and not job.micro else "") + f", global batch {answer['batch']}"
             + (f", {answer['memory']}" if answer.get("memory") else "")
             + (f", {hours_range(answer['seconds'])}" if answer.get("seconds") else "")
@@ -792,15 +797,15 @@ def dry_run(opt, jobs, node):
         measured = calibrate(opt, mine, node, Path(folder)) if opt.calibrate and mine else None
     answer = plan_jobs(opt, todo, node, measured) if todo else {"jobs": {}, "assumptions": [], "gpu": node.gpu}
     print(plan_header(opt, jobs, node, answer["gpu"]))
-    started = dict.fromkeys(range(opt.nodes), 0)
+    started, width = dict.fromkeys(range(opt.nodes), 0), name_width(jobs)
     for job in jobs:
         if job.skipped_as:
-            print(f"{job.name:<17} skip ({job.skipped_as})")
+            print(f"{job.name:<{width}} skip ({job.skipped_as})")
             continue
         slot = slot_label(opt, node.gpus, started[job.node]) if started[job.node] < slot_count(opt, node.gpus) else None
         started[job.node] += 1
         label = "CPU" if slot == "cpu" else f"GPU {slot}" if slot else "next free slot"
-        print(job_line(opt, job, label, answer["jobs"][job.name]))
+        print(job_line(opt, job, label, answer["jobs"][job.name], width))
         print(f"    CUDA_VISIBLE_DEVICES={'' if slot == 'cpu' else slot or '<slot>'} "
               f"{shlex.join(trainer_base(opt) + trainer_flags(opt, job))}")
     if measured:
@@ -864,10 +869,10 @@ def task_time(opt, jobs):
 
 
 def submit_slurm(opt, jobs):
-    todo = [j for j in jobs if not j.skipped_as]
+    todo, width = [j for j in jobs if not j.skipped_as], name_width(jobs)
     for job in jobs:
         if job.skipped_as:
-            print(f"{job.name:<17} skip ({job.skipped_as})")
+            print(f"{job.name:<{width}} skip ({job.skipped_as})")
     if not todo:
         print(f"Nothing to submit: every run in {opt.out} completed or diverged.")
         return EXIT_OK
@@ -884,7 +889,7 @@ def submit_slurm(opt, jobs):
     report_command = ["sbatch", "--parsable", "--dependency=afterany:ARRAY_JOB_ID",
                       f"--job-name=report-{opt.out.name}", str(ROOT / "slurm" / "report.sbatch"), str(opt.out)]
     if opt.dry_run:
-        print(*(f"{job.name:<17} task {i}: {line}" for i, (job, line) in enumerate(zip(todo, lines))), sep="\n")
+        print(*(f"{job.name:<{width}} task {i}: {line}" for i, (job, line) in enumerate(zip(todo, lines))), sep="\n")
         print(f"Dry run: would write {tasks} (the lines above) and submit, with --time from {why}:\n  "
               f"{shlex.join(array_command)}\n  {shlex.join(report_command)}\nNothing was submitted or written.")
         return EXIT_OK
@@ -898,7 +903,7 @@ def submit_slurm(opt, jobs):
     report_command[2] = f"--dependency=afterany:{array}"
     report = submit(report_command)
     for i, job in enumerate(todo):
-        print(f"{job.name:<17} task {array}_{i}")
+        print(f"{job.name:<{width}} task {array}_{i}")
     print(f"Submitted job array {array}: {len(todo)} run(s), each on one node with {opt.gpus_per_run} GPU(s), "
           f"--time {hms(seconds)} ({why}, x{SLURM_MARGIN[0]:g} + {SLURM_MARGIN[1] // 60} min, at most --slurm-time "
           f"{hms(opt.slurm_time)}); a run still going at the limit saves, is requeued and resumes. The report: job "

@@ -472,6 +472,15 @@ def test_dry_run_launches_nothing_and_writes_nothing(tmp_path):
     assert "next free slot" in r.stdout
 
 
+def test_dry_run_keeps_its_columns_for_long_run_names_and_takes_methods_in_any_case(tmp_path):
+    r = launch(tmp_path, "--dry-run", "--residual", "HC,Identity-HC", "--coefficients", "sequence", "--depths", "2",
+               "--seeds", "1", "--", "--micro-batch-size", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if " micro-batch 2" in line]
+    assert [line.split()[0] for line in lines] == ["hc_d2_s1_seq", "identity-hc_d2_s1_seq"]
+    assert len({line.index(" micro-batch") for line in lines}) == 1, lines         # one column for both
+
+
 def test_stress_arm_and_data_order_varied_with_the_seed(tmp_path):
     r = launch(tmp_path, "--stress", "--dry-run", "--vary-data-seed", "--seeds", "42,7")
     assert r.returncode == 0, r.stderr

@@ -697,3 +697,34 @@ def test_watch_eta_takes_the_plan_until_steps_are_timed_and_the_clock_stops_at_t
     later = datetime(2026, 12, 3, 11, 0, tzinfo=timezone.utc).timestamp()
     head = report.watch_view(tmp_path, now=later).splitlines()[0]
     assert "2 done, 0 running, 0 queued, 0 failed; 0:20:00 elapsed (ended), 0:00:00 to go" in head, head
+
+
+def test_arms_at_one_are_named_and_the_log_axis_has_labelled_minor_ticks(tmp_path, monkeypatch):
+    for method in ("baseline", "hc", "mhc"):
+        write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, 1.0 if method != "hc" else 50.0))
+    figures = drawn_figures(monkeypatch)
+    report.plot_amax(report.load_runs(tmp_path), tmp_path / "amax.png")
+    forward = figures[0].axes[0]
+    assert [t.get_text() for t in forward.texts if t.get_text().startswith("at 1")] == [
+        "at 1, one over another: baseline, mHC"]
+    minor = {tick.get_text() for tick in forward.yaxis.get_minorticklabels()}
+    assert {"2", "5", "20"} <= minor, minor
+
+
+def test_published_figures_name_the_forward_and_the_backward_reading_apart(tmp_path):
+    write_run(tmp_path, "mhc_d4_s1", [{**train(1, 1.0, 5.0, 1.0, 10), **probe(1.0, 1.15)}])
+    rows = report.aggregate([report.summarize(r) for r in report.load_runs(tmp_path)])
+    assert report.published_matches(rows, "mhc", None, ("peak_fwd", "peak_bwd"), "token") == [
+        "amax_fwd 1.000 / amax_bwd 1.150 (mHC, depth 4)"]
+    assert "mHC amax_fwd 1.000 / amax_bwd 1.150 (mHC, depth 4) against at most about 1.6" in \
+        report.reference_verdict(rows)
+
+
+def test_no_plots_leaves_no_plot_of_an_earlier_report(tmp_path):
+    for method, scale in (("baseline", 1.0), ("hc", 300.0)):
+        write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, scale))
+    assert report.main([str(tmp_path)]) == 0
+    assert (tmp_path / "report" / "amax.png").exists()
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert not list((tmp_path / "report").glob("*.png"))
+    assert "plots skipped (--no-plots)" in (tmp_path / "report" / "results.md").read_text()
