@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import matrix  # noqa: E402
@@ -85,3 +87,11 @@ def test_the_trainer_under_a_python_without_the_packages_names_the_venv():
                           text=True, timeout=60)
     assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "has no torch" in done.stderr and "`.venv/bin/python train_c4.py`" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_printed_plans_of_docs_planning_are_what_the_commands_print():
+    """benchmarks/doc_plans.py regenerates them; stale blocks fail here until it is run."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "doc_plans.py"), "--check"], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
