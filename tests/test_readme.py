@@ -95,3 +95,13 @@ def test_the_printed_plans_of_docs_planning_are_what_the_commands_print():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "doc_plans.py"), "--check"], capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_file_the_docs_name_exists():
+    """A renamed script (gpu_check.sh became gpu_check.py) must not live on in the docs."""
+    named = set()
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        named |= {(doc.name, path) for path in re.findall(r"\b((?:benchmarks|tests|slurm)/[\w./-]+\.(?:py|sh|sbatch))",
+                                                            doc.read_text())}
+    missing = sorted((doc, path) for doc, path in named if not (ROOT / path).exists())
+    assert not missing, missing
