@@ -680,11 +680,18 @@ def check_before_launch(opt, jobs, node):
     --allow-changed-settings answers with the changes and the run is launched for the trainer to continue."""
     mine = [j for j in jobs if j.node == opt.node_rank]
     answers = plan_jobs(opt, mine, node)["jobs"] if mine else {}
+    relaunch_changed(mine, answers)
     for job in mine:
-        if job.skipped_as and answers[job.name].get("changes"):
-            job.state = "pending"
         if not job.skipped_as:
             job.planned = answers[job.name]
+
+
+def relaunch_changed(jobs, answers):
+    """A finished run the trainer answered with changed settings (--allow-changed-settings) is launched again, for
+    the trainer to continue it under the new ones."""
+    for job in jobs:
+        if job.skipped_as and answers[job.name].get("changes"):
+            job.state = "pending"
 
 
 def fill_node(opt, jobs, gpus):
@@ -791,11 +798,12 @@ def job_line(opt, job, slot, answer, width):
 
 
 def dry_run(opt, jobs, node):
-    todo = [j for j in jobs if not j.skipped_as]
     with tempfile.TemporaryDirectory(prefix="run_experiments_calibrate.") as folder:
-        mine = [j for j in todo if j.node == opt.node_rank]
+        mine = [j for j in jobs if j.node == opt.node_rank and not j.skipped_as]
         measured = calibrate(opt, mine, node, Path(folder)) if opt.calibrate and mine else None
-    answer = plan_jobs(opt, todo, node, measured) if todo else {"jobs": {}, "assumptions": [], "gpu": node.gpu}
+    answer = plan_jobs(opt, jobs, node, measured)       # finished runs too: changed settings show here as well
+    relaunch_changed(jobs, answer["jobs"])
+    todo = [j for j in jobs if not j.skipped_as]
     print(plan_header(opt, jobs, node, answer["gpu"]))
     started, width = dict.fromkeys(range(opt.nodes), 0), name_width(jobs)
     for job in jobs:
