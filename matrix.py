@@ -656,8 +656,8 @@ def plan_jobs(opt, jobs, node, measured=None):
                          "tokens_per_s": (measured or {}).get(f"{job.method}_d{job.depth}")} for job in jobs]}
     command = trainer_script() + ["--plan-jobs"]
     try:
-        done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=900,
-                              cwd=ROOT)
+        # in this folder, as the jobs will run: a relative --out or --data means the same to the check and to them
+        done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=900)
         answer = json.loads(done.stdout.strip().splitlines()[-1])
         answer["jobs"] = dict(zip((job.name for job in jobs), answer["jobs"], strict=True))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):

@@ -166,7 +166,6 @@ class Loader:
         self.received = None
 
 
-
 def download_c4(count: int, folder: str) -> None:
     """The first `count` C4 train shards and the 8 validation shards into `folder`. huggingface_hub downloads under a
     file lock into a temporary file, renames it when complete and resumes partial downloads, so concurrent or

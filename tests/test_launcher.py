@@ -687,8 +687,11 @@ def test_changed_settings_never_pass_for_a_finished_run(tmp_path):
     assert r.returncode == 0 and status(out, run)["state"] == "completed", r.stdout + r.stderr
     r = launch(tmp_path, *matrix, "--steps", "20", "--", "--preset", "tiny", env=env)      # unchanged: skipped
     assert r.returncode == 0 and not launches(out), r.stdout + r.stderr
-    r = launch(tmp_path, *matrix, "--dry-run", "--steps", "30", "--", "--preset", "tiny", "--lr", "1e-3", env=env)
-    assert r.returncode == 2 and f"train_c4.py refuses {run}: " in r.stderr, r.stdout + r.stderr     # as a launch
+    # the dry run refuses as a launch does, and reads a relative --out from where the launcher runs, as the jobs do
+    r = subprocess.run(["bash", str(SCRIPT), "--out", "runs", *matrix, "--dry-run", "--steps", "30", "--",
+                        "--preset", "tiny", "--lr", "1e-3"], env=env, capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 2 and f"train_c4.py refuses {run}: runs/{run} was trained" in r.stderr, r.stdout + r.stderr
     r = launch(tmp_path, *matrix, "--steps", "30", "--", "--preset", "tiny", "--lr", "1e-3", env=env)
     assert r.returncode == 2, r.stdout + r.stderr
     assert re.search(rf"train_c4.py refuses {run}: .*other settings \(lr .* -> 0.001, steps 20 -> 30\)", r.stderr)
