@@ -5,7 +5,7 @@ the codes and builds the same names; report.py parses them. The errors below car
 raises them, and so can a module beside it without importing train_c4. Standard library only: the launcher
 imports it without torch.
 """
-import re
+import importlib.util, re, sys
 
 # The trainer's exit codes (the table in README.md, "Exit codes").
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = 0, 2, 3, 4, 5, 6, 75
@@ -44,6 +44,31 @@ class RunFailed(TrainerError):
     def __init__(self, exit_code: int, reason: str):
         super().__init__(reason)
         self.exit_code = exit_code
+
+
+def exit_without_packages(script: str, *names: str) -> None:
+    """A script started by a python without this project's packages (the system one, not setup.sh's .venv) says
+    which python to use in one line, instead of a ModuleNotFoundError traceback."""
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"{script}: {sys.executable} has no {', '.join(missing)}; run `bash setup.sh` once, then "
+                 f"`.venv/bin/python {script}` (or `source .venv/bin/activate` first)")
+
+
+# What a failed name lookup says (glibc, macOS, Windows): the hub cannot be reached at all, which a retry within
+# minutes does not change, unlike a rate limit or a dropped connection
+NAME_LOOKUP_FAILED = ("Name or service not known", "name resolution", "nodename nor servname", "getaddrinfo failed")
+
+
+def hub_unreachable(error) -> bool:
+    """Whether an error, or one it was raised from, is a failed name lookup (the libraries wrap it two deep)."""
+    for _ in range(10):          # a bounded walk: a chain can loop
+        if error is None:
+            return False
+        if any(text in str(error) for text in NAME_LOOKUP_FAILED):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # A preset that changes the recipe gets its own run names, so its runs share an out folder with the main matrix.

@@ -7,7 +7,7 @@ head, tied to the embedding, left out) and OUT.json (the model's settings). FSDP
 """
 from __future__ import annotations
 
-import dataclasses, functools, json, sys
+import dataclasses, functools, json, shutil, sys
 from pathlib import Path
 
 import torch
@@ -32,8 +32,10 @@ def arguments(argv: list[str]) -> tuple[Path, Path]:
         raise ConfigError(f"--consolidate: {source} is not a checkpoint or run folder")
     if out.is_dir():
         raise ConfigError(f"--consolidate: {out} is a folder; give the .pt file to write")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--consolidate: {out.parent} is not a folder; create it first")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--consolidate: cannot create {out.parent} ({error.strerror or error})") from None
     check_writable_folder(out.parent, f"--consolidate: {out}'s folder")
     return source, out
 
@@ -56,8 +58,8 @@ def consolidate(source: Path, out: Path) -> str:
     state["lm_head.weight"] = state["wte.weight"]
     write_weights(out, state, {key: getattr(cfg, key) for key in MODEL_KEYS}, folder)
     count = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
-    return (f"{out} and {out.with_suffix('.safetensors').name}: {count:,} parameters of {cfg.residual} depth "
-            f"{cfg.depth} from {folder}")
+    return (f"{out}, {out.with_suffix('.safetensors').name} and {out.with_suffix('.json').name}: {count:,} "
+            f"parameters of {cfg.residual} depth {cfg.depth} from {folder}")
 
 
 def complete_checkpoint(source: Path) -> tuple[Path, dict]:
@@ -104,9 +106,14 @@ def saved_model_state(folder: Path, sharded: bool) -> dict:
 
 def write_weights(out: Path, state: dict, model_config: dict, folder: Path) -> None:
     untied = {key: tensor.contiguous() for key, tensor in state.items() if key != "lm_head.weight"}
+
+    def write_safetensors(tmp: Path) -> None:       # safetensors makes its file 0600: OUT's mode (the umask's)
+        save_safetensors(untied, tmp)
+        shutil.copymode(out, tmp)
+
     try:
         write_atomically(out, functools.partial(save_file, state))
-        write_atomically(out.with_suffix(".safetensors"), lambda tmp: save_safetensors(untied, tmp))
+        write_atomically(out.with_suffix(".safetensors"), write_safetensors)
         write_atomically(out.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(model_config, indent=1)))
     except OSError as error:
         raise TrainerError(f"could not write {out} ({first_cause(error)}); {folder} is untouched") from error

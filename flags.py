@@ -84,7 +84,9 @@ def build_parser(config_class, description: str, epilog: str) -> argparse.Argume
         elif facts["repeated"]:
             group.add_argument(flag(field.name), action="append", help=facts["help"] + f" (default {field.default!r})")
         else:
-            group.add_argument(flag(field.name), type=PARSE.get(field.type, str), choices=allowed_names.get(field.name),
+            # every name a flag allows is lower case: --residual HC means hc
+            parse = str.lower if allowed_names.get(field.name) else PARSE.get(field.type, str)
+            group.add_argument(flag(field.name), type=parse, choices=allowed_names.get(field.name),
                                help=facts["help"] + f" (default {field.default!r}, or the preset's)")
     return parser
 

@@ -120,9 +120,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def listed(pattern, what):
-    """An argparse type: a comma list whose every entry matches `pattern`."""
+    """An argparse type: a comma list whose every entry matches `pattern`; names in any case (HC is hc)."""
     def parse(text):
-        items = text.split(",") if text else []
+        items = text.lower().split(",") if text else []
         if not items:
             raise argparse.ArgumentTypeError(f"{what} must not be empty")
         for item in items:
@@ -660,11 +660,12 @@ def plan_jobs(opt, jobs, node, measured=None):
     check = read_json(opt.out / "gpu_check" / "result.json")        # `run_experiments.sh --check`'s timings
     request = {"gpu": node.gpu, "world": opt.gpus_per_run, "card_gib": node.card_gib,
                "jobs": [{"flags": trainer_flags(opt, job), "done_steps": job.step or 0, "check": check,
+                         "finished": bool(job.skipped_as),
                          "tokens_per_s": (measured or {}).get(f"{job.method}_d{job.depth}")} for job in jobs]}
     command = trainer_script() + ["--plan-jobs"]
     try:
-        done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=900,
-                              cwd=ROOT)
+        # in this folder, as the jobs will run: a relative --out or --data means the same to the check and to them
+        done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=900)
         answer = json.loads(done.stdout.strip().splitlines()[-1])
         answer["jobs"] = dict(zip((job.name for job in jobs), answer["jobs"], strict=True))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
@@ -682,12 +683,23 @@ def plan_jobs(opt, jobs, node, measured=None):
 
 def check_before_launch(opt, jobs, node):
     """Every job of this node checked by the trainer before the first launch; the planned micro-batches kept
-    (an out-of-memory exit before config.json is written halves what the trainer planned)."""
-    todo = [j for j in jobs if j.node == opt.node_rank and not j.skipped_as]
-    if todo:
-        answers = plan_jobs(opt, todo, node)["jobs"]
-        for job in todo:
+    (an out-of-memory exit before config.json is written halves what the trainer planned). A finished run is
+    checked too, so that changed settings never pass for its results: the trainer refuses them, or with
+    --allow-changed-settings answers with the changes and the run is launched for the trainer to continue."""
+    mine = [j for j in jobs if j.node == opt.node_rank]
+    answers = plan_jobs(opt, mine, node)["jobs"] if mine else {}
+    relaunch_changed(mine, answers)
+    for job in mine:
+        if not job.skipped_as:
             job.planned = answers[job.name]
+
+
+def relaunch_changed(jobs, answers):
+    """A finished run the trainer answered with changed settings (--allow-changed-settings) is launched again, for
+    the trainer to continue it under the new ones."""
+    for job in jobs:
+        if job.skipped_as and answers[job.name].get("changes"):
+            job.state = "pending"
 
 
 def fill_node(opt, jobs, gpus):
@@ -779,9 +791,14 @@ def wall_and_cost(opt, jobs, answers, node):
                     f"{opt.gpus_per_run * total[0] / 3600:,.0f}-{opt.gpus_per_run * total[1] / 3600:,.0f} GPU-hours"]
 
 
-def job_line(opt, job, slot, answer):
+def name_width(jobs):
+    """The run-name column: as wide as the longest name, so that the columns stay aligned for a long arm's name."""
+    return max([17, *(len(job.name) for job in jobs)])
+
+
+def job_line(opt, job, slot, answer, width):
     where = f"node {job.node} " if opt.nodes > 1 else ""
-    return (f"{job.name:<17} {where + slot:<18} micro-batch {job.micro or answer['micro']}"
+    return (f"{job.name:<{width}} {where + slot:<18} micro-batch {job.micro or answer['micro']}"
             + (" (auto)" if answer.get("auto") and not job.micro else "") + f", global batch {answer['batch']}"
             + (f", {answer['memory']}" if answer.get("memory") else "")
             + (f", {answer['path']} path" if answer.get("path") else "")
@@ -791,21 +808,22 @@ def job_line(opt, job, slot, answer):
 
 
 def dry_run(opt, jobs, node):
-    todo = [j for j in jobs if not j.skipped_as]
     with tempfile.TemporaryDirectory(prefix="run_experiments_calibrate.") as folder:
-        mine = [j for j in todo if j.node == opt.node_rank]
+        mine = [j for j in jobs if j.node == opt.node_rank and not j.skipped_as]
         measured = calibrate(opt, mine, node, Path(folder)) if opt.calibrate and mine else None
-    answer = plan_jobs(opt, todo, node, measured) if todo else {"jobs": {}, "assumptions": [], "gpu": node.gpu}
+    answer = plan_jobs(opt, jobs, node, measured)       # finished runs too: changed settings show here as well
+    relaunch_changed(jobs, answer["jobs"])
+    todo = [j for j in jobs if not j.skipped_as]
     print(plan_header(opt, jobs, node, answer["gpu"]))
-    started = dict.fromkeys(range(opt.nodes), 0)
+    started, width = dict.fromkeys(range(opt.nodes), 0), name_width(jobs)
     for job in jobs:
         if job.skipped_as:
-            print(f"{job.name:<17} skip ({job.skipped_as})")
+            print(f"{job.name:<{width}} skip ({job.skipped_as})")
             continue
         slot = slot_label(opt, node.gpus, started[job.node]) if started[job.node] < slot_count(opt, node.gpus) else None
         started[job.node] += 1
         label = "CPU" if slot == "cpu" else f"GPU {slot}" if slot else "next free slot"
-        print(job_line(opt, job, label, answer["jobs"][job.name]))
+        print(job_line(opt, job, label, answer["jobs"][job.name], width))
         print(f"    CUDA_VISIBLE_DEVICES={'' if slot == 'cpu' else slot or '<slot>'} "
               f"{shlex.join(trainer_base(opt) + trainer_flags(opt, job))}")
     if measured:
@@ -869,10 +887,10 @@ def task_time(opt, jobs):
 
 
 def submit_slurm(opt, jobs):
-    todo = [j for j in jobs if not j.skipped_as]
+    todo, width = [j for j in jobs if not j.skipped_as], name_width(jobs)
     for job in jobs:
         if job.skipped_as:
-            print(f"{job.name:<17} skip ({job.skipped_as})")
+            print(f"{job.name:<{width}} skip ({job.skipped_as})")
     if not todo:
         print(f"Nothing to submit: every run in {opt.out} completed or diverged.")
         return EXIT_OK
@@ -889,7 +907,7 @@ def submit_slurm(opt, jobs):
     report_command = ["sbatch", "--parsable", "--dependency=afterany:ARRAY_JOB_ID",
                       f"--job-name=report-{opt.out.name}", str(ROOT / "slurm" / "report.sbatch"), str(opt.out)]
     if opt.dry_run:
-        print(*(f"{job.name:<17} task {i}: {line}" for i, (job, line) in enumerate(zip(todo, lines))), sep="\n")
+        print(*(f"{job.name:<{width}} task {i}: {line}" for i, (job, line) in enumerate(zip(todo, lines))), sep="\n")
         print(f"Dry run: would write {tasks} (the lines above) and submit, with --time from {why}:\n  "
               f"{shlex.join(array_command)}\n  {shlex.join(report_command)}\nNothing was submitted or written.")
         return EXIT_OK
@@ -903,7 +921,7 @@ def submit_slurm(opt, jobs):
     report_command[2] = f"--dependency=afterany:{array}"
     report = submit(report_command)
     for i, job in enumerate(todo):
-        print(f"{job.name:<17} task {array}_{i}")
+        print(f"{job.name:<{width}} task {array}_{i}")
     print(f"Submitted job array {array}: {len(todo)} run(s), each on one node with {opt.gpus_per_run} GPU(s), "
           f"--time {hms(seconds)} ({why}, x{SLURM_MARGIN[0]:g} + {SLURM_MARGIN[1] // 60} min, at most --slurm-time "
           f"{hms(opt.slurm_time)}); a run still going at the limit saves, is requeued and resumes. The report: job "
@@ -1002,9 +1020,13 @@ class Matrix:
                           f"data={data}"
                           + (f" node={o.node_rank}/{o.nodes}" if o.nodes > 1 else "")
                           + f" extra={shlex.join(o.extra)}")
-        # the line report.py --watch reads the matrix from (queue order, slots, price)
+        # the line report.py --watch reads the matrix from (queue order, slots, price, and the trainer's planned
+        # seconds, the middle of its range: the view's ETA until steps are timed)
+        planned = ",".join(f"{j.name}:{sum(j.planned['seconds']) / 2:.0f}" for j in self.jobs
+                           if j.planned.get("seconds"))
         self.log("QUEUE", f"slots={slot_count(o, self.gpus)} gpus_per_run={o.gpus_per_run} gpus={','.join(self.gpus)} "
-                          f"price_per_gpu_hour={o.price:g} runs={','.join(j.name for j in self.jobs)}")
+                          f"price_per_gpu_hour={o.price:g} runs={','.join(j.name for j in self.jobs)} "
+                          f"planned_s={planned}")
         for job in self.jobs:
             if job.skipped_as:
                 self.log("SKIP", f"{job.name} already {job.skipped_as} (status.json)")

@@ -112,8 +112,7 @@ class Progress:
                                  amax=self._amax())
             self.bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            if self.bar is None:
-                log.info(self.line(record))
+            log.info(self.line(record), terminal=self.bar is None)     # the bar shows the pace; train.log keeps it
             log.status("running", step)
 
     def _amax(self) -> str:
@@ -170,6 +169,9 @@ def start_wandb(cfg, run_dir: Path, config_record: dict, log):
     mode = wandb_mode(cfg)
     if mode == "disabled" or not log.enabled:
         return None
+    # wandb-core, the service wandb.init starts, leads a session of its own: with the launcher's job tag it would
+    # be signalled as if it were a torchrun rank, and a trainer saving its checkpoint would lose its W&B connection
+    os.environ.pop("RUN_EXPERIMENTS_JOB", None)
     import wandb            # about a second to import: only when W&B is on
     init = functools.partial(
         wandb.init, project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "hc-mhc-c4",

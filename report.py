@@ -917,16 +917,18 @@ def truncation(row, probed):
 
 
 def published_matches(rows, method, depth, fields, coefficients):
-    """'value (label, depth d)' of each of our rows that compares with one published figure: the study's, of its
-    own model only (the seed-study arm)."""
+    """'amax_fwd 43.6 / amax_bwd 42.7 (label, depth d)' of each of our rows that compares with one published figure,
+    each reading named (a forward and a backward figure are never read as one); the study's figures with its own
+    model only (the seed-study arm)."""
     found = []
     for row in rows:
         if (row.method, row.coefficients) != (method, coefficients) or depth not in (None, row.depth) or \
                 coefficients == "sequence" and "seed-study" not in row.arm:
             continue
-        means = [row.stats[f].mean for f in fields if not math.isnan(row.stats[f].mean)]
-        if means:
-            found.append(f"{fmt_gain(max(means))} ({row.label}, depth {row.depth})")
+        values = [f"{f.replace('peak_', 'amax_')} {fmt_gain(row.stats[f].mean)}" for f in fields
+                  if not math.isnan(row.stats[f].mean)]
+        if values:
+            found.append(f"{' / '.join(values)} ({row.label}, depth {row.depth})")
     return found
 
 
@@ -950,7 +952,7 @@ def reference_block(rows):
 
 def reference_verdict(rows):
     """One verdict line: our figures beside the published ones they compare with."""
-    pairs = [f"{METHOD_LABEL[method]} {READING[fields]} {' / '.join(ours)} against {figure} ({source}"
+    pairs = [f"{METHOD_LABEL[method]} {', '.join(ours)} against {figure} ({source}"
              + (f", depth {depth})" if depth else ")")
              for source, method, depth, figure, fields, coefficients in PUBLISHED
              for ours in [published_matches(rows, method, depth, fields, coefficients)] if ours]
@@ -1245,7 +1247,18 @@ def mark_level(ax, y, text, values):
                     va="bottom")
 
 
+def name_arms_at_one(ax, by_method, key):
+    """Arms whose gain stays at 1 draw one line over another, told apart by sparse markers only: name them."""
+    flat = [look.label for look, runs in by_method.items()
+            if all(np.isfinite(v := r.series[key].arrays()[1]).any() and np.allclose(v[np.isfinite(v)], 1, atol=5e-3)
+                   for r in runs)]
+    if len(flat) > 1:
+        ax.annotate(f"at 1, one over another: {', '.join(flat)}", (0.01, 1), xycoords=("axes fraction", "data"),
+                    xytext=(0, -4), textcoords="offset points", va="top", fontsize=8, color="0.25")
+
+
 def plot_amax(runs, path):
+    from matplotlib.ticker import FuncFormatter, LogLocator
     groups = group_runs(runs)
     fig, axes = new_figure(len(groups), 2)
     for (depth, by_method), row in zip(groups.items(), axes):
@@ -1255,6 +1268,10 @@ def plot_amax(runs, path):
             if scale_y(ax, vals, spread=5.0):
                 for t in THRESHOLDS:
                     mark_level(ax, t, f"{t:g}×", vals)
+                # decades alone leave 3 and 40 to be guessed between ticks
+                ax.yaxis.set_minor_locator(LogLocator(subs=(2, 5)))
+                ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            name_arms_at_one(ax, by_method, key)
     fig.suptitle("Composite Amax gain: line = mean over seeds, band = seed min–max "
                  "(baseline is 1 by definition)", fontsize=11)
     return save(fig, path)
@@ -1383,6 +1400,9 @@ def save(fig, path):
     return path
 
 
+PLOT_NAMES = ("amax.png", "loss.png", "grad_norm.png", "layer_gains.png")
+
+
 def write_plots(runs, heat, out):
     """Write every plot that has data; returns (written paths, notes about skipped ones)."""
     written, notes = [], []
@@ -1416,6 +1436,8 @@ class Matrix:
     price: float
     cpu: bool
     runs: dict                   # run -> [state, gpus]: in queue order
+    planned: dict = field(default_factory=dict)     # run -> the trainer's planned seconds, before steps are timed
+    ended: float | None = None   # when the invocation ended (its END line): the elapsed clock stops there
 
 
 def read_matrix(root, log="matrix.log"):
@@ -1431,18 +1453,26 @@ def read_matrix(root, log="matrix.log"):
     stamp, _, rest = lines[starts[-1]].split(" ", 2)
     fields = dict(item.split("=", 1) for item in rest.split() if "=" in item)
     runs = {name: ["queued", ""] for name in fields.get("runs", "").split(",") if name}
+    ended = None
     for line in lines[starts[-1] + 1:]:
         parts = line.split(" ")
         if len(parts) >= 3 and parts[1] in LAUNCHER_STATES and parts[2] in runs:
             gpus = next((p[5:] for p in parts if p.startswith("gpus=")), runs[parts[2]][1])
             runs[parts[2]] = [LAUNCHER_STATES[parts[1]], gpus]
+        ended = parts[0] if parts[1:2] == ["END"] else ended
     try:
-        return Matrix(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp(), int(fields.get("slots", 1)),
-                      int(fields.get("gpus_per_run", 1)), float(fields.get("price_per_gpu_hour", 0)),
-                      fields.get("gpus") == "cpu", runs)
+        planned = {name: float(s) for name, s in (item.split(":") for item in fields.get("planned_s", "").split(",")
+                                                   if item.count(":") == 1)}
+        return Matrix(log_time(stamp), int(fields.get("slots", 1)), int(fields.get("gpus_per_run", 1)),
+                      float(fields.get("price_per_gpu_hour", 0)), fields.get("gpus") == "cpu", runs, planned,
+                      ended and log_time(ended))
     except ValueError as e:
         warn(f"{root / log}: its last QUEUE line is unreadable ({e}); the matrix's progress is left out")
         return None
+
+
+def log_time(stamp):
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
 
 
 def job_seconds(status):
@@ -1453,7 +1483,9 @@ def job_seconds(status):
 
 def wall_eta(matrix, statuses):
     """Seconds until the queue is empty: running jobs hold their slots for their ETA, queued ones start in order
-    on the first free slot and take the time of runs of the same method and depth (or of any run) at their pace."""
+    on the first free slot and take the time of runs of the same method and depth at their pace. Until such steps
+    are timed a job takes the trainer's planned time (its plan knows an HC step from a baseline one), and only
+    without one the time of any run."""
     def kind(name):
         return name.split("_s")[0]
     durations = {}
@@ -1461,11 +1493,12 @@ def wall_eta(matrix, statuses):
         if math.isfinite(job_seconds(status)):
             durations.setdefault(kind(name), []).append(job_seconds(status))
     anything = [d for ds in durations.values() for d in ds]
-    free = sorted(statuses[name].get("eta_s") or 0.0 for name, (state, _) in matrix.runs.items() if state == "running")
+    free = sorted(statuses[name].get("eta_s") or matrix.planned.get(name) or 0.0
+                  for name, (state, _) in matrix.runs.items() if state == "running")
     free += [0.0] * max(0, matrix.slots - len(free))
     for name, (state, _) in matrix.runs.items():
         if state == "queued":
-            guess = durations.get(kind(name)) or anything
+            guess = durations.get(kind(name)) or ([matrix.planned[name]] if name in matrix.planned else anything)
             if not guess:
                 return math.nan
             free[0] += sum(guess) / len(guess)
@@ -1486,8 +1519,10 @@ def read_matrices(root, log=None):
     shares = [m for m in (read_matrix(root, name) for name in names) if m is not None]
     if not shares:
         return None
+    ends = [m.ended for m in shares]
     return Matrix(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
-                  shares[0].price, all(m.cpu for m in shares), {k: v for m in shares for k, v in m.runs.items()})
+                  shares[0].price, all(m.cpu for m in shares), {k: v for m in shares for k, v in m.runs.items()},
+                  {k: v for m in shares for k, v in m.planned.items()}, None if None in ends else max(ends))
 
 
 def watch_view(root, stale_after_min=15.0, now=None, log=None):
@@ -1502,13 +1537,15 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
     counts = {state: sum(s == state for s, _ in matrix.runs.values())
               for state in ("done", "running", "queued", "failed")}
     eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run
-    elapsed_h = (now - matrix.started) / 3600
+    elapsed = (matrix.ended or now) - matrix.started
+    elapsed_h = elapsed / 3600
     money = (f"${elapsed_h * gpus * matrix.price:,.0f} spent, ${eta / 3600 * gpus * matrix.price:,.0f} to go "
              f"({gpus} GPU(s) at ${matrix.price:g} per GPU-hour)" if gpus and math.isfinite(eta) else
              "no GPU-hours (CPU)" if not gpus else f"${elapsed_h * gpus * matrix.price:,.0f} spent")
     lines = [f"Matrix {root} at {time.strftime('%H:%M:%S', time.localtime(now))}: "
              + ", ".join(f"{n} {state}" for state, n in counts.items())
-             + f"; {fmt_clock(now - matrix.started)} elapsed, {fmt_clock(eta)} to go; {money}",
+             + f"; {fmt_clock(elapsed)} elapsed{'' if matrix.ended is None else ' (ended)'}, {fmt_clock(eta)} to go; "
+             f"{money}",
              f"{'GPU':<8} {'run':<22} {'step':>14} {'loss':>8} {'amax_fwd':>9} {'tok/s':>9} {'ETA':>9}"]
     for name, (state, where) in matrix.runs.items():
         if state != "running":
@@ -1581,6 +1618,8 @@ def report(roots, out=None, heatmap_run=None, with_plots=True):
     verdict_lines = verdict(rows) + [reference_verdict(rows)]
     out = Path(out) if out is not None else default_out(roots)
     out.mkdir(parents=True, exist_ok=True)
+    for name in PLOT_NAMES:             # an earlier report's plot would contradict this results.md
+        (out / name).unlink(missing_ok=True)
     plots, notes = write_plots(runs, heat, out) if with_plots else ([], ["plots skipped (--no-plots)."])
     (out / "results.md").write_text(results_markdown(roots, rows, summaries, verdict_lines, plots, notes))
     write_csv(out / "results.csv", csv_rows(rows))

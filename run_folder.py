@@ -168,12 +168,15 @@ class RunLog:
             self.log_file = open_own(run_dir / "train.log", "a") if tee else None
             self.metrics_file = None
 
-    def info(self, message: str) -> None:
+    def info(self, message: str, terminal: bool = True) -> None:
+        """A line for train.log, and for the terminal unless it already shows the same (the progress bar, the
+        trainer's last line on stderr)."""
         if not self.enabled:
             return
         line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-        (self.bar.write if self.bar else print)(line)
-        sys.stdout.flush()
+        if terminal:
+            (self.bar.write if self.bar else print)(line)
+            sys.stdout.flush()
         if self.log_file:
             self.log_file.write(line + "\n")
 
@@ -232,19 +235,8 @@ class RunLog:
         return previous if isinstance(previous, dict) else {}
 
     def previous_config(self) -> dict | None:
-        """config.json's "config" record of the run in this folder; None without one; refused (log.refuse) when
-        unreadable: what made the run cannot be known."""
-        path = self.run_dir / "config.json"
-        if not path.exists():
-            return None
-        try:
-            old = json.loads(path.read_text())["config"]
-        except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
-            old = None
-        if not isinstance(old, dict):
-            raise self.refuse(f"{path} is unreadable (no \"config\" record); move that run folder away or choose "
-                              "another --run-name")
-        return old
+        """recorded_config, an unreadable one refused through this log (its status.json records why)."""
+        return recorded_config(self.run_dir, self.refuse)
 
     def lost_progress(self, ckpt_every: int) -> str | None:
         """Why this folder, with no checkpoint left, must not start over: status.json names a checkpoint, or
@@ -294,18 +286,36 @@ class RunLog:
         self.live["restarts"] = restarts + 1 if type(restarts) is int and restarts >= -1 else 0
 
 
+def recorded_config(run_dir: Path, refuse=ConfigError) -> dict | None:
+    """config.json's "config" record of the run in this folder; None without one; refused (refuse(line): an
+    exception to raise) when unreadable: what made the run cannot be known."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return None
+    try:
+        old = json.loads(path.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+        old = None
+    if not isinstance(old, dict):
+        raise refuse(f"{path} is unreadable (no \"config\" record); move that run folder away or choose another "
+                     "--run-name")
+    return old
+
+
 def changes_text(changes: dict) -> str:
     return ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changes.items())
 
 
-def check_resumable(run_dir: Path, cfg, log: RunLog) -> dict:
-    """Refuse to continue a run folder made by a different model; refuse changed training settings unless
-    --allow-changed-settings. Under --resume never an earlier run's files are moved aside. Returns the allowed
-    changes ({key: [old, new]})."""
+def check_resumable(run_dir: Path, cfg, log: RunLog | None = None) -> dict:
+    """Whether the trainer's Config `cfg` may continue the run in `run_dir`: refuse a run folder made by a different
+    model; refuse changed training settings unless --allow-changed-settings. Under --resume never the trainer
+    (`log`) moves an earlier run's files aside. Returns the allowed changes ({key: [old, new]}). Without the run's
+    log (the launcher's check of a finished run) nothing is recorded or moved."""
     if cfg.resume == "never":
-        log.set_aside_history()
+        if log:
+            log.set_aside_history()
         return {}
-    old = log.previous_config()
+    old = log.previous_config() if log else recorded_config(run_dir)
     if old is None:
         return {}
     recorded = {key: old.get(key, field.default) for key, field in type(cfg).__dataclass_fields__.items()}

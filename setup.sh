@@ -71,23 +71,7 @@ print(f"setup.sh: ready (torch {torch.__version__}, {cuda}). Next: bash run_expe
 PY
 
 if [[ $PREFETCH -gt 0 ]]; then
-  # huggingface_hub downloads under a file lock into a temporary file, renames it when complete and
-  # resumes partial downloads, so concurrent or interrupted prefetches are safe; HF_TOKEN is used if set
-  .venv/bin/python - "$PREFETCH" "$C4_DIR" <<'PY' || exit 6
-import sys
-from huggingface_hub import hf_hub_download
-
-count, folder = int(sys.argv[1]), sys.argv[2]
-names = [f"en/c4-train.{i:05d}-of-01024.json.gz" for i in range(count)]
-names += [f"en/c4-validation.{i:05d}-of-00008.json.gz" for i in range(8)]
-for number, name in enumerate(names, 1):
-    try:
-        hf_hub_download("allenai/c4", name, repo_type="dataset", local_dir=folder)
-    except Exception as error:
-        sys.exit(f"setup.sh: could not download {name} ({type(error).__name__}); rerun to resume")
-    print(f"setup.sh: C4 shard {number}/{len(names)} ready: {folder}/{name}", flush=True)
-print(f"setup.sh: train on the local copy with --data '{folder}/en/*.json.gz' (and HF_HUB_OFFLINE=1)")
-PY
+  .venv/bin/python prefetch.py "$PREFETCH" "$C4_DIR" || exit 6
 fi
 
 # last, so that a failed opt-in leaves everything else done

@@ -26,6 +26,7 @@ from contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, Dat
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
+    contract.exit_without_packages("train_c4.py", "torch", "tiktoken", "tqdm")
 
 import tiktoken
 import torch
@@ -46,8 +47,8 @@ from flags import COUNT, NATURAL, option
 from monitor import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
 from plan import flops_per_token, gpu_peak_flops
 from prefetch import Loader
-from run_folder import (RunLog, check_resumable, check_writable_folder, dcp_load, first_cause, resume_from,
-                        rng_state, set_rng_state, write_checkpoint, write_json_atomic)
+from run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
+                        resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -934,10 +935,12 @@ class DocumentStream:
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if not self.remote:
             raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
-        if failures > HUB_RETRIES or "Offline" in type(error).__name__:
-            raise DataUnavailable(f"C4 could not be streamed from the hub after {failures} attempt(s) ({cause}); "
-                                  "download shards once with `bash setup.sh --prefetch-c4 N` and pass their "
-                                  "glob to --data, or pass another local glob") from error
+        unreachable = contract.hub_unreachable(error)
+        if failures > HUB_RETRIES or unreachable or "Offline" in type(error).__name__:
+            raise DataUnavailable(("the hub cannot be reached" if unreachable else "C4 could not be streamed from "
+                                   f"the hub after {failures} attempt(s)") + f" ({cause}); download shards once with "
+                                  "`bash setup.sh --prefetch-c4 N` and pass their glob to --data, or pass another "
+                                  "local glob") from error
         delay = min(HUB_MAX_BACKOFF_S, 2 ** failures) * random.Random().uniform(0.5, 1.5)
         print(f"warning: hub read failed ({cause}); retry {failures}/{HUB_RETRIES} in {delay:.0f} s", file=sys.stderr)
         time.sleep(delay)
@@ -1461,12 +1464,19 @@ def plan_jobs(request: dict) -> dict:
     for job in request["jobs"]:
         try:
             cfg = parse_config(job["flags"])
+            # a run the launcher would skip as finished is compared as a resume would be: refused when its settings
+            # changed, or with --allow-changed-settings planned and launched, so that this trainer continues it
+            changes = check_resumable(Path(cfg.out) / cfg.run_name, cfg) if job.get("finished") else {}
+            if job.get("finished") and not changes:
+                answers.append({"finished": True})
+                continue
             card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
             micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
             if gpu == "cpu":
                 plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, world, torch.device("cpu"))
             resolve_data_files(cfg.data, cfg.val_data)
-            answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job))
+            answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job)
+                           | {"changes": changes_text(changes)})
         except (TrainerError, plan.PlanError) as error:
             answers.append({"error": str(error)})
     return plan.node_answer(gpu, answers)
@@ -1480,7 +1490,12 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     dtype = compute_dtype(cfg, dist.device)
     use_flash = use_flash_attention(cfg, dist.device, dtype)
     tokenizer = make_tokenizer(cfg.tokenizer)
-    val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    try:
+        val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    except DataUnavailable as error:
+        if not log.previous_status():     # a new folder says why it holds no run; an earlier run's record stays
+            log.status("failed", 0, contract.EXIT_DATA, str(error))
+        raise
     torch.manual_seed(cfg.seed)
     kernels, kernels_reason = kernel_path(cfg, dist.device)
     model = GPT(cfg, use_flash, kernels).to(dist.device)
@@ -1519,6 +1534,7 @@ def train(cfg: Config) -> None:
         raise
     except Interrupted as error:
         log.status("interrupted", trainer.step, EXIT_INTERRUPTED, str(error))
+        log.info(str(error), terminal=False)           # main prints it; a run started by hand keeps it in train.log
         raise
     except BaseException as error:
         code, reason, own = failure(error, dist, trainer.micro)

@@ -221,13 +221,13 @@ def test_results_carry_the_published_figures_and_say_which_arm_compares(tmp_path
         assert figure in block
     # per token: our HC at token coefficients; the study: its own reading of the seed-study arm
     assert "| mHC paper (arXiv 2512.24880), 27B | HC | – | up to about 3000 | amax_fwd / amax_bwd | " \
-           "token coefficients (default) | 300 (HC [c4], depth 32) |" in block
+           "token coefficients (default) | amax_fwd 300 / amax_bwd 300 (HC [c4], depth 32) |" in block
     assert "| public 1.7B study, 3 seeds | HC | 32 | 10,924 ± 3,247 | amax_study_train | --preset seed-study " \
-           "| 9,000 (HC (per-sequence) [seed-study], depth 32) |" in block
+           "| amax_study_train 9,000 (HC (per-sequence) [seed-study], depth 32) |" in block
     assert "| public 1.7B study | HC | 48 | 3,721 | amax_study_train | --preset seed-study | no such run |" in block
     assert "stress arm (3x lr) | HC | 64 | 14,765 | amax_study_train | --preset seed-study | no such run |" in block
     verdict = text[text.index("## Verdict"):text.index("## Runs")]
-    assert ("**published figures**: HC amax_fwd / amax_bwd 300 (HC [c4], depth 32) against up to about 3000 "
+    assert ("**published figures**: HC amax_fwd 300 / amax_bwd 300 (HC [c4], depth 32) against up to about 3000 "
             "(mHC paper (arXiv 2512.24880), 27B); HC amax_study_train 9,000 (HC (per-sequence) [seed-study], "
             "depth 32) against 10,924 ± 3,247 (public 1.7B study, 3 seeds, depth 32).") in verdict
 

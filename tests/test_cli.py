@@ -143,3 +143,9 @@ def test_sigterm_while_the_trainer_starts_exits_75(tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 75, stderr
     assert not (tmp_path / "mhc_d2_s42").exists()
+
+
+def test_names_a_flag_allows_are_taken_in_any_case_and_free_text_is_kept():
+    cfg = T.parse_config(["--residual", "HC", "--dtype", "FP32", "--preset", "Tiny", "--run-name", "MyRun",
+                          "--out", "Runs/X"])
+    assert (cfg.residual, cfg.dtype, cfg.preset, cfg.run_name, cfg.out) == ("hc", "fp32", "tiny", "MyRun", "Runs/X")

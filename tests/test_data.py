@@ -166,6 +166,53 @@ def test_hub_gives_up_with_exit_6_after_the_retries(tmp_path, monkeypatch):
         next(iter(stream))
 
 
+def test_a_failed_name_lookup_is_not_retried(tmp_path, monkeypatch):
+    """No name server for the hub is no rate limit: exit 6 at once, not after two minutes of retries."""
+    stream = T.DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
+    stream.remote = True
+    lookup = OSError("[Errno -2] Name or service not known")
+    refused = ConnectionError("HTTPSConnectionPool(host='huggingface.co', port=443): Max retries exceeded")
+    refused.__cause__ = lookup
+    monkeypatch.setattr(stream, "_open_epoch", lambda: (_ for _ in ()).throw(refused))
+    delays = []
+    monkeypatch.setattr(T.time, "sleep", delays.append)
+    with pytest.raises(T.DataUnavailable, match=r"^the hub cannot be reached \(ConnectionError: .*--prefetch-c4"):
+        next(iter(stream))
+    assert delays == []
+
+
+def test_the_hub_unreachable_at_the_start_leaves_failed_with_the_reason(tmp_path, monkeypatch, capsys):
+    def unreachable(*args):
+        raise T.DataUnavailable("the hub cannot be reached (ConnectionError: ...)")
+
+    monkeypatch.setattr(T, "fixed_sequences", unreachable)
+    assert T.main(["--preset", "tiny", "--out", str(tmp_path), "--run-name", "r"]) == 6
+    assert capsys.readouterr().err.strip().splitlines() == ["error: the hub cannot be reached (ConnectionError: ...)"]
+    status = json.loads((tmp_path / "r" / "status.json").read_text())
+    assert (status["state"], status["exit_code"], status["step"]) == ("failed", 6, 0)
+    assert status["reason"].startswith("the hub cannot be reached")
+
+
+def test_prefetch_says_the_hub_cannot_be_reached(tmp_path):
+    """setup.sh --prefetch-c4 runs prefetch.py: with the hub out of reach (here HF_HUB_OFFLINE) one line says so,
+    not huggingface_hub's LocalEntryNotFoundError."""
+    result = subprocess.run([sys.executable, str(ROOT / "prefetch.py"), "1", str(tmp_path)], capture_output=True,
+                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert result.returncode != 0 and "LocalEntryNotFoundError" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("setup.sh: the Hugging Face hub cannot be reached (")
+
+
+def test_prefetch_names_a_failed_name_lookup_as_the_hub_unreachable(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def no_name_server(*args, **kwargs):
+        raise RuntimeError("HEAD failed") from OSError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_name_server)
+    with pytest.raises(SystemExit, match="hub cannot be reached .*the 0 file"):
+        prefetch.download_c4(1, str(tmp_path))
+
+
 def test_offline_hub_fails_fast_with_exit_6_and_a_way_out(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     started = time.time()

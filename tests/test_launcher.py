@@ -210,6 +210,15 @@ def test_matrix_split_over_two_nodes_runs_each_job_once(tmp_path):
     assert r.returncode == 0 and re.search(r"^baseline_d3_s1 +skip \(completed\)", r.stdout, re.MULTILINE)
 
 
+def test_the_queue_line_carries_the_trainers_planned_times(tmp_path):
+    """report.py's view takes a job's ETA from the plan until its steps are timed: 4 steps of 2-4 s, 12 s each."""
+    r = launch(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--steps", "4",
+               env=launcher_env(tmp_path, FAKE_STEP_SECONDS="2"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (_, _, queue), = events(tmp_path / "runs", "QUEUE")
+    assert queue.endswith(" planned_s=hc_d2_s1:12,mhc_d2_s1:12"), queue
+
+
 def test_completed_matrix_launches_nothing(tmp_path):
     out = tmp_path / "runs"
     args = ("--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1")
@@ -463,6 +472,15 @@ def test_dry_run_launches_nothing_and_writes_nothing(tmp_path):
     assert "next free slot" in r.stdout
 
 
+def test_dry_run_keeps_its_columns_for_long_run_names_and_takes_methods_in_any_case(tmp_path):
+    r = launch(tmp_path, "--dry-run", "--residual", "HC,Identity-HC", "--coefficients", "sequence", "--depths", "2",
+               "--seeds", "1", "--", "--micro-batch-size", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if " micro-batch 2" in line]
+    assert [line.split()[0] for line in lines] == ["hc_d2_s1_seq", "identity-hc_d2_s1_seq"]
+    assert len({line.index(" micro-batch") for line in lines}) == 1, lines         # one column for both
+
+
 def test_stress_arm_and_data_order_varied_with_the_seed(tmp_path):
     r = launch(tmp_path, "--stress", "--dry-run", "--vary-data-seed", "--seeds", "42,7")
     assert r.returncode == 0, r.stderr
@@ -656,6 +674,33 @@ def test_real_trainer_tiny_matrix(tmp_path):
 
 
 
+@pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
+def test_changed_settings_never_pass_for_a_finished_run(tmp_path):
+    """A finished run is skipped only under the settings it was trained with: a change the trainer refuses is
+    refused before any launch (exit 2, naming the run and the change); with --allow-changed-settings the run is
+    launched and the trainer continues it."""
+    out, run = tmp_path / "runs", "mhc_d2_s1"
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_PROBE="true")
+    del env["RUN_EXPERIMENTS_TRAINER"]
+    matrix = ("--methods", "mhc", "--depths", "2", "--seeds", "1")
+    r = launch(tmp_path, *matrix, "--steps", "20", "--", "--preset", "tiny", env=env)
+    assert r.returncode == 0 and status(out, run)["state"] == "completed", r.stdout + r.stderr
+    r = launch(tmp_path, *matrix, "--steps", "20", "--", "--preset", "tiny", env=env)      # unchanged: skipped
+    assert r.returncode == 0 and not launches(out), r.stdout + r.stderr
+    # the dry run refuses as a launch does, and reads a relative --out from where the launcher runs, as the jobs do
+    r = subprocess.run(["bash", str(SCRIPT), "--out", "runs", *matrix, "--dry-run", "--steps", "30", "--",
+                        "--preset", "tiny", "--lr", "1e-3"], env=env, capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 2 and f"train_c4.py refuses {run}: runs/{run} was trained" in r.stderr, r.stdout + r.stderr
+    r = launch(tmp_path, *matrix, "--steps", "30", "--", "--preset", "tiny", "--lr", "1e-3", env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(rf"train_c4.py refuses {run}: .*other settings \(lr .* -> 0.001, steps 20 -> 30\)", r.stderr)
+    assert "nothing was launched" in r.stderr and status(out, run)["state"] == "completed"
+    r = launch(tmp_path, *matrix, "--steps", "30", "--", "--preset", "tiny", "--allow-changed-settings", env=env)
+    assert r.returncode == 0 and [name for _, name, _ in launches(out)] == [run], r.stdout + r.stderr
+    assert status(out, run)["state"] == "completed" and status(out, run)["step"] == 30
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
 def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes(tmp_path):
@@ -686,6 +731,30 @@ def test_sigterm_checkpoints_the_real_trainers_and_the_next_invocation_completes
         assert f"(step {stopped_at[run]}, " in (out / run / "train.log").read_text()      # resumed there
         steps = [json.loads(line)["step"] for line in (out / run / "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(151))                # nothing lost or repeated across the stop
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
+def test_a_stop_spares_the_wandb_service_a_trainer_started(tmp_path):
+    """W&B offline (what a user without a login gets) starts a wandb-core service that leads a session of its own.
+    The launcher's stop must reach the trainer only: the trainer saves at its last step and its log ends cleanly,
+    with no 'Connection lost' traceback from a service killed under it."""
+    out, run = tmp_path / "runs", "mhc_d2_s1"
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_PROBE="true", WANDB_MODE="offline", WANDB_DIR=tmp_path,
+                       WANDB_SILENT="true")
+    del env["RUN_EXPERIMENTS_TRAINER"]
+    proc = start(tmp_path, "--methods", "mhc", "--depths", "2", "--seeds", "1", "--steps", "2000",
+                 "--", "--preset", "tiny", "--wandb", "offline", env=env)
+    output = interrupt_when(proc, lambda: len((out / run / "metrics.jsonl").read_text().splitlines()) > 5,
+                            "the trainer to make progress with W&B offline", timeout=120)
+    assert proc.returncode == 143, output
+    stopped = status(out, run)
+    assert (stopped["state"], stopped["exit_code"]) == ("interrupted", 75), stopped
+    assert (out / run / "checkpoints" / f"step-{stopped['step']}" / "COMPLETE.json").exists()
+    steps = [json.loads(line)["step"] for line in (out / run / "metrics.jsonl").read_text().splitlines()]
+    assert stopped["step"] == steps[-1]
+    log = (out / run / "train.log").read_text()
+    assert "W&B is offline" in log and "Traceback" not in log and "Connection lost" not in log, log[-3000:]
 
 
 def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):

@@ -1,12 +1,17 @@
 """README.md stays true: short, every command as printed works after `bash setup.sh`, the GPU path's state said."""
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import matrix  # noqa: E402
+import train_c4  # noqa: E402
 
 README = (ROOT / "README.md").read_text()
 
@@ -53,3 +58,50 @@ def test_the_gpu_section_says_what_has_run_on_a_gpu_and_which_path_a_run_takes()
 def test_long_matrices_say_how_to_detach_and_come_back():
     section = README.split("## Long matrices", 1)[1].split("\n## ", 1)[0]
     assert "tmux attach" in section and "nohup" in section and "--summary" in section and "SIGHUP" in section
+
+
+def test_the_export_commands_work_as_printed(tmp_path):
+    """--consolidate into a folder a fresh clone does not have, then the loading snippet, as printed, run from the
+    repository root."""
+    consolidate = shlex.split(next(c for c in commands() if "--consolidate" in c))
+    assert consolidate[:2] == [".venv/bin/python", "train_c4.py"]
+    run_folder = consolidate[3]
+    assert train_c4.main(["--preset", "tiny", "--steps", "2", "--out", str(tmp_path / Path(run_folder).parent),
+                          "--run-name", Path(run_folder).name]) == 0
+    done = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), *consolidate[2:]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    written = [tmp_path / Path(consolidate[4]).with_suffix(suffix) for suffix in (".pt", ".safetensors", ".json")]
+    assert done.stdout.startswith(f"{consolidate[4]}, {written[1].name} and {written[2].name}: "), done.stdout
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(path.stat().st_mode & 0o777) for path in written} == {oct(0o666 & ~umask)}
+    snippet = re.search(r"```python\n(.*?)```", README, re.S).group(1).replace('"w/', f'"{tmp_path}/w/')
+    loaded = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+
+
+def test_the_trainer_under_a_python_without_the_packages_names_the_venv():
+    """-S: no site-packages, as with a system python that setup.sh never touched."""
+    done = subprocess.run([sys.executable, "-S", str(ROOT / "train_c4.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "has no torch" in done.stderr and "`.venv/bin/python train_c4.py`" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_printed_plans_of_docs_planning_are_what_the_commands_print():
+    """benchmarks/doc_plans.py regenerates them; stale blocks fail here until it is run."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "doc_plans.py"), "--check"], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_file_the_docs_name_exists():
+    """A renamed script (gpu_check.sh became gpu_check.py) must not live on in the docs."""
+    named = set()
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        named |= {(doc.name, path) for path in re.findall(r"\b((?:benchmarks|tests|slurm)/[\w./-]+\.(?:py|sh|sbatch))",
+                                                            doc.read_text())}
+    missing = sorted((doc, path) for doc, path in named if not (ROOT / path).exists())
+    assert not missing, missing

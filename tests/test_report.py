@@ -713,3 +713,58 @@ def test_a_residual_or_state_that_is_none_the_trainer_writes_stays_out_of_the_ta
     assert err.count("residual 'nope' is none of baseline, hc, mhc") == 1
     assert err.count("state \"['x']\" is none of running") == 1
     assert "nope" not in out and "['x']" not in out and "| mHC | 4 |" in out
+
+
+def test_watch_eta_takes_the_plan_until_steps_are_timed_and_the_clock_stops_at_the_end(tmp_path):
+    """One slot: the baseline runs (timed: 270 s to go), HC waits. Its pace is not the baseline's: until an HC
+    step is timed it takes the trainer's plan (900 s), not the baseline's 300 s. After the END line, the elapsed
+    time is the matrix's, not the time since it started."""
+    log = tmp_path / "matrix.log"
+    log.write_text("2026-12-03T10:00:00.000+0000 QUEUE slots=1 gpus_per_run=1 gpus=cpu price_per_gpu_hour=0 "
+                   "runs=baseline_d4_s1,hc_d4_s1 planned_s=baseline_d4_s1:600,hc_d4_s1:900\n"
+                   "2026-12-03T10:00:01.000+0000 LAUNCH baseline_d4_s1 gpus=cpu attempt=1\n")
+    (tmp_path / "baseline_d4_s1").mkdir()
+    (tmp_path / "baseline_d4_s1" / "status.json").write_text(json.dumps(
+        {"state": "running", "step": 10, "steps": 100, "step_time_s": 3.0, "eta_s": 270.0}))
+    now = datetime(2026, 12, 3, 10, 1, tzinfo=timezone.utc).timestamp()
+    head = report.watch_view(tmp_path, now=now).splitlines()[0]
+    assert "0:01:00 elapsed, 0:19:30 to go" in head, head
+    with log.open("a") as f:
+        f.write("2026-12-03T10:08:00.000+0000 DONE baseline_d4_s1 completed\n"
+                "2026-12-03T10:08:01.000+0000 LAUNCH hc_d4_s1 gpus=cpu attempt=1\n"
+                "2026-12-03T10:20:00.000+0000 DONE hc_d4_s1 completed\n"
+                "2026-12-03T10:20:00.000+0000 END all 2 runs finished\n")
+    later = datetime(2026, 12, 3, 11, 0, tzinfo=timezone.utc).timestamp()
+    head = report.watch_view(tmp_path, now=later).splitlines()[0]
+    assert "2 done, 0 running, 0 queued, 0 failed; 0:20:00 elapsed (ended), 0:00:00 to go" in head, head
+
+
+def test_arms_at_one_are_named_and_the_log_axis_has_labelled_minor_ticks(tmp_path, monkeypatch):
+    for method in ("baseline", "hc", "mhc"):
+        write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, 1.0 if method != "hc" else 50.0))
+    figures = drawn_figures(monkeypatch)
+    report.plot_amax(report.load_runs(tmp_path), tmp_path / "amax.png")
+    forward = figures[0].axes[0]
+    assert [t.get_text() for t in forward.texts if t.get_text().startswith("at 1")] == [
+        "at 1, one over another: baseline, mHC"]
+    minor = {tick.get_text() for tick in forward.yaxis.get_minorticklabels()}
+    assert {"2", "5", "20"} <= minor, minor
+
+
+def test_published_figures_name_the_forward_and_the_backward_reading_apart(tmp_path):
+    write_run(tmp_path, "mhc_d4_s1", [{**train(1, 1.0, 5.0, 1.0, 10), **probe(1.0, 1.15)}])
+    rows = report.aggregate([report.summarize(r) for r in report.load_runs(tmp_path)])
+    assert report.published_matches(rows, "mhc", None, ("peak_fwd", "peak_bwd"), "token") == [
+        "amax_fwd 1.000 / amax_bwd 1.150 (mHC, depth 4)"]
+    assert "mHC amax_fwd 1.000 / amax_bwd 1.150 (mHC, depth 4) against at most about 1.6" in \
+        report.reference_verdict(rows)
+
+
+def test_no_plots_leaves_no_plot_of_an_earlier_report(tmp_path):
+    for method, scale in (("baseline", 1.0), ("hc", 300.0)):
+        write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, scale))
+    assert report.main([str(tmp_path)]) == 0
+    assert (tmp_path / "report" / "amax.png").exists()
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert not list((tmp_path / "report").glob("*.png"))
+    assert "plots skipped (--no-plots)" in (tmp_path / "report" / "results.md").read_text()

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -364,3 +365,28 @@ def test_any_world_size_that_divides_the_batch_reads_the_single_process_batches(
 def test_data_seed_changes_the_order_and_model_seed_does_not():
     assert torch.equal(sample_batches(data_seed=1).next_batch()[0], sample_batches(data_seed=1).next_batch()[0])
     assert not torch.equal(sample_batches(data_seed=1).next_batch()[0], sample_batches(data_seed=2).next_batch()[0])
+
+
+def test_a_run_started_by_hand_logs_its_steps_and_its_stop_in_train_log(tmp_path, monkeypatch, capsys):
+    """On a terminal the progress bar shows the pace, but train.log still gets every log step and the stop."""
+    metrics = tmp_path / "t" / "metrics.jsonl"
+
+    def sigterm_after_three_steps():
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 4:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=sigterm_after_three_steps, daemon=True).start()
+    try:
+        code = T.main(["--preset", "tiny", "--steps", "500", "--log-every", "1", "--out", str(tmp_path),
+                       "--run-name", "t"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 75, capsys.readouterr().err
+    log = (tmp_path / "t" / "train.log").read_text()
+    assert re.search(r"\] step 1/500 loss \d", log), log
+    assert re.search(r"\] stopped by a signal at step \d+; checkpoint saved", log), log
+    assert log.count("stopped by a signal") == 1
