@@ -48,7 +48,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def preset_names(given: list[str], presets: dict) -> list[str]:
     """The presets named by repeated and comma-separated --preset values, in order; an unknown one is refused."""
-    names = [name.strip() for value in given for name in value.split(",")]
+    names = [name.strip().lower() for value in given for name in value.split(",")]
     unknown = [name for name in names if name not in presets]
     if unknown:
         raise ConfigError(f"--preset: invalid choice: {unknown[0]!r} (choose from {', '.join(presets)}; combine "

@@ -227,6 +227,19 @@ class RunLog:
             self.status("failed", step if type(step) is int else 0, EXIT_BAD_CONFIG, reason)
         return ConfigError(reason)
 
+    @contextlib.contextmanager
+    def recording_start_failure(self, classify):
+        """A run that fails while it is built (no model, no data, no memory) leaves a new folder saying why, as
+        `failed` with classify(error)'s exit code and reason; an earlier run's record stays as it was."""
+        try:
+            yield
+        except BaseException as error:
+            if not self.previous_status():
+                code, reason = classify(error)
+                with contextlib.suppress(OSError):      # a full disk: the printed line still says why
+                    self.status("failed", 0, code, reason)
+            raise
+
     def previous_status(self) -> dict:
         try:
             previous = json.loads((self.run_dir / "status.json").read_text())

@@ -42,7 +42,7 @@ from tqdm import tqdm
 import flags
 import fused
 import plan
-from failures import exit_process, failure
+from failures import classify_failure, exit_process, failure
 from flags import COUNT, NATURAL, option
 from monitor import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
 from plan import flops_per_token, gpu_peak_flops
@@ -145,8 +145,8 @@ class Config:
         "auto (flash when installed on CUDA with bf16)")
     kernels: str = option("auto", MODEL, ("auto", "reference", "fused", "triton"), "the residual streams' code: "
         "the papers' formulas with autograd (reference), fused.py's hand-written backwards (fused), "
-        "triton_kernels.py's GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path --check timed fastest, "
-        "else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
+        "triton_kernels.py's GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path "
+        "--check timed fastest, else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
     dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
     batch_size: int = option(32, OPTIMISATION, (1, 2 ** 16), "global sequences per optimizer step, whatever the "
         "number of processes")
@@ -1282,8 +1282,7 @@ class Trainer:
             group["lr"] = lr
         loss_and_stop = self.micro_steps(stop)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm    # FSDP's DTensor
         # the one host synchronisation of a step: divergence must be caught before the update is applied
         loss, stop_votes, study, norm = torch.cat([loss_and_stop, grad_norm.reshape(1).to(loss_and_stop)]).tolist()
         if not self.steady:
@@ -1486,37 +1485,32 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum, data = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
     log = RunLog(run_dir, dist.is_main)                 # locks the run folder before anything of it is read
-    changes = check_resumable(run_dir, cfg, log)
-    dtype = compute_dtype(cfg, dist.device)
-    use_flash = use_flash_attention(cfg, dist.device, dtype)
-    tokenizer = make_tokenizer(cfg.tokenizer)
-    try:
+    with log.recording_start_failure(lambda error: classify_failure(error, micro)):
+        changes = check_resumable(run_dir, cfg, log)
+        dtype = compute_dtype(cfg, dist.device)
+        use_flash = use_flash_attention(cfg, dist.device, dtype)
+        tokenizer = make_tokenizer(cfg.tokenizer)
         val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
-    except DataUnavailable as error:
-        if not log.previous_status():     # a new folder says why it holds no run; an earlier run's record stays
-            log.status("failed", 0, contract.EXIT_DATA, str(error))
-        raise
-    torch.manual_seed(cfg.seed)
-    kernels, kernels_reason = kernel_path(cfg, dist.device)
-    model = GPT(cfg, use_flash, kernels).to(dist.device)
-    wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
-    optimizer = make_optimizer(model, cfg)
-    micro = plan.confirm_micro_batch(cfg, dist, unwrap(wrapped), dtype, micro)     # auto on CUDA: one real step
-    accum = cfg.batch_size // (micro * dist.world)
-    batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
-    loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
-    params = count_parameters(cfg)
-    trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val,
-                      micro, accum, dtype, log, run_dir,
-                      gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
-    trainer.restore()
-    trainer.log.record_changes(changes, trainer.step)
-    record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
-    if dist.is_main:
-        write_json_atomic(run_dir / "config.json", record)
-    trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
-    announce(trainer, params, record, held_out_source(data, cfg.val_data), odd_settings(cfg))
-    return trainer
+        torch.manual_seed(cfg.seed)
+        kernels, kernels_reason = kernel_path(cfg, dist.device)
+        model = GPT(cfg, use_flash, kernels).to(dist.device)
+        wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
+        optimizer = make_optimizer(model, cfg)
+        micro = plan.confirm_micro_batch(cfg, dist, unwrap(wrapped), dtype, micro)     # auto on CUDA: one real step
+        accum = cfg.batch_size // (micro * dist.world)
+        batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
+        loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
+        params = count_parameters(cfg)
+        trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir,
+                          gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
+        trainer.restore()
+        trainer.log.record_changes(changes, trainer.step)
+        record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
+        if dist.is_main:
+            write_json_atomic(run_dir / "config.json", record)
+        trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
+        announce(trainer, params, record, held_out_source(data, cfg.val_data), odd_settings(cfg))
+        return trainer
 
 
 def train(cfg: Config) -> None:

@@ -243,9 +243,9 @@ def test_the_study_arm_is_told_by_its_settings_however_it_was_asked(tmp_path):
     not, and neither compares with the study's figures."""
     study = {**contract.SEED_STUDY_MODEL, "coefficients": "sequence"}
     write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {"preset": "c4", **study}, study_train=9000.0)
-    write_run(tmp_path, "hc_d32_s2_seq", 50.0, {"preset": "seed-study", **study, "mhc_tanh": False}, seed=2,
+    write_run(tmp_path, "hc_d32_s2_seq", 50.0, {"preset": "seed-study", **study, "hc_write_init": "all"}, seed=2,
               study_train=5000.0)
     rows = report.collect(tmp_path)
     assert sorted(r.label for r in rows) == ["HC (per-sequence) [c4]", "HC (per-sequence) [seed-study]"]
     assert report.published_matches(rows, "hc", 32, ("peak_study_train",), "sequence") == [
-        "9,000 (HC (per-sequence) [seed-study], depth 32)"]
+        "amax_study_train 9,000 (HC (per-sequence) [seed-study], depth 32)"]

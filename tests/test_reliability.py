@@ -469,6 +469,20 @@ def test_a_lock_that_is_a_folder_is_refused_and_recorded(tmp_path):
     assert status["state"] == "failed" and status["exit_code"] == 2
 
 
+def test_a_run_that_fails_while_it_is_built_records_why_and_keeps_an_earlier_record(finished, tmp_path):
+    """--attn flash is refused only once the folder is locked (it asks the device): a new folder records `failed`
+    with the printed reason; a finished run's folder keeps its `completed`."""
+    code, _, stderr = run(tmp_path / "new", "--attn", "flash")
+    assert code == 2 and one_line(stderr) and "--attn flash" in stderr, stderr
+    status = status_of(tmp_path / "new" / RUN)
+    assert (status["state"], status["exit_code"], status["step"]) == ("failed", 2, 0)
+    assert status["reason"] in stderr
+    out, run_dir = copy_of(finished, tmp_path)
+    code, _, stderr = run(out, "--attn", "flash")
+    assert code == 2 and one_line(stderr), stderr
+    assert status_of(run_dir)["state"] == "completed"
+
+
 def test_a_resume_keeps_only_keep_checkpoints(tmp_path):
     """A kill between a seal and its prune leaves one checkpoint too many; the rerun prunes it."""
     assert run(tmp_path, "--ckpt-every", "5", "--keep-checkpoints", "3")[0] == 0
