@@ -249,7 +249,7 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     meet a zero sum either, whatever the logits' range (+-1e4, a column that would underflow entirely)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     # the work runs with the matrix axes first and the tokens last: each sum over a matrix axis then adds n
-    # contiguous rows of tokens, ~7x faster on the CPU than n-element reductions per token (benchmarks.md)
+    # contiguous rows of tokens, 3-5x faster on the CPU than n-element reductions per token (docs/benchmarks.md)
     balanced = logits.movedim((-2, -1), (0, 1)).contiguous()
     balanced = balanced - balanced.logsumexp(0, keepdim=True)
     balanced = balanced - balanced.logsumexp(1, keepdim=True)

@@ -331,6 +331,9 @@ def check_options(opt):
         if flag in OWN_TRAINER_FLAGS:
             raise UsageError(f"{flag} is set by the launcher for each run: give it before -- (a list for --residual, "
                              "--depth, --seed, --sinkhorn-iters, --coefficients)")
+        if flag == "--resume":      # never on every launch would start a retried or requeued job over
+            raise UsageError("--resume is the launcher's: every job resumes, so that a retry continues from its "
+                             "checkpoint; to start runs over, use another --out")
         if flag == "--data-seed" and opt.vary_data_seed:
             raise UsageError("--vary-data-seed sets --data-seed for each run; do not pass it after --")
         if flag == "--preset":

@@ -1449,7 +1449,7 @@ def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     micro, accum, why = batch_plan(cfg, dist.world)
     if why and dist.is_main:
         print(f"micro-batch auto: {micro} ({why})", flush=True)
-    plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, dist.world, dist.device)
+    plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer, cfg.vocab == "exact"), micro, dist.world, dist.device)
     data = resolve_data_files(cfg.data, cfg.val_data)
     check_writable_folder(Path(cfg.out), "--out")
     return micro, accum, data
@@ -1472,7 +1472,8 @@ def plan_jobs(request: dict) -> dict:
             card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
             micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
             if gpu == "cpu":
-                plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer), micro, world, torch.device("cpu"))
+                vocab = padded_vocab_size(cfg.tokenizer, cfg.vocab == "exact")
+                plan.check_memory(cfg, vocab, micro, world, torch.device("cpu"))
             resolve_data_files(cfg.data, cfg.val_data)
             answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job)
                            | {"changes": changes_text(changes)})

@@ -100,6 +100,7 @@ def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):
     (["--coefficients", "pooled"], "'pooled' is not a valid entry of --coefficients"),
     (["--", "--sinkhorn-iters", "50"], "--sinkhorn-iters is set by the launcher for each run: give it before --"),
     (["--", "--coefficients=sequence"], "--coefficients is set by the launcher for each run"),
+    (["--", "--resume", "never"], "--resume is the launcher's: every job resumes"),
 ])
 def test_bad_arm_lists_are_one_line_and_exit_2(tmp_path, argv, message):
     result = launch(tmp_path, *argv)

@@ -139,6 +139,15 @@ def test_seed_study_preset_equals_the_studys_layer_in_fp64(residual):
 
 # --- the preset: the study's recipe, each difference a setting to turn back ----------------------------------
 
+def test_the_memory_check_plans_the_vocabulary_the_model_builds(monkeypatch, tmp_path):
+    planned = []
+    monkeypatch.setattr(T.plan, "check_memory", lambda cfg, vocab, *rest: planned.append(vocab))
+    for vocab in ("exact", "padded"):
+        cfg = T.parse_config(["--preset", "tiny", "--tokenizer", "gpt2", "--vocab", vocab, "--out", str(tmp_path)])
+        T.preflight(cfg, T.Dist(0, 1, torch.device("cpu")))
+    assert planned == [50257, 50304]
+
+
 def test_each_difference_is_a_setting_that_turns_back_to_ours():
     study, ours = study_config("hc"), T.parse_config(["--preset", "tiny", "--residual", "hc"])
     assert (study.batch_size, study.steps, study.vocab) == (8, 5000, "exact")
