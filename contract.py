@@ -5,7 +5,7 @@ the codes and builds the same names; report.py parses them. The errors below car
 raises them, and so can a module beside it without importing train_c4. Standard library only: the launcher
 imports it without torch.
 """
-import importlib.util, re, sys
+import contextlib, importlib.util, re, sys
 
 # The trainer's exit codes (the table in README.md, "Exit codes").
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = 0, 2, 3, 4, 5, 6, 75
@@ -133,6 +133,25 @@ def named_arm(presets: str | None, settings: dict | None = None) -> str | None:
     return ",".join(name for name, applies in (("seed-study", study), ("stress", "stress" in names)) if applies) or None
 
 
+def launcher_settings(method: str, presets: str | None, flags: list[str]) -> dict:
+    """The settings named_arm reads, as far as the launcher knows them before any trainer runs: the study's where
+    the presets include seed-study (else unknown), then each trainer flag after `--` that sets one (`--no-mhc-tanh`,
+    `--hc-write-init all`, `--mhc-post-bias=0`), so that the launcher names a run as the trainer would."""
+    study = "seed-study" in (presets or "").split(",")
+    settings = {"residual": method, **{key: value if study else None for key, value in SEED_STUDY_MODEL.items()}}
+    for i, arg in enumerate(flags):
+        flag, has_value, inline = arg.partition("=")
+        key = flag[2:].replace("-", "_")
+        if isinstance(SEED_STUDY_MODEL.get(key.removeprefix("no_")), bool):
+            settings[key.removeprefix("no_")] = not key.startswith("no_")
+        elif flag.startswith("--") and key in SEED_STUDY_MODEL:
+            value = inline if has_value else (flags[i + 1] if i + 1 < len(flags) else "")
+            study_value = SEED_STUDY_MODEL[key]
+            with contextlib.suppress(ValueError):       # a bad number: the trainer refuses it before any launch
+                settings[key] = float(value) if isinstance(study_value, float) else value.lower()
+    return settings
+
+
 def _arm_defaults(preset):
     return {**ARM_DEFAULTS, **(PRESET_ARM_DEFAULTS["seed-study"] if "seed-study" in (preset or "") else {})}
 
@@ -150,9 +169,9 @@ def run_name(method, depth, seed, preset=None, sinkhorn_iters=None, coefficients
     """`{method}_d{depth}_s{seed}`, then `_it{N}` and `_seq`/`_tok` where they differ from the arm's defaults,
     then the named arm's suffix (named_arm: from `settings` where given, else the presets `preset` names):
     `hc_d48_s123`, `mhc_d32_s42_it100`, `hc_d32_s42_seq`, `hc_d32_s42_seed-study`."""
+    iters, coefficients = arm_settings(method, preset, sinkhorn_iters, coefficients)     # what the run trains
     preset = named_arm(preset, settings)
-    defaults = _arm_defaults(preset)
-    iters, coefficients = arm_settings(method, preset, sinkhorn_iters, coefficients)
+    defaults = _arm_defaults(preset)                                    # what its name is told apart from
     arm = f"_it{iters}" if iters not in (None, defaults["sinkhorn_iters"]) else ""
     arm += COEFFICIENT_SUFFIX[coefficients] if coefficients not in (None, defaults["coefficients"]) else ""
     return f"{method}_d{depth}_s{seed}{arm}{RUN_NAME_SUFFIX.get(preset, '')}"

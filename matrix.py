@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract import (COEFFICIENT_METHODS, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED,
-                      EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, METHODS, SINKHORN_METHODS, TRAINER_EXIT_CODES, run_name)
+                      EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, METHODS, SINKHORN_METHODS, TRAINER_EXIT_CODES,
+                      launcher_settings, run_name)
 
 ROOT = Path(__file__).resolve().parent
 PROG = "run_experiments.sh"
@@ -450,7 +451,8 @@ def matrix_jobs(opt):
     for seed in opt.seeds:
         for depth in opt.depths:
             for method, iters, coefficients in arms(opt):
-                name = run_name(method, depth, seed, opt.preset, iters, coefficients)
+                name = run_name(method, depth, seed, opt.preset, iters, coefficients,
+                                launcher_settings(method, opt.preset, opt.extra))
                 jobs.append(Job(name, method, depth, seed, len(jobs) % opt.nodes, iters, coefficients))
     for job in jobs:
         status = read_json(opt.out / job.name / "status.json")

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT))
 import contract  # noqa: E402
 import matrix  # noqa: E402
 import report  # noqa: E402
+import train_c4 as T  # noqa: E402
 from test_launcher import launch, launcher_env, needs_bash  # noqa: E402
 
 ALL_LISTS = ["--residual", "baseline,hc,mhc,mhc-lite,identity-hc", "--sinkhorn-iters", "5,20,100",
@@ -84,6 +85,18 @@ def test_a_preset_after_the_separator_names_the_runs(tmp_path):
     assert [j.name for j in jobs] == ["hc_d4_s1_seed-study"]
     flags = matrix.trainer_flags(opt, jobs[0])
     assert flags.count("--preset") == 1 and flag(flags, "--preset") == "demo,seed-study"
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("mhc", ["--no-mhc-tanh"]), ("mhc", ["--mhc-post-bias=0"]), ("mhc", ["--mhc-post-bias", "2"]),
+    ("hc", ["--hc-write-init", "ALL"]), ("hc", ["--proj-init", "flat"]), ("hc", []),
+])
+def test_a_study_setting_turned_back_after_the_separator_names_the_run_as_the_trainer_does(tmp_path, method, extra):
+    opt, jobs = jobs_of(tmp_path, "--residual", method, "--depth", "4", "--seed", "1", "--", "--preset",
+                        "demo,seed-study", *extra)
+    alone = T.parse_config(["--residual", method, "--depth", "4", "--seed", "1", "--preset", "demo,seed-study",
+                            *extra])
+    assert [j.name for j in jobs] == [alone.run_name]
 
 
 def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):
