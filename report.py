@@ -1542,11 +1542,12 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
     money = (f"${elapsed_h * gpus * matrix.price:,.0f} spent, ${eta / 3600 * gpus * matrix.price:,.0f} to go "
              f"({gpus} GPU(s) at ${matrix.price:g} per GPU-hour)" if gpus and math.isfinite(eta) else
              "no GPU-hours (CPU)" if not gpus else f"${elapsed_h * gpus * matrix.price:,.0f} spent")
+    width = max([22] + [len(name) for name, (state, _) in matrix.runs.items() if state == "running"])
     lines = [f"Matrix {root} at {time.strftime('%H:%M:%S', time.localtime(now))}: "
              + ", ".join(f"{n} {state}" for state, n in counts.items())
              + f"; {fmt_clock(elapsed)} elapsed{'' if matrix.ended is None else ' (ended)'}, {fmt_clock(eta)} to go; "
              f"{money}",
-             f"{'GPU':<8} {'run':<22} {'step':>14} {'loss':>8} {'amax_fwd':>9} {'tok/s':>9} {'ETA':>9}"]
+             f"{'GPU':<8} {'run':<{width}} {'step':>14} {'loss':>8} {'amax_fwd':>9} {'tok/s':>9} {'ETA':>9}"]
     for name, (state, where) in matrix.runs.items():
         if state != "running":
             continue
@@ -1554,7 +1555,7 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
         step = f"{st.get('step', 0):,}/{st.get('steps', 0):,}" if st.get("steps") else "starting"
         stale = now - (st.get("updated") or now) > stale_after_min * 60
         speed = _num(st.get("tokens_per_s"))
-        lines.append(f"{where or '-':<8} {name:<22} {step:>14} {fmt_loss(_num(st.get('loss'))):>8} "
+        lines.append(f"{where or '-':<8} {name:<{width}} {step:>14} {fmt_loss(_num(st.get('loss'))):>8} "
                      f"{fmt_gain(_num(st.get('amax_fwd'))):>9} {f'{speed:,.0f}' if math.isfinite(speed) else '–':>9} "
                      f"{fmt_clock(st.get('eta_s')):>9}"
                      + (f"  STALE: status.json unchanged for {(now - st['updated']) / 60:.0f} min" if stale else ""))

@@ -676,6 +676,24 @@ def test_watch_view_from_matrix_log_and_live_status(tmp_path):
     assert report.main([str(tmp_path / "nothing"), "--watch"]) == 2
 
 
+def test_watch_view_columns_hold_under_a_long_run_name(tmp_path):
+    long = "mhc-lite_d48_s123_it100_tok_seed-study-stress"
+    (tmp_path / "matrix.log").write_text(
+        "2026-12-03T10:00:00.000+0000 QUEUE slots=2 gpus_per_run=1 gpus=0,1 price_per_gpu_hour=2 "
+        f"runs=hc_d4_s1,{long}\n"
+        "2026-12-03T10:00:01.000+0000 LAUNCH hc_d4_s1 gpus=0 attempt=1\n"
+        f"2026-12-03T10:00:02.000+0000 LAUNCH {long} gpus=1 attempt=1\n")
+    now = datetime(2026, 12, 3, 10, 30, tzinfo=timezone.utc).timestamp()
+    for name in ("hc_d4_s1", long):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "status.json").write_text(json.dumps(
+            {"state": "running", "step": 10, "steps": 100, "loss": 4.5, "amax_fwd": 2.0, "tokens_per_s": 2000.0,
+             "eta_s": 600.0, "updated": now}))
+    _, columns, *rows = report.watch_view(tmp_path, now=now).splitlines()
+    ends = {line.index("step") + 4 if line is columns else line.index("10/100") + 6 for line in (columns, *rows)}
+    assert len(ends) == 1, [columns, *rows]
+
+
 # --- out-of-range values and files that are not regular: one warning each, never a traceback or a hang ---------
 
 @pytest.mark.parametrize("line, warning", [
