@@ -141,14 +141,14 @@ def launcher_settings(method: str, presets: str | None, flags: list[str]) -> dic
     settings = {"residual": method, **{key: value if study else None for key, value in SEED_STUDY_MODEL.items()}}
     for i, arg in enumerate(flags):
         flag, has_value, inline = arg.partition("=")
-        key = flag[2:].replace("-", "_")
-        if isinstance(SEED_STUDY_MODEL.get(key.removeprefix("no_")), bool):
-            settings[key.removeprefix("no_")] = not key.startswith("no_")
-        elif flag.startswith("--") and key in SEED_STUDY_MODEL:
+        key = flag[2:].replace("-", "_") if flag.startswith("--") else ""
+        switch = key.removeprefix("no_")
+        if isinstance(SEED_STUDY_MODEL.get(switch), bool):
+            settings[switch] = key == switch
+        elif key in SEED_STUDY_MODEL:
             value = inline if has_value else (flags[i + 1] if i + 1 < len(flags) else "")
-            study_value = SEED_STUDY_MODEL[key]
             with contextlib.suppress(ValueError):       # a bad number: the trainer refuses it before any launch
-                settings[key] = float(value) if isinstance(study_value, float) else value.lower()
+                settings[key] = float(value) if isinstance(SEED_STUDY_MODEL[key], float) else value.lower()
     return settings
 
 

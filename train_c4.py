@@ -287,6 +287,10 @@ def padded_vocab_size(tokenizer: str, exact: bool = False) -> int:
     return 256 if tokenizer == "byte" else 50257 if exact else 50304
 
 
+def embedding_rows(cfg: Config) -> int:
+    return padded_vocab_size(cfg.tokenizer, cfg.vocab == "exact")
+
+
 # ----------------------------------------------------------------------------------------------
 # model: GPT-2 body with a switchable residual path (plain, HC, mHC, mHC-lite, identity-HC) acting on n persistent
 # streams; each is its paper's formulas with autograd (docs/model.md), fused.py HC and mHC with hand-written backwards
@@ -591,7 +595,7 @@ class GPT(nn.Module):
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
         self.kernels = kernels if fused.supports(cfg, kernels) else "reference"
         self.collapse_first = cfg.collapse == "first"
-        self.wte = nn.Embedding(padded_vocab_size(cfg.tokenizer, cfg.vocab == "exact"), cfg.width)
+        self.wte = nn.Embedding(embedding_rows(cfg), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg, i, use_flash, self.kernels) for i in range(cfg.depth))
         self.ln_f = StreamNorm(cfg.width, eps=cfg.norm_eps)
@@ -1449,7 +1453,7 @@ def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     micro, accum, why = batch_plan(cfg, dist.world)
     if why and dist.is_main:
         print(f"micro-batch auto: {micro} ({why})", flush=True)
-    plan.check_memory(cfg, padded_vocab_size(cfg.tokenizer, cfg.vocab == "exact"), micro, dist.world, dist.device)
+    plan.check_memory(cfg, embedding_rows(cfg), micro, dist.world, dist.device)
     data = resolve_data_files(cfg.data, cfg.val_data)
     check_writable_folder(Path(cfg.out), "--out")
     return micro, accum, data
@@ -1472,8 +1476,7 @@ def plan_jobs(request: dict) -> dict:
             card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
             micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
             if gpu == "cpu":
-                vocab = padded_vocab_size(cfg.tokenizer, cfg.vocab == "exact")
-                plan.check_memory(cfg, vocab, micro, world, torch.device("cpu"))
+                plan.check_memory(cfg, embedding_rows(cfg), micro, world, torch.device("cpu"))
             resolve_data_files(cfg.data, cfg.val_data)
             answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job)
                            | {"changes": changes_text(changes)})
