@@ -3,22 +3,22 @@
 #
 #   bash run_experiments.sh [--full|--quick|--stress|--demo] [options] [-- extra train_c4.py flags]
 #   bash run_experiments.sh --help          (all options, exit statuses, files written, environment)
-#   bash run_experiments.sh --check [--out DIR]   (the GPU path on this node's first GPU: benchmarks/gpu_check.py)
+#   bash run_experiments.sh --check [--out DIR]   (the GPU path on this node's first GPU: hcstudy/gpu_check.py)
 #
-# This file is process control only: it starts matrix.py, which parses the flags, plans the matrix and
+# This file is process control only: it starts hcstudy.launcher, which parses the flags, plans the matrix and
 # decides (which job next, on which GPUs, what an exit code means), and carries out its requests: take
 # the lock, probe GPUs, launch a job in its own process group, wait for exits and signals, signal the
-# jobs. The requests and their answers are listed in matrix.py's docstring. --help, --dry-run and
-# --summary are answered by matrix.py alone.
+# jobs. The requests and their answers are listed in hcstudy.launcher's docstring. --help, --dry-run and
+# --summary are answered by hcstudy.launcher alone.
 #
 # A dropped SSH session does not stop a matrix: SIGHUP is ignored, and when the output goes to a terminal it
-# is relayed, so that writes to a terminal that has gone away fail in the relay, not in matrix.py.
+# is relayed, so that writes to a terminal that has gone away fail in the relay, not in hcstudy.launcher.
 #
-# Environment: RUN_EXPERIMENTS_PYTHON (python for matrix.py and the default trainer; default .venv/bin/python
+# Environment: RUN_EXPERIMENTS_PYTHON (python for hcstudy.launcher and the default trainer; default .venv/bin/python
 # next to this script, else python3), RUN_EXPERIMENTS_PROBE (GPU health probe command; gets the GPU index
-# as its last argument; exit 0 = healthy). The others are matrix.py's (see --help).
+# as its last argument; exit 0 = healthy). The others are hcstudy.launcher's (see --help).
 
-set -uo pipefail   # no -e: a failing job is an event matrix.py handles, not a reason to stop
+set -uo pipefail   # no -e: a failing job is an event hcstudy.launcher handles, not a reason to stop
 
 if ((BASH_VERSINFO[0] < 4 || (BASH_VERSINFO[0] == 4 && BASH_VERSINFO[1] < 4))); then
     echo "run_experiments.sh needs bash >= 4.4 (this is $BASH_VERSION)" >&2
@@ -40,7 +40,9 @@ CHECK=0 CHECK_ARGS=()    # --check: the rest goes to the check, which refuses wh
 for arg in "$@"; do
     if [[ $arg == --check ]]; then CHECK=1; else CHECK_ARGS+=("$arg"); fi
 done
-((CHECK)) && exec "$PY" "$ROOT/benchmarks/gpu_check.py" "${CHECK_ARGS[@]}"
+# the package beside this script, wherever it is started from
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+((CHECK)) && exec "$PY" -m hcstudy.gpu_check "${CHECK_ARGS[@]}"
 if ! command -v setsid >/dev/null 2>&1; then
     echo "$PROG: error: setsid not found (util-linux): it puts each job in its own process group" >&2
     exit 1
@@ -67,7 +69,7 @@ exit_status_of() {   # exit_status_of PID: waits for a child, through the signal
 }
 
 # ---------------------------------------------------------------------------------------------
-# The requests of matrix.py
+# The requests of hcstudy.launcher
 # ---------------------------------------------------------------------------------------------
 declare -A RUNNING=()   # pid -> run
 SIGNALS=()              # received since the last answer: INT, TERM
@@ -88,7 +90,7 @@ probe_gpu() {   # probe_gpu ID LOGFILE: exit 0 when healthy
         read -ra probe <<<"$RUN_EXPERIMENTS_PROBE"
         "${probe[@]}" "$1" >"$2" 2>&1 </dev/null
     else
-        CUDA_VISIBLE_DEVICES=$1 NVIDIA_TF32_OVERRIDE=0 timeout -k 10 60 "$PY" "$ROOT/matrix.py" --probe-gpu \
+        CUDA_VISIBLE_DEVICES=$1 NVIDIA_TF32_OVERRIDE=0 timeout -k 10 60 "$PY" -m hcstudy.launcher --probe-gpu \
             >"$2" 2>&1 </dev/null
     fi
 }
@@ -175,7 +177,7 @@ answer() {   # answer REQUEST...: its lines, the signals received meanwhile, the
         launch) launch "${@:2}" ;;
         wait) wait_for_jobs "$2" "$3" ;;
         kill) signal_jobs "$2" ;;
-        *) echo "$PROG: unknown request from matrix.py: $*" >&"$STDERR" ;;
+        *) echo "$PROG: unknown request from hcstudy.launcher: $*" >&"$STDERR" ;;
     esac
     local n=${#SIGNALS[@]}
     ((n == 0)) || printf 'signal %s\n' "${SIGNALS[@]:0:n}"
@@ -184,27 +186,27 @@ answer() {   # answer REQUEST...: its lines, the signals received meanwhile, the
 }
 
 relay() {   # copies lines to stdout while it can; a write to a hung-up terminal fails here and reading goes on,
-    # so matrix.py never blocks on a full pipe or dies of a broken one. Ctrl-C is for the launcher, not for this.
+    # so hcstudy.launcher never blocks on a full pipe or dies of a broken one. Ctrl-C is for the launcher, not for this.
     trap '' INT HUP
     local line
     while IFS= read -r line || [[ -n $line ]]; do printf '%s\n' "$line" 2>/dev/null; done
 }
 
 # ---------------------------------------------------------------------------------------------
-# The conversation: two named pipes to matrix.py, requests one per line in shell-quoted words
+# The conversation: two named pipes to hcstudy.launcher, requests one per line in shell-quoted words
 # ---------------------------------------------------------------------------------------------
-trap '' HUP              # inherited by matrix.py and the jobs: a dropped SSH session stops nothing
+trap '' HUP              # inherited by hcstudy.launcher and the jobs: a dropped SSH session stops nothing
 [[ ! -t 1 ]] || exec 1> >(relay)
 [[ ! -t 2 ]] || exec 2> >(relay >&2)
 PIPES=$(mktemp -d "${TMPDIR:-/tmp}/run_experiments.XXXXXX") || exit 1
 trap 'rm -rf "$PIPES"' EXIT
 mkfifo "$PIPES/requests" "$PIPES/replies" || exit 1
-"$PY" "$ROOT/matrix.py" --requests 3 --replies 4 "$@" 3>"$PIPES/requests" 4<"$PIPES/replies" &
+"$PY" -m hcstudy.launcher --requests 3 --replies 4 "$@" 3>"$PIPES/requests" 4<"$PIPES/replies" &
 MATRIX=$!
 exec {REQUESTS}<"$PIPES/requests" {REPLIES}>"$PIPES/replies"
 trap 'SIGNALS+=(INT)' INT
 trap 'SIGNALS+=(TERM)' TERM
-trap '' PIPE             # an answer to a matrix.py that died fails quietly; the next read sees the end
+trap '' PIPE             # an answer to a hcstudy.launcher that died fails quietly; the next read sees the end
 exec {STDERR}>&2
 
 request=()
@@ -212,15 +214,15 @@ while :; do
     IFS= read -r -u "$REQUESTS" line
     status=$?
     ((status > 128)) && continue   # a signal interrupted the read; its trap recorded it
-    ((status == 0)) || break       # matrix.py has finished
+    ((status == 0)) || break       # hcstudy.launcher has finished
     eval "request=($line)"         # words quoted by Python's shlex.join
     answer "${request[@]}" 2>/dev/null 1>&"$REPLIES"
 done
 exec {REQUESTS}<&- {REPLIES}>&-
 exit_status_of "$MATRIX"
 status=$?
-if ((${#RUNNING[@]})); then   # matrix.py died with jobs running: they save a checkpoint and stop
-    echo "$PROG: error: matrix.py exited ($status) with ${#RUNNING[@]} job(s) running; stopping them" \
+if ((${#RUNNING[@]})); then   # hcstudy.launcher died with jobs running: they save a checkpoint and stop
+    echo "$PROG: error: hcstudy.launcher exited ($status) with ${#RUNNING[@]} job(s) running; stopping them" \
         "(each saves a checkpoint); the same command resumes" >&2
     signal_jobs TERM
     for pid in "${!RUNNING[@]}"; do exit_status_of "$pid"; end_leftovers "${RUNNING[$pid]}"; done

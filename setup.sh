@@ -71,7 +71,7 @@ print(f"setup.sh: ready (torch {torch.__version__}, {cuda}). Next: bash run_expe
 PY
 
 if [[ $PREFETCH -gt 0 ]]; then
-  .venv/bin/python prefetch.py "$PREFETCH" "$C4_DIR" || exit 6
+  .venv/bin/python -m hcstudy.c4_download "$PREFETCH" "$C4_DIR" || exit 6
 fi
 
 # last, so that a failed opt-in leaves everything else done

@@ -20,8 +20,8 @@ import contextlib, dataclasses, functools, glob, hashlib, itertools, json, math,
 from datetime import timedelta
 from pathlib import Path
 
-import contract
-from contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, DataUnavailable, Diverged, Interrupted,
+from hcstudy import contract
+from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, DataUnavailable, Diverged, Interrupted,
                       RunFailed, TrainerError)
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
@@ -39,15 +39,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-import flags
-import fused
-import plan
-from failures import classify_failure, exit_process, failure
-from flags import COUNT, NATURAL, option
-from monitor import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
-from plan import flops_per_token, gpu_peak_flops
-from prefetch import Loader
-from run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
+from hcstudy import config_flags as flags
+from hcstudy.kernels import fused
+from hcstudy.planner import memory as plan
+from hcstudy.failures import classify_failure, exit_process, failure
+from hcstudy.config_flags import COUNT, NATURAL, option
+from hcstudy.run_record import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
+from hcstudy.planner.memory import flops_per_token, gpu_peak_flops
+from hcstudy.readahead import Loader
+from hcstudy.run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
                         resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
@@ -1561,7 +1561,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "--consolidate" in argv:
             sys.modules.setdefault("train_c4", sys.modules[__name__])     # export.py's import: not a second copy
-            import export
+            from hcstudy import consolidate as export
             print(export.consolidate(*export.arguments(argv)))
             return EXIT_OK
         if argv == ["--plan-jobs"]:

@@ -25,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import fused  # noqa: E402
+from hcstudy.kernels import fused  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")

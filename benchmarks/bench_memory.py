@@ -20,10 +20,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import plan  # noqa: E402
+from hcstudy.planner import memory as plan  # noqa: E402
 import train_c4 as T  # noqa: E402
 from bench_step import Variant  # noqa: E402
-from plan import GiB  # noqa: E402
+from hcstudy.planner.memory import GiB  # noqa: E402
 
 
 def measured_peak(cfg: T.Config, micro: int, device: torch.device, steps: int = 2) -> float | None:

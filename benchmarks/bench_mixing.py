@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step  # noqa: E402
-import fused  # noqa: E402  (bench_step puts the repository on the path)
+from hcstudy.kernels import fused  # noqa: E402  (bench_step puts the repository on the path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disab
 
 import torch  # noqa: E402
 
-import run_folder  # noqa: E402
+from hcstudy import run_folder  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 RUN = "mhc_d2_s42"

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import plan  # noqa: E402
+from hcstudy.planner import memory as plan  # noqa: E402
 import train_c4 as T  # noqa: E402
 from bench_connection import connection_step  # noqa: E402
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-import plan  # noqa: E402
-import triton_kernels as K  # noqa: E402
+from hcstudy.planner import memory as plan  # noqa: E402
+from hcstudy.kernels import triton_ops as K  # noqa: E402
 
 ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"},
                     "_mhc_read_forward": {"u_ptr"}, "_mhc_read_backward": {"gu_ptr"},

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import contract  # noqa: E402
+from hcstudy import contract  # noqa: E402
 import train_c4  # noqa: E402
 
 

@@ -10,9 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import contract  # noqa: E402
-import matrix  # noqa: E402
-import report  # noqa: E402
+from hcstudy import contract  # noqa: E402
+from hcstudy.launcher import matrix_run as matrix  # noqa: E402
+from hcstudy.report import tables as report  # noqa: E402
 import train_c4 as T  # noqa: E402
 from test_launcher import launch, launcher_env, needs_bash  # noqa: E402
 

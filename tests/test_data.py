@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import prefetch
+from hcstudy import c4_download
+from hcstudy import readahead as prefetch
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,10 +195,10 @@ def test_the_hub_unreachable_at_the_start_leaves_failed_with_the_reason(tmp_path
 
 
 def test_prefetch_says_the_hub_cannot_be_reached(tmp_path):
-    """setup.sh --prefetch-c4 runs prefetch.py: with the hub out of reach (here HF_HUB_OFFLINE) one line says so,
-    not huggingface_hub's LocalEntryNotFoundError."""
-    result = subprocess.run([sys.executable, str(ROOT / "prefetch.py"), "1", str(tmp_path)], capture_output=True,
-                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    """setup.sh --prefetch-c4 runs hcstudy.c4_download: with the hub out of reach (here HF_HUB_OFFLINE) one line says
+    so, not huggingface_hub's LocalEntryNotFoundError."""
+    result = subprocess.run([sys.executable, "-m", "hcstudy.c4_download", "1", str(tmp_path)], capture_output=True,
+                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and "LocalEntryNotFoundError" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("setup.sh: the Hugging Face hub cannot be reached (")
 
@@ -210,7 +211,7 @@ def test_prefetch_names_a_failed_name_lookup_as_the_hub_unreachable(tmp_path, mo
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_name_server)
     with pytest.raises(SystemExit, match="hub cannot be reached .*the 0 file"):
-        prefetch.download_c4(1, str(tmp_path))
+        c4_download.download_c4(1, str(tmp_path))
 
 
 def test_offline_hub_fails_fast_with_exit_6_and_a_way_out(tmp_path):

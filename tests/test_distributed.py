@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import export
-import run_folder
+from hcstudy import consolidate as export
+from hcstudy import run_folder
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent

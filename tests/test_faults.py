@@ -19,9 +19,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import export
-import failures
-import run_folder
+from hcstudy import consolidate as export
+from hcstudy import failures
+from hcstudy import run_folder
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py (run_experiments.sh --check) off the GPU: how its timings become result.json, the
 file the planner reads. The check itself needs a CUDA GPU; test_launcher.py holds its one line without one."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_check  # noqa: E402
+from hcstudy import gpu_check  # noqa: E402
 
 
 def timed_run(folder, seconds):
@@ -52,13 +53,14 @@ def test_result_json_gives_the_planner_each_methods_fastest_step_seconds(tmp_pat
 
 
 def test_run_as_a_script_it_finds_the_trainer_and_writes_result_json(tmp_path):
-    """run_experiments.sh runs `python benchmarks/gpu_check.py`: sys.path[0] is then benchmarks/, not the root."""
+    """run_experiments.sh runs `python -m hcstudy.gpu_check` from any folder, the repository on PYTHONPATH."""
     timed_run(tmp_path / "b", 0.3)
-    script = (f"import sys; sys.path[0] = {str(ROOT / 'benchmarks')!r}; import gpu_check, pathlib; "
+    script = ("from hcstudy import gpu_check; import pathlib; "
               f"folder = pathlib.Path({str(tmp_path)!r}); "
               "stats = gpu_check.step_stats(folder / 'b'); "
               "gpu_check.write_result(folder, {}, {}, {'baseline': {'reference/eager': stats}})")
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "result.json").read_text())["methods"]["baseline"]["flops_per_token"] > 0
 

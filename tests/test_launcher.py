@@ -410,12 +410,12 @@ def test_if_matrix_py_dies_the_launcher_stops_the_jobs_with_a_checkpoint(tmp_pat
                  env=launcher_env(tmp_path, FAKE_STEPS=400, FAKE_STEP_SLEEP=0.1))
 
     def kill_matrix_py():
-        found = subprocess.run(["pgrep", "-f", f"matrix.py --requests 3 --replies 4 --out {out}"],
+        found = subprocess.run(["pgrep", "-f", f"hcstudy.launcher --requests 3 --replies 4 --out {out}"],
                                capture_output=True, text=True).stdout.split()
         os.kill(int(found[0]), signal.SIGKILL)
     output = interrupt_when(proc, lambda: status(out, "hc_d2_s1")["step"] >= 3, "progress", kill_matrix_py)
     assert proc.returncode == 137, output
-    assert "matrix.py exited (137) with 1 job(s) running; stopping them" in output
+    assert "hcstudy.launcher exited (137) with 1 job(s) running; stopping them" in output
     assert status(out, "hc_d2_s1")["state"] == "interrupted"
 
 
@@ -758,7 +758,7 @@ def test_a_stop_spares_the_wandb_service_a_trainer_started(tmp_path):
 
 
 def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):
-    import matrix
+    from hcstudy.launcher import matrix_run as matrix
     monkeypatch.setenv("RUN_EXPERIMENTS_NVIDIA_SMI", "false")
     answers = {"a": {"seconds": [1800.0, 3600.0]}, "b": {"seconds": [3600.0, 7200.0]}}
     monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": answers})

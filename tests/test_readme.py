@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import matrix  # noqa: E402
+from hcstudy.launcher import matrix_run as matrix  # noqa: E402
 import train_c4  # noqa: E402
 
 README = (ROOT / "README.md").read_text()

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import report  # noqa: E402
+from hcstudy.report import tables as report  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

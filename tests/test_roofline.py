@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-import plan
+from hcstudy.planner import memory as plan
 import train_c4 as T
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -76,7 +76,7 @@ def test_the_paths_differ_as_their_code_does():
     assert (base.block_bytes_per_token(width) < triton.block_bytes_per_token(width)
             < fused.block_bytes_per_token(width) < reference.block_bytes_per_token(width))
     # the triton kernels' own bytes (triton_kernels.traffic, two connections a block) are counted in full
-    import triton_kernels
+    from hcstudy.kernels import triton_ops as triton_kernels
     kernels = sum(v for k, v in triton_kernels.traffic("mhc", 4, width).items() if k.startswith("_"))
     assert triton.block_bytes_per_token(width) - base.block_bytes_per_token(width) > 2 * kernels
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import contract
-import fused
+from hcstudy import contract
+from hcstudy.kernels import fused
 import train_c4 as T
 
 N, WIDTH, ITERS = 4, 16, 20

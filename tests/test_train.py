@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import flags
-import monitor
+from hcstudy import config_flags as flags
+from hcstudy import run_record as monitor
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from plan import parameter_summary
-from run_folder import write_atomically
+from hcstudy import ROOT
+from hcstudy.planner.memory import parameter_summary
+from hcstudy.run_folder import write_atomically
 
-ROOT = Path(__file__).resolve().parent
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 

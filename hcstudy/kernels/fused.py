@@ -37,7 +37,7 @@ def supports(cfg, path: str = "fused") -> bool:
 
 def triton_kernels():
     """triton_kernels.py, imported when first used: it imports triton, which only that path needs."""
-    import triton_kernels as module
+    from hcstudy.kernels import triton_ops as module
     return module
 
 

@@ -6,7 +6,7 @@ every refusal is one line (contract.ConfigError: exit 2).
 """
 import argparse, dataclasses, re, textwrap
 
-from contract import ConfigError
+from hcstudy.contract import ConfigError
 
 INT64_MAX = 2 ** 63 - 1                         # torch.manual_seed and tensor sizes take int64
 COUNT, NATURAL = (1, INT64_MAX), (0, INT64_MAX)  # the bounds of a count, and of a seed or a count that may be 0

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file as save_safetensors
 
-import flags
+from hcstudy import config_flags as flags
 import train_c4 as T
-from contract import MODEL_KEYS, ConfigError, TrainerError
-from run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause, safe_dcp,
+from hcstudy.contract import MODEL_KEYS, ConfigError, TrainerError
+from hcstudy.run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause, safe_dcp,
                         save_file, verified_checkpoints, write_atomically)
 
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fused
-from contract import EXIT_BAD_CONFIG
+from hcstudy.kernels import fused
+from hcstudy.contract import EXIT_BAD_CONFIG
 
 
 class PlanError(Exception):
@@ -622,7 +622,7 @@ def counting(width: int, triton: tuple[str, int, int] | None = None):
     of the bytes they move (their own count, triton_kernels.traffic), so that the triton path runs on the CPU for
     counting: its cuBLAS and torch calls are counted as they run."""
     counter = KernelCounter(width)
-    module = importlib.import_module("triton_kernels") if triton else None
+    module = importlib.import_module("hcstudy.kernels.triton_ops") if triton else None
     per_token = module.traffic(triton[0], triton[1], width) if triton else {}
     saved = {name: getattr(module, name) for name in per_token if name.startswith("_")}
 

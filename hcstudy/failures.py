@@ -10,8 +10,8 @@ import contextlib, json, os, sys
 import torch
 from torch.distributed.distributed_c10d import _get_default_store
 
-import plan
-from contract import EXIT_DEVICE, EXIT_INTERRUPTED, EXIT_OOM, Diverged, Interrupted, RunFailed, TrainerError
+from hcstudy.planner import memory as plan
+from hcstudy.contract import EXIT_DEVICE, EXIT_INTERRUPTED, EXIT_OOM, Diverged, Interrupted, RunFailed, TrainerError
 
 
 def failure(error: BaseException, dist, micro: int | None = None) -> tuple[int, str, bool]:

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from fused import _autocast_off       # the coefficients in fp32 whatever the autocast, as on the fused path
+from hcstudy.kernels.fused import _autocast_off       # the coefficients in fp32 whatever the autocast, as on the fused path
 
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     # "0": compile only, for sm_90
     # the interpreter is chosen when a function is decorated, triton.language's own included: a triton imported

@@ -41,11 +41,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contract import (COEFFICIENT_METHODS, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED,
+from hcstudy import ROOT
+from hcstudy.contract import (COEFFICIENT_METHODS, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED,
                       EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, METHODS, SINKHORN_METHODS, TRAINER_EXIT_CODES,
                       launcher_settings, run_name)
 
-ROOT = Path(__file__).resolve().parent
 PROG = "run_experiments.sh"
 # the launcher's own exit statuses
 EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 1, 2, 130, 143
@@ -568,7 +568,7 @@ def lock_name(opt):
 def show_matrix(opt, whole=False):
     """The matrix view (report.py --watch) from this launcher's matrix log, or (whole) from every node's, and
     the runs' status.json."""
-    import report            # numpy: only for the view
+    from hcstudy.report import tables as report            # numpy: only for the view
     try:
         print(report.watch_view(opt.out, log=None if whole else log_name(opt)), flush=True)
     except (report.ReportError, OSError) as error:
@@ -1423,6 +1423,3 @@ def main(argv):
     except KeyboardInterrupt:        # Ctrl-C during a dry run or its calibration
         return EXIT_SIGINT
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

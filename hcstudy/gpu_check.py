@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))      # run as a script (run_experiments.sh --check): the trainer's modules beside it
+from hcstudy import ROOT
+
 PROG = "run_experiments.sh --check"
 BUDGET_S = 570                     # the whole check, so that it ends within 10 minutes with its start-up
 METHODS, KERNELS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc"), ("reference", "fused", "triton")
@@ -123,7 +123,7 @@ def step_stats(run_dir):
 def timings(check, runs):
     """Every method on every kernel path that has it, eager; then each method compiled on its fastest eager path
     (a compile of every path would not fit the budget): {method: {"kernels/mode": stats or None}}."""
-    import fused
+    from hcstudy.kernels import fused
     import train_c4
     table = {m: {} for m in METHODS}
     for path in KERNELS:                   # eager first: the plan's numbers before the slower compile runs
@@ -178,7 +178,7 @@ def planned_allocated_gb(check):
 
 def modelled_steps(table, gpu):
     """The planner's step range (seconds) for every timed arm and path on this GPU: {method: {path: (low, high)}}."""
-    import plan
+    from hcstudy.planner import memory as plan
     import train_c4
     rates, model = plan.gpu_rates(gpu), {}
     if rates is None:
@@ -241,14 +241,14 @@ def fsdp(check, runs):
 
 def timed_flops_per_token(method):
     """FLOPs per token of the timed configuration: the planner scales the measured rate to other depths by it."""
-    import plan
+    from hcstudy.planner import memory as plan
     import train_c4
     cfg = train_c4.parse_config([*SIZE, "--residual", method])
     return plan.flops_per_token(cfg, train_c4.count_parameters(cfg)["non_embedding"])
 
 
 def write_result(folder, device, parts, table):
-    from run_folder import write_json_atomic
+    from hcstudy.run_folder import write_json_atomic
     """result.json: per method, its fastest path's step seconds with what the planner needs to scale them
     (`methods`, docs/planning.md); every path's figures under `timings`, the planner's range beside them under
     `modelled`."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from contract import EXIT_BAD_CONFIG, MODEL_KEYS, TRAINING_KEYS, ConfigError, TrainerError
+from hcstudy.contract import EXIT_BAD_CONFIG, MODEL_KEYS, TRAINING_KEYS, ConfigError, TrainerError
 
 # ----------------------------------------------------------------------------------------------
 # files written whole or not at all
