@@ -8,7 +8,7 @@ the plots (`--help` says every option). The work is hcstudy.report's.
 """
 import sys
 
-from hcstudy.report.tables import main
+from hcstudy.report.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hcstudy import contract  # noqa: E402
 from hcstudy.launcher import matrix_run as matrix  # noqa: E402
-from hcstudy.report import tables as report  # noqa: E402
+from hcstudy.report import aggregate  # noqa: E402
+from hcstudy.report import command  # noqa: E402
+from hcstudy.report import plots  # noqa: E402
+from hcstudy.report import published  # noqa: E402
+from hcstudy.report import runs as report_runs  # noqa: E402
 import train_c4 as T  # noqa: E402
 from test_launcher import launch, launcher_env, needs_bash  # noqa: E402
 
@@ -138,7 +142,7 @@ def test_the_launcher_runs_the_arms_with_their_flags(tmp_path):
             (method, iters, coefficients)
         assert argv.count("--preset") == 1 and flag(argv, "--preset") == "seed-study"
     # the report reads the launched runs as six arms, one row each
-    rows = report.collect(out)
+    rows = aggregate.collect(out)
     assert sorted(r.label for r in rows) == ["HC", "HC (per-sequence)", "mHC", "mHC (5 it)",
                                              "mHC (5 it, per-sequence)", "mHC (per-sequence)"]
 
@@ -178,7 +182,7 @@ def test_report_keeps_every_arm_apart(tmp_path):
         write_run(tmp_path, name, peak, config)
     # an older run folder (no coefficients, no iterations in config.json) is the default arm, its seed averaged in
     write_run(tmp_path, "hc_d4_s2", 60.0, seed=2)
-    rows = report.collect(tmp_path)
+    rows = aggregate.collect(tmp_path)
     assert [(r.label, [s.name for s in r.runs], r.stats["peak_fwd"].mean) for r in rows] == [
         ("baseline", ["baseline_d4_s1"], 1.0),
         ("HC", ["hc_d4_s1", "hc_d4_s2"], 50.0),
@@ -187,7 +191,7 @@ def test_report_keeps_every_arm_apart(tmp_path):
         ("mHC (100 it)", ["mhc_d4_s1_it100"], 1.01),
         ("mHC-lite", ["mhc-lite_d4_s1"], 1.0),
         ("identity-HC", ["identity-hc_d4_s1"], 1.0)]
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     with open(tmp_path / "report" / "results.csv") as f:
         table = [(r["method"], r["coefficients"], r["sinkhorn_iters"]) for r in csv.DictReader(f)]
     assert table == [("baseline", "", ""), ("hc", "token", ""), ("hc", "sequence", ""), ("mhc", "token", "20"),
@@ -198,7 +202,7 @@ def test_arms_are_told_from_the_run_name_without_config(tmp_path):
     for name in ("hc_d4_s1", "hc_d4_s1_seq", "mhc_d4_s1_it5", "hc_d4_s1_seed-study"):
         write_run(tmp_path, name, 10.0)
         (tmp_path / name / "config.json").unlink()
-    assert [r.label for r in report.collect(tmp_path)] == [
+    assert [r.label for r in aggregate.collect(tmp_path)] == [
         "HC", "HC (per-sequence)", "mHC (5 it)", "HC (per-sequence) [seed-study]"]
 
 
@@ -206,7 +210,7 @@ def test_plots_give_each_arm_its_own_line_and_colour(tmp_path):
     for name, (peak, config) in ARMS.items():
         write_run(tmp_path, name, peak, config)
     write_run(tmp_path, "hc_d4_s1_stress", 900.0, {"preset": "stress"})
-    groups = report.group_runs(report.load_runs(tmp_path))
+    groups = plots.group_runs(report_runs.load_runs(tmp_path))
     looks = list(groups[4])
     assert [look.label for look in looks] == [
         "baseline [c4]", "HC [c4]", "HC (per-sequence) [c4]", "mHC [c4]", "mHC (100 it) [c4]", "mHC-lite [c4]",
@@ -215,7 +219,7 @@ def test_plots_give_each_arm_its_own_line_and_colour(tmp_path):
     assert [runs[0].name for runs in groups[4].values()] == [
         "baseline_d4_s1", "hc_d4_s1", "hc_d4_s1_seq", "mhc_d4_s1", "mhc_d4_s1_it100", "mhc-lite_d4_s1",
         "identity-hc_d4_s1", "hc_d4_s1_stress"]
-    assert report.main([str(tmp_path)]) == 0
+    assert command.main([str(tmp_path)]) == 0
     assert (tmp_path / "report" / "amax.png").stat().st_size > 5_000
 
 
@@ -228,7 +232,7 @@ def test_results_carry_the_published_figures_and_say_which_arm_compares(tmp_path
     write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {"preset": "seed-study", "coefficients": "sequence"},
               study=8000.0, study_train=9000.0)
     write_run(tmp_path, "hc_d48_s1_seq", 50.0, {"coefficients": "sequence"}, study=7000.0, study_train=7000.0)
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     text = (tmp_path / "report" / "results.md").read_text()
     block = text[text.index("## Published figures"):text.index("## Verdict")]
     for figure in ("up to about 3000", "at most about 1.6", "10,924 ± 3,247", "14,765", "| 1.00 |"):
@@ -248,7 +252,7 @@ def test_results_carry_the_published_figures_and_say_which_arm_compares(tmp_path
 
 def test_without_a_matching_arm_the_verdict_says_so(tmp_path):
     write_run(tmp_path, "baseline_d4_s1", 1.0)
-    rows, text = report.report([tmp_path], with_plots=False)
+    rows, text = command.report([tmp_path], with_plots=False)
     assert "**published figures**: no arm here compares directly" in text
 
 
@@ -259,7 +263,7 @@ def test_the_study_arm_is_told_by_its_settings_however_it_was_asked(tmp_path):
     write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {"preset": "c4", **study}, study_train=9000.0)
     write_run(tmp_path, "hc_d32_s2_seq", 50.0, {"preset": "seed-study", **study, "hc_write_init": "all"}, seed=2,
               study_train=5000.0)
-    rows = report.collect(tmp_path)
+    rows = aggregate.collect(tmp_path)
     assert sorted(r.label for r in rows) == ["HC (per-sequence) [c4]", "HC (per-sequence) [seed-study]"]
-    assert report.published_matches(rows, "hc", 32, ("peak_study_train",), "sequence") == [
+    assert published.published_matches(rows, "hc", 32, ("peak_study_train",), "sequence") == [
         "amax_study_train 9,000 (HC (per-sequence) [seed-study], depth 32)"]

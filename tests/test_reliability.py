@@ -369,9 +369,9 @@ def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(
 
 
 def test_report_reads_a_crafted_matrix_log_with_a_warning(tmp_path, capsys):
-    from hcstudy.report import tables as report
+    from hcstudy.report import live
     (tmp_path / "matrix.log").write_text("2026-01-01T00:00:00.000+0000 QUEUE slots=x runs=hc_d2_s1\n")
-    assert report.read_matrix(tmp_path) is None
+    assert live.read_matrix(tmp_path) is None
     assert "its last QUEUE line is unreadable" in capsys.readouterr().err
 
 

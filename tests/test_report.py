@@ -17,7 +17,13 @@ from hypothesis import given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hcstudy.report import tables as report  # noqa: E402
+from hcstudy.report import aggregate  # noqa: E402
+from hcstudy.report import command  # noqa: E402
+from hcstudy.report import live as report_live  # noqa: E402
+from hcstudy.report import plots  # noqa: E402
+from hcstudy.report import published  # noqa: E402
+from hcstudy.report import runs as report_runs  # noqa: E402
+from hcstudy.report import verdict  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -99,7 +105,7 @@ def sample_std(a, b):
 
 def test_rows_match_hand_computed_values(tmp_path):
     hc_seed1(tmp_path), hc_seed2(tmp_path)
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     assert (row.method, row.depth, row.done, len(row.runs)) == ("hc", 4, 2, 2)
     expect = {  # field: (seed 1, seed 2)
         "final_loss": (2.0, 3.0), "best_val": (3.5, 3.0), "final_val": (3.5, 3.25),
@@ -119,7 +125,7 @@ def test_rows_match_hand_computed_values(tmp_path):
 
 def test_markdown_table_cells(tmp_path):
     hc_seed1(tmp_path), hc_seed2(tmp_path)
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     c = table_cells(tmp_path / "report", "HC", 4)
     assert c["seeds done/total"] == "2/2"
     assert c["final train loss"] == "2.500 ± 0.707"
@@ -148,12 +154,12 @@ def test_markdown_table_cells(tmp_path):
 
 def test_single_seed_says_1_seed_not_a_dash_for_its_std(tmp_path):
     hc_seed1(tmp_path)
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     c = table_cells(tmp_path / "report", "HC", 4)
     assert c["final train loss"] == "2.000 (1 seed)"
     assert c["peak amax_fwd"] == "150 (1 seed)"
     assert "± –" not in (tmp_path / "report" / "results.md").read_text()
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     assert math.isnan(row.stats["final_loss"].std)
 
 
@@ -163,7 +169,7 @@ def test_results_open_with_a_headline_per_depth_then_a_main_table_of_at_most_8_c
                                       {**train(2, 1.0, 3.0, 0.5, 20), **mhc_probe(1.145, 1.0000004, 0.031, 1.16)},
                                       {"step": 2, "time": 1.5, "val_loss": 3.1}])
     write_run(tmp_path, "baseline_d8_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}])
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     lines = (tmp_path / "report" / "results.md").read_text().splitlines()
     assert lines[2] == ("**depth 4** (1 to 2 seeds): HC amplifies 100× (above 10× at step 3 / 2); "
                         "mHC 1.000 (backward 1.145 from Sinkhorn truncation).  ")
@@ -187,25 +193,25 @@ def test_threshold_must_be_exceeded_not_reached(tmp_path):
         {**train(1, 0.0, 4.0, 0.5, 10), **probe(10.0, 9.0)},
         {**train(2, 1.0, 3.0, 0.5, 20), **probe(100.0, 10.5)},
         {**train(3, 2.0, 3.0, 0.5, 30), **probe(99.0, 100.5)}])
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     assert row.runs[0].first_above == {10.0: 2, 100.0: 3, 1000.0: None}
 
 
 def test_gpu_hours_world_size_cpu_and_pauses(tmp_path):
-    gap = report.GAP_S
+    gap = report_runs.GAP_S
     lines = [train(1, 0.0, 3.0, 0.5, 10), train(2, gap, 3.0, 0.5, 20), train(3, 2 * gap, 3.0, 0.5, 30),
              train(4, 3 * gap + 1, 3.0, 0.5, 40),       # requeued: a pause over GAP_S is not counted
              train(5, 3 * gap + 601, 3.0, 0.5, 50)]
     write_run(tmp_path, "mhc_d4_s1", lines, world_size=8)
     write_run(tmp_path, "mhc_d8_s1", lines[:3], device="cpu")
     write_run(tmp_path, "hc_d8_s1", lines[:3], device="cpu", device_at_top=True, world_size=1)
-    rows = {(r.method, r.depth): r for r in report.collect(tmp_path)}
+    rows = {(r.method, r.depth): r for r in aggregate.collect(tmp_path)}
     assert rows["mhc", 4].runs[0].wall_s == pytest.approx(2 * gap + 600)
     assert rows["mhc", 4].gpu_hours == pytest.approx((2 * gap + 600) / 3600 * 8)
     assert rows["mhc", 8].runs[0].wall_s == pytest.approx(2 * gap)
     assert rows["mhc", 8].gpu_hours == 0 and rows["mhc", 8].cpu_only
     assert rows["hc", 8].gpu_hours == 0 and rows["hc", 8].cpu_only
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     assert table_cells(tmp_path / "report", "mHC", 8)["GPU-h total"] == "cpu"
     assert table_cells(tmp_path / "report", "mHC", 4)["GPU-h total"] == "5.33"   # 2400 s x 8 GPUs
     assert table_cells(tmp_path / "report", "HC", 8)["GPU-h total"] == "cpu"
@@ -214,7 +220,7 @@ def test_gpu_hours_world_size_cpu_and_pauses(tmp_path):
 def test_status_updated_extends_wall_time(tmp_path):
     write_run(tmp_path, "hc_d4_s1", [train(1, 100.0, 3.0, 0.5, 10), train(2, 200.0, 3.0, 0.5, 20)],
               updated=260.0)
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     assert row.runs[0].wall_s == pytest.approx(160.0)
 
 
@@ -225,7 +231,7 @@ def test_truncated_last_line_and_no_eval(tmp_path, capsys):
         {**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)},
         {**train(2, 1.0, 3.0, 0.5, 20), **probe(1.0, 1.0)},
     ], state="running", tail='{"step": 3, "time": 2.0, "loss": 99.0, "grad_no')
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     out, err = capsys.readouterr()
     assert "unreadable" not in err          # a half-written last line is expected, not warned about
     c = table_cells(tmp_path / "report", "baseline", 4)
@@ -239,14 +245,14 @@ def test_garbage_line_in_the_middle_is_skipped_with_a_warning(tmp_path, capsys):
     d = write_run(tmp_path, "hc_d4_s1", [train(1, 0.0, 4.0, 0.5, 10)])
     with open(d / "metrics.jsonl", "a") as f:
         f.write("not json\n\n" + json.dumps(train(2, 1.0, 2.0, 0.5, 20)) + "\n")
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     assert row.stats["final_loss"].mean == 2.0
     assert "skipped 1 unreadable" in capsys.readouterr().err
 
 
 def test_run_without_config_uses_the_run_name(tmp_path):
     write_run(tmp_path, "mhc_d12_s7", [train(1, 0.0, 4.0, 0.5, 10)], state="running", with_config=False)
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     assert (row.method, row.depth, row.runs[0].seed) == ("mhc", 12, 7)
 
 
@@ -254,7 +260,7 @@ def test_resumed_run_replaces_relogged_steps(tmp_path):
     write_run(tmp_path, "hc_d4_s1", [
         train(1, 0.0, 4.0, 0.5, 10), train(2, 1.0, 3.0, 5.0, 20), train(3, 2.0, 2.5, 9.0, 30),
         train(2, 100.0, 3.0, 0.4, 20), train(3, 101.0, 2.0, 0.3, 30), train(4, 102.0, 1.5, 0.2, 40)])
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     run = row.runs[0]
     assert run.peak_grad_norm == 0.5                 # the crashed attempt's 5.0 and 9.0 were replaced
     assert run.clip_share == 0.0
@@ -270,7 +276,7 @@ def test_diverged_run_is_listed_as_diverged(tmp_path):
         {**train(3, 2.0, float("nan"), float("inf"), 30), **probe(float("inf"), float("nan"))},
     ], state="diverged")
     assert "NaN" in (tmp_path / "hc_d4_s2" / "metrics.jsonl").read_text()
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     c = table_cells(tmp_path / "report", "HC", 4)
     assert c["diverged"] == "1: s2@3"
     assert c["seeds done/total"] == "1/2"
@@ -288,7 +294,7 @@ def test_diverged_run_is_listed_as_diverged(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=1, max_size=8))
 def test_stat_is_mean_and_sample_std(values):
-    got = report.Stat.of(values)
+    got = aggregate.Stat.of(values)
     assert got.n == len(values)
     assert got.mean == pytest.approx(statistics.fmean(values), rel=1e-9, abs=1e-6)
     if len(values) > 1:
@@ -300,12 +306,12 @@ def test_stat_is_mean_and_sample_std(values):
 def test_plot_curves_average_seeds_step_by_step():
     a = (np.array([1, 2, 3]), np.array([1.0, 2.0, 3.0]))
     b = (np.array([2, 3, 4]), np.array([4.0, np.nan, 8.0]))      # NaN is skipped, not averaged
-    band = report.bin_curves([a, b])
+    band = plots.bin_curves([a, b])
     assert band.x.tolist() == [1, 2, 3, 4]
     assert band.line.tolist() == [1.0, 3.0, 3.0, 8.0]
     assert band.seed_lo.tolist() == [1.0, 2.0, 3.0, 8.0] and band.seed_hi.tolist() == [1.0, 4.0, 3.0, 8.0]
     long = (np.arange(1000), np.arange(1000, dtype=float))
-    band = report.bin_curves([long], window=100)
+    band = plots.bin_curves([long], window=100)
     assert band.x.size == 10 and band.line[0] == pytest.approx(np.mean(np.arange(100)), abs=1.0)
 
 
@@ -318,7 +324,7 @@ def test_verdict_states_numbers_and_missing_methods(tmp_path):
             {**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0 + dev)},
             {**train(2, 1.0, 3.0, 0.5, 20), **probe(1.0, 1.0 - dev / 2)}])
     write_run(tmp_path, "baseline_d8_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}])
-    lines = report.verdict(report.collect(tmp_path))
+    lines = verdict.verdict(aggregate.collect(tmp_path))
     d4, d8 = lines
     assert d4.startswith("**depth 4**")
     assert "HC: composite forward gain peaked at 100× (mean of 2 seeds, ± 71 sample std; " \
@@ -337,7 +343,7 @@ def test_amplification_table_shows_the_three_readings_and_mhc_truncation(tmp_pat
                                                                "amax_fwd_abs": 300.0, "amax_study": 240.0}) + "\n")
     write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.0, 1.0, 1e-7, 1.0)},
                                       {**train(2, 1.0, 3.0, 0.5, 20), **mhc_probe(1.145, 1.0000004, 0.031, 1.16)}])
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     text = (tmp_path / "report" / "results.md").read_text()
     lines = text.split("## Amplification: three readings")[1].split("\n## ")[0]
     header = next(ln for ln in lines.splitlines() if ln.startswith("| method |"))
@@ -351,14 +357,14 @@ def test_amplification_table_shows_the_three_readings_and_mhc_truncation(tmp_pat
     assert hc["mHC converged"] == "–"
     assert (mhc["amax_bwd (paper)"], mhc["mHC converged"], mhc["mHC Sinkhorn column error"],
             mhc["mHC truncation bound"]) == ("1.145 (1 seed)", "1.000 (1 seed)", "0.031 (1 seed)", "1.160 (1 seed)")
-    (line,) = report.verdict(report.collect(tmp_path))
+    (line,) = verdict.verdict(aggregate.collect(tmp_path))
     assert "the as-used backward gain (up to 1.145) stays under the bound 1.160 that Sinkhorn column errors " \
            "of up to 0.031 allow: its distance from 1 is truncation" in line
 
 
 def test_mhc_gain_beyond_the_truncation_bound_is_not_explained_away(tmp_path):
     write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.5, 1.0, 0.01, 1.02)}])
-    (line,) = report.verdict(report.collect(tmp_path))
+    (line,) = verdict.verdict(aggregate.collect(tmp_path))
     assert "exceeds the truncation bound: more than Sinkhorn truncation explains" in line
 
 
@@ -369,9 +375,9 @@ def test_arms_are_kept_apart_and_mixed_precision_is_flagged(tmp_path):
                        config={"preset": "stress", "data_seed": 1234})
     record = json.loads((stress / "config.json").read_text())
     (stress / "config.json").write_text(json.dumps({**record, "precision": {"matmuls": "bf16"}}))
-    rows = report.collect(tmp_path)
+    rows = aggregate.collect(tmp_path)
     assert [(r.label, r.stats["peak_fwd"].mean) for r in rows] == [("HC [c4]", 20.0), ("HC [stress]", 900.0)]
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     text = (tmp_path / "report" / "results.md").read_text()
     assert "**c4 arm, depth 4**" in text and "**stress arm, depth 4**" in text
     assert "Seeds varied the initialisation only; every run read the data in one order (--data-seed 1234)" in text
@@ -380,7 +386,7 @@ def test_arms_are_kept_apart_and_mixed_precision_is_flagged(tmp_path):
 
 def test_verdict_without_probe_lines(tmp_path):
     write_run(tmp_path, "hc_d4_s1", [train(1, 0.0, 4.0, 0.5, 10)], state="running")
-    (line,) = report.verdict(report.collect(tmp_path))
+    (line,) = verdict.verdict(aggregate.collect(tmp_path))
     assert "HC: 1 seed (1 running) but no probe lines yet." in line
 
 
@@ -411,7 +417,7 @@ def test_plots_are_valid_pngs(tmp_path):
         for seed in (1, 2):
             write_run(tmp_path, f"{method}_d4_s{seed}", matrix_lines(method, scale * seed))
     out = tmp_path / "out"
-    assert report.main([str(tmp_path), "--out", str(out)]) == 0
+    assert command.main([str(tmp_path), "--out", str(out)]) == 0
     for name in ("amax.png", "loss.png", "grad_norm.png", "layer_gains.png"):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE, name
@@ -424,16 +430,16 @@ def test_plots_are_valid_pngs(tmp_path):
 def drawn_figures(monkeypatch):
     """The figures report.py saves, kept for inspection instead of written."""
     figures = []
-    monkeypatch.setattr(report, "save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
     return figures
 
 
 def test_loss_and_grad_norm_are_averaged_over_a_window_the_titles_name(tmp_path, monkeypatch):
     for method in ("baseline", "hc", "mhc"):
         write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, 50.0, n=600))
-    runs = report.load_runs(tmp_path)
+    runs = report_runs.load_runs(tmp_path)
     figures = drawn_figures(monkeypatch)
-    report.plot_loss(runs, tmp_path / "loss.png"), report.plot_grad_norm(runs, tmp_path / "grad_norm.png")
+    plots.plot_loss(runs, tmp_path / "loss.png"), plots.plot_grad_norm(runs, tmp_path / "grad_norm.png")
     (train_ax, val_ax), (grad_ax,) = figures[0].axes[:2], figures[1].axes[:1]
     assert train_ax.get_title() == "depth 4: train loss (mean over 10-step windows)"       # 600 steps / 60
     assert val_ax.get_title() == "depth 4: validation loss (every logged step)"           # 60 evaluations
@@ -450,7 +456,7 @@ def test_every_method_line_stays_visible_where_they_coincide(tmp_path, monkeypat
     for method in ("baseline", "hc", "mhc"):
         write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, 1.0 if method != "hc" else 50.0))
     figures = drawn_figures(monkeypatch)
-    report.plot_amax(report.load_runs(tmp_path), tmp_path / "amax.png")
+    plots.plot_amax(report_runs.load_runs(tmp_path), tmp_path / "amax.png")
     lines = {ln.get_label().split()[0]: ln for ln in figures[0].axes[0].get_lines()
              if ln.get_label().endswith("(1 seed)")}
     assert set(lines) == {"baseline", "HC", "mHC"}
@@ -465,16 +471,16 @@ def test_heatmap_defaults_to_the_largest_hc_run_and_can_be_named(tmp_path):
     for seed, scale in ((1, 10.0), (2, 500.0)):
         write_run(tmp_path, f"hc_d4_s{seed}", matrix_lines("hc", scale))
     write_run(tmp_path, "mhc_d4_s1", matrix_lines("mhc", 1.0))
-    runs = report.load_runs(tmp_path)
-    assert report.pick_heatmap_run(runs).name == "hc_d4_s2"
-    assert report.pick_heatmap_run(runs, "mhc_d4_s1").name == "mhc_d4_s1"
-    with pytest.raises(report.ReportError, match="no such run"):
-        report.pick_heatmap_run(runs, "nope")
+    runs = report_runs.load_runs(tmp_path)
+    assert plots.pick_heatmap_run(runs).name == "hc_d4_s2"
+    assert plots.pick_heatmap_run(runs, "mhc_d4_s1").name == "mhc_d4_s1"
+    with pytest.raises(report_runs.ReportError, match="no such run"):
+        plots.pick_heatmap_run(runs, "nope")
 
 
 def test_no_layer_lists_skips_heatmap_with_a_note(tmp_path):
     hc_seed1(tmp_path)
-    assert report.main([str(tmp_path)]) == 0
+    assert command.main([str(tmp_path)]) == 0
     assert (tmp_path / "report" / "amax.png").exists()
     assert not (tmp_path / "report" / "layer_gains.png").exists()
     assert "layer_gains.png not written" in (tmp_path / "report" / "results.md").read_text()
@@ -483,19 +489,19 @@ def test_no_layer_lists_skips_heatmap_with_a_note(tmp_path):
 # --- command line ------------------------------------------------------------------------------
 
 def test_empty_folder_exits_2_with_one_line(tmp_path, capsys):
-    assert report.main([str(tmp_path)]) == 2
+    assert command.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("report: no runs found under") and "\n" not in err
     assert not (tmp_path / "report").exists()
 
 
 def test_missing_folder_and_bad_arguments_exit_2(tmp_path, capsys):
-    assert report.main([str(tmp_path / "nope")]) == 2
+    assert command.main([str(tmp_path / "nope")]) == 2
     assert "is not a folder" in capsys.readouterr().err
-    assert report.main([str(tmp_path), "--no-such-flag"]) == 2
+    assert command.main([str(tmp_path), "--no-such-flag"]) == 2
     assert "usage:" in capsys.readouterr().err
     hc_seed1(tmp_path)
-    assert report.main([str(tmp_path), "--heatmap-run", "nope"]) == 2
+    assert command.main([str(tmp_path), "--heatmap-run", "nope"]) == 2
     assert "no such run" in capsys.readouterr().err
 
 
@@ -515,9 +521,9 @@ def test_cli_prints_table_and_has_no_traceback(tmp_path):
 def test_runs_folders_of_two_nodes_merge_into_the_report_of_one_folder(tmp_path):
     hc_seed1(tmp_path / "flat"), hc_seed2(tmp_path / "flat")
     hc_seed1(tmp_path / "all" / "node0"), hc_seed2(tmp_path / "all" / "node1")
-    assert report.main([str(tmp_path / "flat"), "--no-plots"]) == 0
-    assert report.main([str(tmp_path / "all" / "node0"), str(tmp_path / "all" / "node1")]) == 0
-    assert report.main([str(tmp_path / "all"), "--out", str(tmp_path / "parent"), "--no-plots"]) == 0
+    assert command.main([str(tmp_path / "flat"), "--no-plots"]) == 0
+    assert command.main([str(tmp_path / "all" / "node0"), str(tmp_path / "all" / "node1")]) == 0
+    assert command.main([str(tmp_path / "all"), "--out", str(tmp_path / "parent"), "--no-plots"]) == 0
     merged = tmp_path / "all" / "report"                     # the default --out: beside the node folders
     assert table_cells(merged, "HC", 4)["seeds done/total"] == "2/2"
     for name in ("results.csv", "runs.csv"):                 # every number as if the runs shared one folder
@@ -530,24 +536,24 @@ def test_runs_folders_of_two_nodes_merge_into_the_report_of_one_folder(tmp_path)
 def test_a_run_found_twice_is_refused_with_both_paths(tmp_path, capsys):
     hc_seed1(tmp_path / "node0"), hc_seed2(tmp_path / "node0")
     copy = write_run(tmp_path / "node1", "hc_d4_s1", [train(1, 0.0, 4.0, 0.5, 10)], state="interrupted")
-    assert report.main([str(tmp_path / "node0"), str(tmp_path / "node1"), "--no-plots"]) == 2
+    assert command.main([str(tmp_path / "node0"), str(tmp_path / "node1"), "--no-plots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"report: one run found twice: {tmp_path / 'node0' / 'hc_d4_s1'} (completed at step 4) "
                           f"and {copy} (interrupted at step 1); keep one") and "\n" not in err
     assert not (tmp_path / "report").exists()
     # under another name, found in the parent folder: the same method, depth, seed and preset
     copy.rename(copy.with_name("hc_d4_s1_rerun"))
-    assert report.main([str(tmp_path), "--no-plots"]) == 2
+    assert command.main([str(tmp_path), "--no-plots"]) == 2
     assert f"and {copy.with_name('hc_d4_s1_rerun')} (interrupted" in capsys.readouterr().err
     config = json.loads((copy.with_name("hc_d4_s1_rerun") / "config.json").read_text())
     config["config"]["preset"] = "stress"                    # another arm: a run of its own
     (copy.with_name("hc_d4_s1_rerun") / "config.json").write_text(json.dumps(config))
-    assert report.main([str(tmp_path), str(tmp_path / "node0"), "--no-plots"]) == 0      # overlapping: read once
-    assert [len(row.runs) for row in report.collect(tmp_path, tmp_path / "node0")] == [2, 1]
+    assert command.main([str(tmp_path), str(tmp_path / "node0"), "--no-plots"]) == 0      # overlapping: read once
+    assert [len(row.runs) for row in aggregate.collect(tmp_path, tmp_path / "node0")] == [2, 1]
 
 
 def test_watch_reads_one_folder(tmp_path, capsys):
-    assert report.main([str(tmp_path), str(tmp_path), "--watch"]) == 2
+    assert command.main([str(tmp_path), str(tmp_path), "--watch"]) == 2
     assert capsys.readouterr().err.strip() == ("report: --watch reads one matrix folder (its matrix.log); pass one "
                                                "RUNS_DIR")
 
@@ -571,7 +577,7 @@ def test_reading_is_streaming_and_fast(tmp_path):
         lines.append(rec)
     write_run(tmp_path, "hc_d48_s1", lines)
     start = time.perf_counter()
-    (row,) = report.collect(tmp_path)
+    (row,) = aggregate.collect(tmp_path)
     elapsed = time.perf_counter() - start
     assert row.stats["peak_fwd"].mean == pytest.approx(2.0)
     assert elapsed < 3.0, f"reading 10k lines took {elapsed:.2f} s"
@@ -585,8 +591,8 @@ def test_two_real_tiny_runs_are_reported(tmp_path):
         result = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), "--preset", "tiny", "--residual", residual,
                                  "--out", str(runs)], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
-    assert report.main([str(runs), "--out", str(tmp_path / "report")]) == 0
-    rows = {row.method: row for row in report.collect(runs)}
+    assert command.main([str(runs), "--out", str(tmp_path / "report")]) == 0
+    rows = {row.method: row for row in aggregate.collect(runs)}
     assert set(rows) == {"hc", "mhc"} and all(row.depth == 2 for row in rows.values())
     mhc_metrics = [json.loads(line) for line in (runs / "mhc_d2_s42" / "metrics.jsonl").read_text().splitlines()]
     peak = max(m["amax_fwd"] for m in mhc_metrics if "amax_fwd" in m)
@@ -603,7 +609,7 @@ def test_malformed_metrics_are_named_with_the_file_and_line(tmp_path, capsys):
     odd = write_run(tmp_path, "mhc_d4_s1", [
         train(1, 0.0, 4.0, 0.5, 10), {**train(2, 1.0, "abc", 0.5, 20)}, train(-3, 2.0, 1.0, 0.5, 30),
         train(3, 3.0, 2.0, 0.5, 30), train(3, 4.0, 1.5, 0.5, 30)])
-    rows = report.collect(tmp_path)
+    rows = aggregate.collect(tmp_path)
     err = capsys.readouterr().err
     assert f"{tmp_path / 'hc_d4_s1' / 'metrics.jsonl'}: empty, no step logged yet" in err
     assert f"{nan / 'metrics.jsonl'}: every loss value (2) is NaN, infinite or missing" in err
@@ -614,7 +620,7 @@ def test_malformed_metrics_are_named_with_the_file_and_line(tmp_path, capsys):
     assert mhc.runs[0].final_loss == 1.5                  # the later of the two step-3 lines
     capsys.readouterr()
     hc_seed1(tmp_path / "clean")                          # val on its own line at a training step: no warning
-    report.collect(tmp_path / "clean")
+    aggregate.collect(tmp_path / "clean")
     assert capsys.readouterr().err == ""
 
 
@@ -635,7 +641,7 @@ def test_random_metrics_files_give_a_report_never_a_traceback(tmp_path_factory, 
     for seed, lines in enumerate(files):
         write_run(root, f"{method}_d4_s{seed}", [])
         (root / f"{method}_d4_s{seed}" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
-    assert report.main([str(root), "--no-plots"]) == 0
+    assert command.main([str(root), "--no-plots"]) == 0
 
 
 # --- the matrix view ---------------------------------------------------------------------------
@@ -663,7 +669,7 @@ def test_watch_view_from_matrix_log_and_live_status(tmp_path):
          eta_s=3600.0, updated=now - 1200)
     live("hc_d4_s2", step=10, steps=100, loss=4.5, amax_fwd=812.0, tokens_per_s=2000.0, step_time_s=36.0,
          eta_s=3240.0, updated=now - 30)
-    text = report.watch_view(tmp_path, stale_after_min=15, now=now)
+    text = report_live.watch_view(tmp_path, stale_after_min=15, now=now)
     head, columns, *rows = text.splitlines()
     # queued mhc_d4_s2 takes the time of mhc_d4_s1 (100 x 72 s = 2 h) on the slot free first (hc_d4_s2's, 0.9 h):
     # 2.9 h to go, 16 GPUs' worth of money: 2 h x 8 GPUs x $2 = $32 spent, 2.9 h x 8 x $2 = $46 to go
@@ -673,7 +679,7 @@ def test_watch_view_from_matrix_log_and_live_status(tmp_path):
                                "status.json", "unchanged", "for", "20", "min"]
     assert rows[1].split() == ["0,1,2,3", "hc_d4_s2", "10/100", "4.500", "812", "2,000", "0:54:00"]
     assert rows[2:] == ["done: hc_d4_s1 completed", "queued: mhc_d4_s2", "failed: baseline_d4_s1 (matrix.log says why)"]
-    assert report.main([str(tmp_path / "nothing"), "--watch"]) == 2
+    assert command.main([str(tmp_path / "nothing"), "--watch"]) == 2
 
 
 def test_watch_view_columns_hold_under_a_long_run_name(tmp_path):
@@ -689,7 +695,7 @@ def test_watch_view_columns_hold_under_a_long_run_name(tmp_path):
         (tmp_path / name / "status.json").write_text(json.dumps(
             {"state": "running", "step": 10, "steps": 100, "loss": 4.5, "amax_fwd": 2.0, "tokens_per_s": 2000.0,
              "eta_s": 600.0, "updated": now}))
-    _, columns, *rows = report.watch_view(tmp_path, now=now).splitlines()
+    _, columns, *rows = report_live.watch_view(tmp_path, now=now).splitlines()
     ends = {line.index("step") + 4 if line is columns else line.index("10/100") + 6 for line in (columns, *rows)}
     assert len(ends) == 1, [columns, *rows]
 
@@ -726,7 +732,7 @@ def test_a_residual_or_state_that_is_none_the_trainer_writes_stays_out_of_the_ta
     write_run(tmp_path, "hc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}], config={"residual": "nope"})
     d = write_run(tmp_path, "mhc_d4_s1", [{**train(1, 0.0, 4.0, 0.5, 10), **probe(1.0, 1.0)}])
     (d / "status.json").write_text(json.dumps({"state": ["x"], "step": 1}))
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     out, err = capsys.readouterr()
     assert err.count("residual 'nope' is none of baseline, hc, mhc") == 1
     assert err.count("state \"['x']\" is none of running") == 1
@@ -745,7 +751,7 @@ def test_watch_eta_takes_the_plan_until_steps_are_timed_and_the_clock_stops_at_t
     (tmp_path / "baseline_d4_s1" / "status.json").write_text(json.dumps(
         {"state": "running", "step": 10, "steps": 100, "step_time_s": 3.0, "eta_s": 270.0}))
     now = datetime(2026, 12, 3, 10, 1, tzinfo=timezone.utc).timestamp()
-    head = report.watch_view(tmp_path, now=now).splitlines()[0]
+    head = report_live.watch_view(tmp_path, now=now).splitlines()[0]
     assert "0:01:00 elapsed, 0:19:30 to go" in head, head
     with log.open("a") as f:
         f.write("2026-12-03T10:08:00.000+0000 DONE baseline_d4_s1 completed\n"
@@ -753,7 +759,7 @@ def test_watch_eta_takes_the_plan_until_steps_are_timed_and_the_clock_stops_at_t
                 "2026-12-03T10:20:00.000+0000 DONE hc_d4_s1 completed\n"
                 "2026-12-03T10:20:00.000+0000 END all 2 runs finished\n")
     later = datetime(2026, 12, 3, 11, 0, tzinfo=timezone.utc).timestamp()
-    head = report.watch_view(tmp_path, now=later).splitlines()[0]
+    head = report_live.watch_view(tmp_path, now=later).splitlines()[0]
     assert "2 done, 0 running, 0 queued, 0 failed; 0:20:00 elapsed (ended), 0:00:00 to go" in head, head
 
 
@@ -761,7 +767,7 @@ def test_arms_at_one_are_named_and_the_log_axis_has_labelled_minor_ticks(tmp_pat
     for method in ("baseline", "hc", "mhc"):
         write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, 1.0 if method != "hc" else 50.0))
     figures = drawn_figures(monkeypatch)
-    report.plot_amax(report.load_runs(tmp_path), tmp_path / "amax.png")
+    plots.plot_amax(report_runs.load_runs(tmp_path), tmp_path / "amax.png")
     forward = figures[0].axes[0]
     assert [t.get_text() for t in forward.texts if t.get_text().startswith("at 1")] == [
         "at 1, one over another: baseline, mHC"]
@@ -771,18 +777,18 @@ def test_arms_at_one_are_named_and_the_log_axis_has_labelled_minor_ticks(tmp_pat
 
 def test_published_figures_name_the_forward_and_the_backward_reading_apart(tmp_path):
     write_run(tmp_path, "mhc_d4_s1", [{**train(1, 1.0, 5.0, 1.0, 10), **probe(1.0, 1.15)}])
-    rows = report.aggregate([report.summarize(r) for r in report.load_runs(tmp_path)])
-    assert report.published_matches(rows, "mhc", None, ("peak_fwd", "peak_bwd"), "token") == [
+    rows = aggregate.aggregate([aggregate.summarize(r) for r in report_runs.load_runs(tmp_path)])
+    assert published.published_matches(rows, "mhc", None, ("peak_fwd", "peak_bwd"), "token") == [
         "amax_fwd 1.000 / amax_bwd 1.150 (mHC, depth 4)"]
     assert "mHC amax_fwd 1.000 / amax_bwd 1.150 (mHC, depth 4) against at most about 1.6" in \
-        report.reference_verdict(rows)
+        published.reference_verdict(rows)
 
 
 def test_no_plots_leaves_no_plot_of_an_earlier_report(tmp_path):
     for method, scale in (("baseline", 1.0), ("hc", 300.0)):
         write_run(tmp_path, f"{method}_d4_s1", matrix_lines(method, scale))
-    assert report.main([str(tmp_path)]) == 0
+    assert command.main([str(tmp_path)]) == 0
     assert (tmp_path / "report" / "amax.png").exists()
-    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
     assert not list((tmp_path / "report").glob("*.png"))
     assert "plots skipped (--no-plots)" in (tmp_path / "report" / "results.md").read_text()

@@ -568,10 +568,11 @@ def lock_name(opt):
 def show_matrix(opt, whole=False):
     """The matrix view (report.py --watch) from this launcher's matrix log, or (whole) from every node's, and
     the runs' status.json."""
-    from hcstudy.report import tables as report            # numpy: only for the view
+    from hcstudy.report.live import watch_view            # numpy: only for the view
+    from hcstudy.report.runs import ReportError
     try:
-        print(report.watch_view(opt.out, log=None if whole else log_name(opt)), flush=True)
-    except (report.ReportError, OSError) as error:
+        print(watch_view(opt.out, log=None if whole else log_name(opt)), flush=True)
+    except (ReportError, OSError) as error:
         print(f"report: {error}", flush=True)
 
 

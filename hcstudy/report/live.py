@@ -1,0 +1,155 @@
+"""The launcher's live view of a matrix (report.py --watch, run_experiments.sh --summary), from matrix.log and each\nrun's status.json."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from hcstudy.report.runs import ReportError, _num, open_regular, read_json, warn
+from hcstudy.report.tables import fmt_gain, fmt_loss
+
+LAUNCHER_STATES = {"LAUNCH": "running", "DONE": "done", "DIVERGED": "done", "SKIP": "done", "FAILED": "failed",
+                   "RETRY": "queued", "REQUEUE": "queued"}
+
+
+@dataclass
+class Matrix:
+    """The launcher's last invocation in a runs folder, as matrix.log tells it."""
+    started: float
+    slots: int
+    gpus_per_run: int
+    price: float
+    cpu: bool
+    runs: dict                   # run -> [state, gpus]: in queue order
+    planned: dict = field(default_factory=dict)     # run -> the trainer's planned seconds, before steps are timed
+    ended: float | None = None   # when the invocation ended (its END line): the elapsed clock stops there
+
+
+def read_matrix(root, log="matrix.log"):
+    """The last invocation's QUEUE line and every job event after it; None without one."""
+    try:
+        with open_regular(root / log) as f:
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if " QUEUE " in line]
+    if not starts:
+        return None
+    stamp, _, rest = lines[starts[-1]].split(" ", 2)
+    fields = dict(item.split("=", 1) for item in rest.split() if "=" in item)
+    runs = {name: ["queued", ""] for name in fields.get("runs", "").split(",") if name}
+    ended = None
+    for line in lines[starts[-1] + 1:]:
+        parts = line.split(" ")
+        if len(parts) >= 3 and parts[1] in LAUNCHER_STATES and parts[2] in runs:
+            gpus = next((p[5:] for p in parts if p.startswith("gpus=")), runs[parts[2]][1])
+            runs[parts[2]] = [LAUNCHER_STATES[parts[1]], gpus]
+        ended = parts[0] if parts[1:2] == ["END"] else ended
+    try:
+        planned = {name: float(s) for name, s in (item.split(":") for item in fields.get("planned_s", "").split(",")
+                                                   if item.count(":") == 1)}
+        return Matrix(log_time(stamp), int(fields.get("slots", 1)), int(fields.get("gpus_per_run", 1)),
+                      float(fields.get("price_per_gpu_hour", 0)), fields.get("gpus") == "cpu", runs, planned,
+                      ended and log_time(ended))
+    except ValueError as e:
+        warn(f"{root / log}: its last QUEUE line is unreadable ({e}); the matrix's progress is left out")
+        return None
+
+
+def log_time(stamp):
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
+
+
+def job_seconds(status):
+    """A whole run's time at its latest pace (steps x step time), NaN when not known yet."""
+    steps, step_time = status.get("steps"), status.get("step_time_s")
+    return steps * step_time if isinstance(steps, int) and isinstance(step_time, (int, float)) else math.nan
+
+
+def wall_eta(matrix, statuses):
+    """Seconds until the queue is empty: running jobs hold their slots for their ETA, queued ones start in order
+    on the first free slot and take the time of runs of the same method and depth at their pace. Until such steps
+    are timed a job takes the trainer's planned time (its plan knows an HC step from a baseline one), and only
+    without one the time of any run."""
+    def kind(name):
+        return name.split("_s")[0]
+    durations = {}
+    for name, status in statuses.items():
+        if math.isfinite(job_seconds(status)):
+            durations.setdefault(kind(name), []).append(job_seconds(status))
+    anything = [d for ds in durations.values() for d in ds]
+    free = sorted(statuses[name].get("eta_s") or matrix.planned.get(name) or 0.0
+                  for name, (state, _) in matrix.runs.items() if state == "running")
+    free += [0.0] * max(0, matrix.slots - len(free))
+    for name, (state, _) in matrix.runs.items():
+        if state == "queued":
+            guess = durations.get(kind(name)) or ([matrix.planned[name]] if name in matrix.planned else anything)
+            if not guess:
+                return math.nan
+            free[0] += sum(guess) / len(guess)
+            free.sort()
+    return max(free, default=0.0)
+
+
+def fmt_clock(seconds):
+    return "–" if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) else \
+        str(timedelta(seconds=round(seconds)))
+
+
+def read_matrices(root, log=None):
+    """One launcher's matrix (`log`), else the folder's: matrix.log, or the nodes' shares (matrix.node{i}.log,
+    run_experiments.sh --nodes) as one matrix: their slots added up, their queues one after another."""
+    names = [log] if log else ["matrix.log"] if (root / "matrix.log").exists() else \
+        sorted(p.name for p in root.glob("matrix.node*.log"))
+    shares = [m for m in (read_matrix(root, name) for name in names) if m is not None]
+    if not shares:
+        return None
+    ends = [m.ended for m in shares]
+    return Matrix(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
+                  shares[0].price, all(m.cpu for m in shares), {k: v for m in shares for k, v in m.runs.items()},
+                  {k: v for m in shares for k, v in m.planned.items()}, None if None in ends else max(ends))
+
+
+def watch_view(root, stale_after_min=15.0, now=None, log=None):
+    """The matrix view as text (raises ReportError when no launcher has run in root); `log` is one launcher's
+    matrix log (default: the folder's, every node's share of it together)."""
+    root, now = Path(root), time.time() if now is None else now
+    matrix = read_matrices(root, log)
+    if matrix is None:
+        raise ReportError(f"no matrix in {root} (no {log or 'matrix.log'} with a QUEUE line): start one with "
+                          "run_experiments.sh")
+    statuses = {name: read_json(root / name / "status.json") or {} for name in matrix.runs}
+    counts = {state: sum(s == state for s, _ in matrix.runs.values())
+              for state in ("done", "running", "queued", "failed")}
+    eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run
+    elapsed = (matrix.ended or now) - matrix.started
+    elapsed_h = elapsed / 3600
+    money = (f"${elapsed_h * gpus * matrix.price:,.0f} spent, ${eta / 3600 * gpus * matrix.price:,.0f} to go "
+             f"({gpus} GPU(s) at ${matrix.price:g} per GPU-hour)" if gpus and math.isfinite(eta) else
+             "no GPU-hours (CPU)" if not gpus else f"${elapsed_h * gpus * matrix.price:,.0f} spent")
+    width = max([22] + [len(name) for name, (state, _) in matrix.runs.items() if state == "running"])
+    lines = [f"Matrix {root} at {time.strftime('%H:%M:%S', time.localtime(now))}: "
+             + ", ".join(f"{n} {state}" for state, n in counts.items())
+             + f"; {fmt_clock(elapsed)} elapsed{'' if matrix.ended is None else ' (ended)'}, {fmt_clock(eta)} to go; "
+             f"{money}",
+             f"{'GPU':<8} {'run':<{width}} {'step':>14} {'loss':>8} {'amax_fwd':>9} {'tok/s':>9} {'ETA':>9}"]
+    for name, (state, where) in matrix.runs.items():
+        if state != "running":
+            continue
+        st = statuses[name]
+        step = f"{st.get('step', 0):,}/{st.get('steps', 0):,}" if st.get("steps") else "starting"
+        stale = now - (st.get("updated") or now) > stale_after_min * 60
+        speed = _num(st.get("tokens_per_s"))
+        lines.append(f"{where or '-':<8} {name:<{width}} {step:>14} {fmt_loss(_num(st.get('loss'))):>8} "
+                     f"{fmt_gain(_num(st.get('amax_fwd'))):>9} {f'{speed:,.0f}' if math.isfinite(speed) else '–':>9} "
+                     f"{fmt_clock(st.get('eta_s')):>9}"
+                     + (f"  STALE: status.json unchanged for {(now - st['updated']) / 60:.0f} min" if stale else ""))
+    for group in ("done", "queued", "failed"):
+        names = [name for name, (state, _) in matrix.runs.items() if state == group]
+        if names:
+            lines.append(f"{group}: " + ", ".join(
+                f"{name} {statuses[name].get('state', '')}".rstrip() for name in names)
+                + (" (matrix.log says why)" if group == "failed" else ""))
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""The published figures beside ours (results.md's reference block and the verdict), in one place: where from,\nthe method, the depth of the model (None: not ours to match), the figure, and which of our readings and arms\ncompares."""
+from __future__ import annotations
+
+import math
+
+from hcstudy.contract import STUDY_TRAIN_KEY
+from hcstudy.report.runs import METHOD_LABEL
+from hcstudy.report.tables import fmt_gain, markdown
+
+# The published figures beside ours (results.md's reference block and the verdict), in one place: where from,
+# the method, the depth of the model (None: not ours to match), the figure, and which of our readings and arms
+# compares: the papers measure per token (our amax_fwd/amax_bwd, token coefficients), the study with its own
+# recipe on its own training batch at every step (our amax_study_train) on its model (--preset seed-study).
+PAPERS_27B = "mHC paper (arXiv 2512.24880), 27B"
+STUDY = "public 1.7B study"
+PUBLISHED = (
+    (PAPERS_27B, "hc", None, "up to about 3000", ("peak_fwd", "peak_bwd"), "token"),
+    (PAPERS_27B, "mhc", None, "at most about 1.6", ("peak_fwd", "peak_bwd"), "token"),
+    (f"{STUDY}, 3 seeds", "hc", 32, "10,924 ± 3,247", ("peak_study_train",), "sequence"),
+    (STUDY, "hc", 48, "3,721", ("peak_study_train",), "sequence"),
+    (f"{STUDY}, stress arm (3x lr)", "hc", 64, "14,765", ("peak_study_train",), "sequence"),
+    (STUDY, "mhc", 32, "1.00", ("peak_study_train",), "sequence"),
+)
+READING = {("peak_fwd", "peak_bwd"): "amax_fwd / amax_bwd", ("peak_study_train",): STUDY_TRAIN_KEY}
+
+
+def published_matches(rows, method, depth, fields, coefficients):
+    """'amax_fwd 43.6 / amax_bwd 42.7 (label, depth d)' of each of our rows that compares with one published figure,
+    each reading named (a forward and a backward figure are never read as one); the study's figures with its own
+    model only (the seed-study arm)."""
+    found = []
+    for row in rows:
+        if (row.method, row.coefficients) != (method, coefficients) or depth not in (None, row.depth) or \
+                coefficients == "sequence" and "seed-study" not in row.arm:
+            continue
+        values = [f"{f.replace('peak_', 'amax_')} {fmt_gain(row.stats[f].mean)}" for f in fields
+                  if not math.isnan(row.stats[f].mean)]
+        if values:
+            found.append(f"{' / '.join(values)} ({row.label}, depth {row.depth})")
+    return found
+
+
+def reference_block(rows):
+    """results.md's reference block: the published figures, the reading and arm of ours each compares with,
+    and our figure where this report has that arm."""
+    columns = [("published", lambda p: p[0]), ("method", lambda p: METHOD_LABEL[p[1]]),
+               ("depth", lambda p: "–" if p[2] is None else str(p[2])), ("peak composite gain", lambda p: p[3]),
+               ("our reading", lambda p: READING[p[4]]),
+               ("our arm", lambda p: "token coefficients (default)" if p[5] == "token" else
+                "--preset seed-study"),
+               ("ours here", lambda p: "; ".join(published_matches(rows, p[1], p[2], p[4], p[5])) or "no such run")]
+    return [markdown(columns, PUBLISHED), "",
+            "The papers' figures are per token, on a 27B model: compare them with amax_fwd and amax_bwd of our "
+            "token-coefficient arms. The public study's figures are the peak over training steps of its own recipe "
+            f"(H averaged over the training batch, multiplied in reverse order over the full depth, the larger of "
+            f"the largest absolute row and column sums: our {STUDY_TRAIN_KEY}, logged every step) on its own model: "
+            f"compare them with {STUDY_TRAIN_KEY} of our seed-study arm (--preset seed-study), not with our "
+            "per-token readings nor the probe's amax_study (held-out batch, every --metrics-every steps)."]
+
+
+def reference_verdict(rows):
+    """One verdict line: our figures beside the published ones they compare with."""
+    pairs = [f"{METHOD_LABEL[method]} {', '.join(ours)} against {figure} ({source}"
+             + (f", depth {depth})" if depth else ")")
+             for source, method, depth, figure, fields, coefficients in PUBLISHED
+             for ours in [published_matches(rows, method, depth, fields, coefficients)] if ours]
+    if not pairs:
+        return ("**published figures**: no arm here compares directly (per-token amax_fwd/amax_bwd of HC or mHC "
+                f"for the papers, {STUDY_TRAIN_KEY} of the seed-study arm for the public study); see the reference "
+                "block.")
+    return "**published figures**: " + "; ".join(pairs) + "."
