@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from hcstudy import config_flags as flags
+from hcstudy.kernels import choice
 from hcstudy.kernels import fused
 from hcstudy.planner import memory as plan
 from hcstudy.failures import classify_failure, exit_process, failure
@@ -255,9 +256,9 @@ def validate(cfg: Config) -> None:
     if cfg.residual == "mhc-lite" and cfg.expansion > MHC_LITE_MAX_EXPANSION:
         raise ConfigError(f"--residual mhc-lite mixes all n! permutations: --expansion {cfg.expansion} would need "
                           f"{math.factorial(cfg.expansion):,} logits per token; use at most {MHC_LITE_MAX_EXPANSION}")
-    if cfg.kernels in ("fused", "triton") and cfg.residual != "baseline" and fused.study_variants(cfg):
+    if cfg.kernels in ("fused", "triton") and cfg.residual != "baseline" and choice.study_variants(cfg):
         raise ConfigError(f"--kernels {cfg.kernels} has the papers' HC and mHC only, not the study's "
-                          f"--{fused.study_variants(cfg)[0].replace('_', '-')}; use --kernels auto or reference")
+                          f"--{choice.study_variants(cfg)[0].replace('_', '-')}; use --kernels auto or reference")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     micro = cfg.micro_batch_size
@@ -410,7 +411,7 @@ class _StreamMixing(nn.Module):
             x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
             x, H_res = fused.stream_update(x, H_pre, H_post, H_res, sublayer), H_res.detach().movedim((0, 1), (-2, -1))
         elif self.kernels == "triton":  # triton_kernels.py: coefficients and read, then write, a few kernels each
-            kernels = fused.triton_kernels()
+            kernels = choice.triton_kernels()
             u, H_post, H_res, res_logits, x = getattr(kernels, self.triton_read)(self, x)
             x = kernels.write(x, H_res, H_post, sublayer(u))
         else:
@@ -558,8 +559,8 @@ CONNECTIONS = {"baseline": lambda *_: PlainResidual(), "hc": HyperConnection, "m
 
 
 def kernel_path(cfg: Config, device: torch.device) -> tuple[str, str]:
-    """The streams' path a run takes on `device` and why (fused.kernel_path; a self-check builds one connection)."""
-    return fused.kernel_path(cfg, device, functools.partial(CONNECTIONS[cfg.residual], cfg, 1))
+    """The streams' path a run takes on `device` and why (choice.kernel_path; a self-check builds one connection)."""
+    return choice.kernel_path(cfg, device, functools.partial(CONNECTIONS[cfg.residual], cfg, 1))
 
 
 class Block(nn.Module):
@@ -588,12 +589,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """kernels: the streams' path, where it has the arm (fused.supports; fused.kernel_path decides it for a run)."""
+    """kernels: the streams' path, where it has the arm (choice.supports; choice.kernel_path decides it for a run)."""
 
     def __init__(self, cfg: Config, use_flash: bool = False, kernels: str = "reference"):
         super().__init__()
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
-        self.kernels = kernels if fused.supports(cfg, kernels) else "reference"
+        self.kernels = kernels if choice.supports(cfg, kernels) else "reference"
         self.collapse_first = cfg.collapse == "first"
         self.wte = nn.Embedding(embedding_rows(cfg), cfg.width)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.width)

@@ -25,7 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hcstudy.kernels import fused  # noqa: E402
+from hcstudy.kernels import choice
+from hcstudy.kernels import fused as fused_module  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")
@@ -52,7 +53,7 @@ def connection_step(arm: str, path: str, cfg, device, tokens: int):
     conn = T.CONNECTIONS[arm](dataclasses.replace(cfg, residual=arm), 1, path).to(device)
     x = torch.randn(max(1, tokens // 1024), min(tokens, 1024), n, cfg.width, device=device)
     if path == "fused":
-        x = fused.expand(x[..., 0, :], n)                            # the layout the fused path keeps
+        x = fused_module.expand(x[..., 0, :], n)                            # the layout the fused path keeps
     x.requires_grad_()
     grad = torch.randn_like(x)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -87,12 +88,12 @@ def main(argv=None):
     print(f"  {'residual x + y':<24} {rows[0]['ms']:9.2f} ms", flush=True)
     for arm in args.arms.split(","):
         for path in args.paths.split(","):
-            if not fused.supports(dataclasses.replace(cfg, residual=arm), path):
+            if not choice.supports(dataclasses.replace(cfg, residual=arm), path):
                 continue
             variants = ("stored", "recompute") if arm == "mhc" and path == "triton" else (None,)
             for variant in variants:
                 if variant:
-                    fused.triton_kernels().SINKHORN_BACKWARD = variant
+                    choice.triton_kernels().SINKHORN_BACKWARD = variant
                 try:
                     ms = timed_ms(connection_step(arm, path, cfg, device, args.tokens), device, args.repeats)
                 except torch.OutOfMemoryError:
@@ -102,7 +103,7 @@ def main(argv=None):
                 shown = "out of memory" if ms is None else f"{ms:9.2f} ms  x{ms / rows[0]['ms']:.1f} of the residual"
                 print(f"  {label:<24} {shown}", flush=True)
     if "triton" in args.paths:
-        fused.triton_kernels().SINKHORN_BACKWARD = "stored"
+        choice.triton_kernels().SINKHORN_BACKWARD = "stored"
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "tokens": args.tokens,
                                                "width": args.width, "n": args.expansion, "rows": rows}, indent=1))

@@ -9,7 +9,7 @@ gradients of x and y and, per token, the dot products that are H's gradients. Th
 forward and backward, without the coefficients. Each time is the minimum over --reps, and the caches are flushed
 before every rep: in the step, the layers between two connections evict the state. The implementations:
 
-  eager            fused.stream_update (the trainer's written-out Functions), with an identity sublayer
+  eager            fused_module.stream_update (the trainer's written-out Functions), with an identity sublayer
   compiled         the same maths as pointwise formulas (read, write, their backwards), torch.compile'd
   bmm, bmm^T       the forward write alone as one batched matmul over the tokens, H_t @ x_t or x_t^T @ H_t^T
 
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step  # noqa: E402
-from hcstudy.kernels import fused  # noqa: E402  (bench_step puts the repository on the path)
+from hcstudy.kernels import fused as fused_module  # noqa: E402  (bench_step puts the repository on the path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,7 +92,7 @@ def mixing_times(args, flush) -> dict:
     grad = torch.randn(n, tokens, C)        # stream-major, as the next connection's backward gives it
 
     def eager():
-        out = fused.stream_update(x.movedim(0, -2), H_pre, H_post, H_res, lambda u: u)
+        out = fused_module.stream_update(x.movedim(0, -2), H_pre, H_post, H_res, lambda u: u)
         torch.autograd.grad(out, (x, H_pre, H_post, H_res), grad.movedim(0, -2))
 
     times = {"copy of the state": best_ms(x.detach().clone, args.reps, flush),

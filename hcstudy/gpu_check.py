@@ -123,13 +123,13 @@ def step_stats(run_dir):
 def timings(check, runs):
     """Every method on every kernel path that has it, eager; then each method compiled on its fastest eager path
     (a compile of every path would not fit the budget): {method: {"kernels/mode": stats or None}}."""
-    from hcstudy.kernels import fused
+    from hcstudy.kernels import choice
     import train_c4
     table = {m: {} for m in METHODS}
     for path in KERNELS:                   # eager first: the plan's numbers before the slower compile runs
         for method in METHODS:
             cfg = train_c4.parse_config([*SIZE, "--residual", method])
-            if path == "reference" or method != "baseline" and fused.supports(cfg, path):    # one baseline path
+            if path == "reference" or method != "baseline" and choice.supports(cfg, path):    # one baseline path
                 table[method][f"{path}/eager"] = timed_run(check, runs, method, path, "eager")
     for method in METHODS:
         eager = {key.split("/")[0]: s["step_s"] for key, s in table[method].items() if s}

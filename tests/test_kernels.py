@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hcstudy.kernels import fused
+from hcstudy.kernels import choice
+
+from hcstudy.kernels import fused as fused_module
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
 
@@ -94,7 +96,7 @@ def test_fused_stream_update_equals_the_formula(dtype, transposed_res):
         x, H_pre, H_post, H_res = (t.clone().requires_grad_() for t in tensors)
         H_res_used = H_res.transpose(-1, -2) if transposed_res else H_res
         if fast:                                 # fused.py takes the coefficients with their stream axes first
-            out = fused.stream_update(x, H_pre.movedim(-1, 0), H_post.movedim(-1, 0),
+            out = fused_module.stream_update(x, H_pre.movedim(-1, 0), H_post.movedim(-1, 0),
                                       H_res_used.movedim((-2, -1), (0, 1)), sublayer)
         else:
             out = T.stream_update(x, H_pre, H_post, H_res_used, sublayer)
@@ -109,12 +111,12 @@ def test_fused_stream_update_equals_the_formula(dtype, transposed_res):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [0.1, 3.0])
 def test_fused_sinkhorn_equals_the_loop(dtype, scale):
-    """fused.sinkhorn keeps only the sums and recovers each earlier P in its backward (docs/model.md)."""
+    """fused_module.sinkhorn keeps only the sums and recovers each earlier P in its backward (docs/model.md)."""
     generator = torch.Generator().manual_seed(0)
     logits = (scale * torch.randn(64, 4, 4, generator=generator)).to(dtype)
     grad_out = torch.randn(64, 4, 4, generator=generator).to(dtype)
     fast_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    fast, ref = fused.sinkhorn(fast_in, 20), T.sinkhorn(ref_in, 20)
+    fast, ref = fused_module.sinkhorn(fast_in, 20), T.sinkhorn(ref_in, 20)
     torch.testing.assert_close(fast, ref, rtol=0, atol=1e-15 if dtype == torch.float64 else 1e-6)
     fast.backward(grad_out)
     ref.backward(grad_out)
@@ -140,10 +142,10 @@ def test_the_probe_reads_the_same_gains_on_both_paths(residual):
 def test_auto_takes_the_fused_path_on_the_cpu_and_never_on_cuda(tmp_path):
     def never_checked(kernels):
         raise AssertionError("only the triton path is self-checked")
-    pick = {kernels: {device: fused.kernel_path(tiny_config("hc", kernels=kernels, out=str(tmp_path)),
+    pick = {kernels: {device: choice.kernel_path(tiny_config("hc", kernels=kernels, out=str(tmp_path)),
                                                 torch.device(device), never_checked)[0]
                       for device in ("cpu", "cuda")} for kernels in ("reference", "fused")}
-    pick["auto"] = {"cpu": fused.kernel_path(tiny_config("hc", out=str(tmp_path)), torch.device("cpu"),
+    pick["auto"] = {"cpu": choice.kernel_path(tiny_config("hc", out=str(tmp_path)), torch.device("cpu"),
                                              never_checked)[0]}
     assert pick == {"auto": {"cpu": "fused"}, "reference": {"cpu": "reference", "cuda": "reference"},
                     "fused": {"cpu": "fused", "cuda": "fused"}}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hcstudy import contract
-from hcstudy.kernels import fused
+from hcstudy.kernels import choice
 from hcstudy import run_folder
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
@@ -130,12 +130,12 @@ def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
     cpu = torch.device("cpu")
     for residual in ("mhc-lite", "identity-hc"):
         cfg = tiny_config(residual, kernels="fused")
-        assert not fused.supports(cfg) and T.GPT(cfg, kernels="fused").kernels == "reference"
+        assert not choice.supports(cfg) and T.GPT(cfg, kernels="fused").kernels == "reference"
     for variant in (dict(coefficients="sequence"), dict(coefficient_norm="flat"), dict(mhc_tanh=True),
                     dict(collapse="first")):
-        assert not fused.supports(tiny_config("mhc", **variant), "fused"), variant
-        assert not fused.supports(tiny_config("mhc", **variant), "triton"), variant
-    assert fused.supports(tiny_config("mhc", read_stream="first", dynamic_init_std=0.01))
+        assert not choice.supports(tiny_config("mhc", **variant), "fused"), variant
+        assert not choice.supports(tiny_config("mhc", **variant), "triton"), variant
+    assert choice.supports(tiny_config("mhc", read_stream="first", dynamic_init_std=0.01))
 
 
 def test_seed_study_preset_is_the_studys_choices_and_names_its_runs_as_the_launcher_does():

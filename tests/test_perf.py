@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hcstudy.kernels import fused
+from hcstudy.kernels import fused as fused_module
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
 
@@ -108,7 +108,7 @@ def test_mixing_benchmark_times_the_trainers_maths(capsys):
     H_pre, H_post = torch.randn(n, tokens, dtype=torch.float64), torch.randn(n, tokens, dtype=torch.float64)
     H_res, grad = torch.randn(n, n, tokens, dtype=torch.float64), torch.randn(n, tokens, C, dtype=torch.float64)
     coefficients = [H.requires_grad_() for H in (H_pre, H_post, H_res)]
-    out = fused.stream_update(x.movedim(0, -2), H_pre, H_post, H_res, lambda u: u)
+    out = fused_module.stream_update(x.movedim(0, -2), H_pre, H_post, H_res, lambda u: u)
     expected = torch.autograd.grad(out, (x, *coefficients), grad.movedim(0, -2))
     with torch.no_grad():
         u = bench_mixing.read(H_pre, x)

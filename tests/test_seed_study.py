@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from hcstudy import contract
-from hcstudy.kernels import fused
+from hcstudy.kernels import choice
 import train_c4 as T
 
 N, WIDTH, ITERS = 4, 16, 20
@@ -182,7 +182,7 @@ def test_the_kernels_refuse_the_studys_variants_and_auto_takes_the_formulas():
     for path in ("fused", "triton"):
         with pytest.raises(T.ConfigError, match=f"--kernels {path} has the papers' HC and mHC only"):
             study_config("mhc", "--kernels", path)
-        assert not fused.supports(study_config("mhc"), path)
+        assert not choice.supports(study_config("mhc"), path)
     assert T.kernel_path(study_config("hc"), torch.device("cpu"))[0] == "reference"
 
 

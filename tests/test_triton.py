@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hcstudy.kernels import fused
+from hcstudy.kernels import choice
 import train_c4 as T
 from helpers import tiny_config
 
@@ -155,31 +155,31 @@ def test_the_path_a_run_takes_and_why(monkeypatch, tmp_path):
     cfg = tiny_config("mhc", width=24, expansion=3, out=str(tmp_path))
     make = lambda path: T.CONNECTIONS["mhc"](cfg, 1, path)          # noqa: E731
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    path, why = fused.kernel_path(T.dataclasses.replace(cfg, kernels="triton"), cpu, make)
+    path, why = choice.kernel_path(T.dataclasses.replace(cfg, kernels="triton"), cpu, make)
     assert path == "triton" and "interpreter" in why
     # auto on CUDA without a --check result: triton once it passes its self-check (run here on the CPU)
-    monkeypatch.setattr(fused, "triton_problem", lambda device, make: None)
-    assert fused.kernel_path(cfg, cuda, make)[0] == "triton"
+    monkeypatch.setattr(choice, "triton_problem", lambda device, make: None)
+    assert choice.kernel_path(cfg, cuda, make)[0] == "triton"
     # --check's result for this GPU: its fastest path for the arm and mode
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     timings = {"mhc": {"reference/eager": {"step_s": 0.9}, "fused/eager": {"step_s": 0.5},
                        "triton/eager": {"step_s": 0.6}, "triton/compile": {"step_s": 0.1}}}
     (tmp_path / "gpu_check").mkdir()
     (tmp_path / "gpu_check" / "result.json").write_text(json.dumps({"gpu": "NVIDIA H200", "timings": timings}))
-    path, why = fused.kernel_path(cfg, cuda, make)
+    path, why = choice.kernel_path(cfg, cuda, make)
     assert path == "fused" and "--check timed it fastest" in why and "0.500 s/step" in why
-    assert fused.kernel_path(T.dataclasses.replace(cfg, compile=True), cuda, make)[0] == "triton"
+    assert choice.kernel_path(T.dataclasses.replace(cfg, compile=True), cuda, make)[0] == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert fused.kernel_path(cfg, cuda, make)[0] == "triton"           # timed on another card: not this node's
+    assert choice.kernel_path(cfg, cuda, make)[0] == "triton"           # timed on another card: not this node's
     # a triton that cannot be imported, or that disagrees: the formulas, with the reason as a warning
     monkeypatch.undo()
 
     def missing():
         raise ImportError("No module named 'triton'")
-    monkeypatch.setattr(fused, "triton_kernels", missing)
-    path, why = fused.kernel_path(T.dataclasses.replace(cfg, kernels="triton"), cpu, make)
+    monkeypatch.setattr(choice, "triton_kernels", missing)
+    path, why = choice.kernel_path(T.dataclasses.replace(cfg, kernels="triton"), cpu, make)
     assert path == "reference" and why.startswith("warning:") and "No module named 'triton'" in why
-    assert fused.kernel_path(T.dataclasses.replace(cfg, residual="baseline"), cuda, make)[0] == "reference"
+    assert choice.kernel_path(T.dataclasses.replace(cfg, residual="baseline"), cuda, make)[0] == "reference"
 
 
 def run_cli(tmp_path, name, *flags, env=None):

@@ -1,122 +1,16 @@
-"""The fast path of the residual streams: hand-written autograd Functions for HC and mHC, chosen by
-`--kernels` (kernel_path, below, which also chooses triton_kernels.py's path) and proven equal to the readable
-formulas of train_c4.py in forward and every gradient (tests/test_kernels.py).
+"""The fast path of the residual streams on any device: hand-written autograd Functions for HC and mHC, proven
+equal to the readable formulas of train_c4.py in forward and every gradient (tests/test_kernels.py).
 
 The state (..., n, C) is stored stream-major, a view of (n, ..., C) (expand, below), so that each stream
 is one contiguous slab: a per-token mixing becomes n x n scaled adds of slabs instead of one tiny matmul per
 token, and each backward adds its term of x's gradient in place. Why each piece exists and what it saved, as
 measured on a 2-core CPU: docs/benchmarks.md; the derivations of the backward passes: docs/model.md.
 """
-import dataclasses
-import json
-from pathlib import Path
 
 import torch
 
 
-# the public study's variants that change the connections' maths, not only their initial values
-STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "hc_dynamic", "sinkhorn_order")
-
-
-def study_variants(cfg) -> list[str]:
-    """The study's variants a config asks for, away from their defaults: the kernels implement the papers' maths."""
-    defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
-    return [key for key in STUDY_VARIANTS if getattr(cfg, key) != defaults[key]]
-
-
-def supports(cfg, path: str = "fused") -> bool:
-    """Whether a path has the run's arm. fused: HC's and mHC's per-token coefficients as the papers write them;
-    triton (triton_kernels.py): those of every arm with streams; reference: all. Every other arm and the public
-    study's variants run the formulas (config.json's "kernels"); train_c4.validate refuses an explicit
-    --kernels fused or triton for the study's variants (study_variants)."""
-    papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \
-        and not cfg.mhc_tanh and not study_variants(cfg)
-    arms = {"fused": ("baseline", "hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}
-    return path == "reference" or (path in arms and cfg.residual in arms[path] and papers)
-
-
-def triton_kernels():
-    """triton_kernels.py, imported when first used: it imports triton, which only that path needs."""
-    from hcstudy.kernels import triton_ops as module
-    return module
-
-
-def asked_path(cfg, on_gpu: bool) -> str:
-    """The path --kernels asks for, before any timing or self-check: auto means fused on the CPU (docs/benchmarks.md
-    times it faster than the formulas there) and triton on a GPU; the baseline has only its one stream."""
-    if cfg.residual == "baseline" or cfg.kernels == "reference":
-        return "reference"
-    return "fused" if cfg.kernels == "fused" or not on_gpu and cfg.kernels == "auto" else "triton"
-
-
-def kernel_path(cfg, device: torch.device, make_connection) -> tuple[str, str]:
-    """The streams' path a run takes and why, for config.json and train.log. --kernels reference / fused / triton
-    where the path has the arm; auto: on CUDA the path --check timed fastest for this arm on this GPU (its
-    result.json in --out), else asked_path's. A triton path that fails to import, compile or agree with the
-    formulas (make_connection(path) builds one connection to compare) falls back to the formulas."""
-    if cfg.residual == "baseline" or cfg.kernels == "reference":
-        return "reference", "the baseline's one stream" if cfg.residual == "baseline" else "--kernels reference"
-    timed = measured_path(cfg, device) if cfg.kernels == "auto" and device.type == "cuda" else None
-    if timed:
-        return timed
-    wanted = asked_path(cfg, device.type == "cuda")
-    if not supports(cfg, wanted):
-        return "reference", f"{wanted} has no {cfg.residual} with these settings: the formulas"
-    if wanted == "fused":
-        return "fused", "--kernels fused" if cfg.kernels == "fused" else "auto on the CPU: fused, timed faster there"
-    problem = triton_problem(device, make_connection)
-    if problem:
-        return "reference", f"warning: the triton kernels {problem}; the formulas instead"
-    how = "compiled for this GPU" if device.type == "cuda" else "in Triton's interpreter on the CPU: slow, for tests"
-    asked = "--kernels triton" if cfg.kernels == "triton" else "auto, not timed by --check on this GPU"
-    return "triton", f"{asked}; {how}; self-check passed"
-
-
-def fastest_timed(cfg, check: dict, gpu: str) -> tuple[str, float] | None:
-    """(path, seconds per step) of the fastest path --check timed for this arm and mode (eager or compiled) on this
-    GPU, from its result.json (`check`); None where it timed none."""
-    mode = "compile" if cfg.compile else "eager"
-    try:
-        timed = {key.split("/")[0]: stats["step_s"] for key, stats in check["timings"][cfg.residual].items()
-                 if stats and key.endswith("/" + mode) and supports(cfg, key.split("/")[0])}
-    except (KeyError, TypeError, AttributeError):
-        return None
-    if check.get("gpu") != gpu or not timed:
-        return None
-    path = min(timed, key=timed.get)
-    return path, timed[path]
-
-
-def load_check(out: str) -> dict:
-    """--check's result.json in this --out, {} where there is none or it cannot be read."""
-    try:
-        check = json.loads((Path(out) / "gpu_check" / "result.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return check if isinstance(check, dict) else {}
-
-
-def measured_path(cfg, device: torch.device) -> tuple[str, str] | None:
-    """fastest_timed for this device, from {out}/gpu_check/result.json, with the reason."""
-    check = load_check(cfg.out)
-    gpu = torch.cuda.get_device_name(device) if check else None
-    timed = fastest_timed(cfg, check, gpu) if check else None
-    if timed is None:
-        return None
-    mode = "compile" if cfg.compile else "eager"
-    return timed[0], f"auto: --check timed it fastest for {cfg.residual} ({mode}) on this {gpu}, {timed[1]:.3f} s/step"
-
-
-def triton_problem(device: torch.device, make_connection) -> str | None:
-    """None when triton imports and one connection on its path equals the formulas' on this device; else what failed."""
-    try:
-        return triton_kernels().self_check(make_connection, device)
-    except Exception as error:          # an import, compile or launch failure: each of them means the formulas
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return f"failed ({type(error).__name__}: {first_line})"
-
-
-def _autocast_off(x: torch.Tensor):
+def autocast_off(x: torch.Tensor):
     # mixing coefficients are computed in fp32 and the streams mixed in their own dtype, whatever the autocast
     return torch.autocast(x.device.type, enabled=False)
 
@@ -138,7 +32,7 @@ def hc_coefficients(conn, x):
     gradient reaches the Function's backward, which adds its own term in place: one n x C gradient per token and
     sublayer instead of five (docs/benchmarks.md)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
-    with _autocast_off(x):
+    with autocast_off(x):
         H_pre, H_post, H_res, x = _HCCoefficients.apply(
             x, conn.dynamic.weight.to(dtype), conn.A_m_static.to(dtype), conn.A_r_static.to(dtype),
             conn.B_static.to(dtype), conn.s_a.to(dtype), conn.s_b.to(dtype), conn.eps)
@@ -149,7 +43,7 @@ def mhc_coefficients(conn, x):
     """mHC's coefficients (train_c4.ManifoldHyperConnection), as hc_coefficients, and the logits Sinkhorn projected
     (tokens first) for the probe."""
     n, dtype = conn.n, torch.promote_types(x.dtype, torch.float32)
-    with _autocast_off(x):
+    with autocast_off(x):
         z, x = _RMSScaledProjection.apply(x, conn.phi.weight.to(dtype), conn.eps)
         z_pre, z_post, z_res = z.split([n, n, n * n], dim=-1)
         H_pre = torch.sigmoid(conn.a_pre.to(dtype) * z_pre + conn.b_pre.to(dtype))
@@ -166,10 +60,10 @@ def stream_update(x, H_pre, H_post, H_res, sublayer):
     them: H_pre and H_post (n, ...), H_res (n, n, ...) with H_res[i, j] the weight of stream j in stream i."""
     # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way. The Functions
     # take x as n slabs of (..., C)
-    with _autocast_off(x):
+    with autocast_off(x):
         u, streams = _StreamRead.apply(H_pre.to(x.dtype), x.movedim(-2, 0))
     y = sublayer(u)
-    with _autocast_off(x):
+    with autocast_off(x):
         return _StreamWrite.apply(H_res.to(x.dtype), streams, H_post.to(x.dtype), y.to(x.dtype))
 
 

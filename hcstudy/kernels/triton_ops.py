@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from hcstudy.kernels.fused import _autocast_off       # the coefficients in fp32 whatever the autocast, as on the fused path
+from hcstudy.kernels.fused import autocast_off       # the coefficients in fp32 whatever the autocast, as on the fused path
 
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     # "0": compile only, for sm_90
     # the interpreter is chosen when a function is decorated, triton.language's own included: a triton imported
@@ -585,7 +585,7 @@ def mhc_read(conn, x: torch.Tensor):
     n, mixing = conn.n, MIXING[conn.arm]
     u_dtype = sublayer_dtype(x)
     f32 = torch.float32
-    with _autocast_off(x):
+    with autocast_off(x):
         a_res, b_res = (conn.a_res.to(f32), conn.b_res.to(f32)) if mixing else (None, None)
         perms = conn.permutations.argmax(-1).int() if mixing == 2 else None
         u, h_post, h_res, logits, x = _MHCRead.apply(
@@ -598,7 +598,7 @@ def mhc_read(conn, x: torch.Tensor):
 def hc_read(conn, x: torch.Tensor):
     """HC's (train_c4.HyperConnection) read, as mhc_read (HC has no logits)."""
     u_dtype, f32 = sublayer_dtype(x), torch.float32
-    with _autocast_off(x):
+    with autocast_off(x):
         u, h_post, h_res, x = _HCRead.apply(x, conn.dynamic.weight.to(f32), conn.A_m_static.to(f32),
                                             conn.A_r_static.to(f32), conn.B_static.to(f32), conn.s_a.to(f32),
                                             conn.s_b.to(f32), conn.eps, u_dtype)
@@ -608,7 +608,7 @@ def hc_read(conn, x: torch.Tensor):
 @_compiled_around
 def write(x: torch.Tensor, H_res: torch.Tensor, H_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x_next = H_res x + H_post^T y per token, the state (..., n, C) in fp32 (y in the sublayer's dtype)."""
-    with _autocast_off(x):
+    with autocast_off(x):
         return _Write.apply(H_res, x, H_post, y)
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hcstudy.kernels import fused
+from hcstudy.kernels import choice
 from hcstudy.contract import EXIT_BAD_CONFIG
 
 
@@ -517,14 +517,14 @@ def print_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu
         print(f"time on {where}: no estimate, its bf16 peak or bandwidth is not known (GPU_PEAK_BF16_FLOPS, "
               "GPU_BANDWIDTH)")
         return
-    check = fused.load_check(cfg.out)
+    check = choice.load_check(cfg.out)
     path = planned_path(cfg, gpu, check)
     if gpu != "cpu":
         print(f"time on {where}: one step of {cfg.tokens_per_step:,} tokens, counted on the model, at "
               f"{rates_text(rates)}")
         print(f"  {'path':<10}{'kernels':>9}{'MB/token':>10}  " + "".join(f"{t:<14}" for t in TERMS) + "step")
         print(f"  {'':<10}{'a block':>9}{'a block':>10}")
-        for other in (p for p in ("reference", "fused", "triton") if fused.supports(cfg, p)):
+        for other in (p for p in ("reference", "fused", "triton") if choice.supports(cfg, p)):
             cost = step_cost(gpt, cfg, params, other, micro, world, rates)
             work = step_work(gpt, work_key(cfg), other)
             print(f"  {other:<10}{work.launches[0]:>9,}{work.block_bytes_per_token(cfg.width) / 1e6:>10.2f}  "
@@ -715,7 +715,7 @@ def _counted_width(cfg: Config) -> int:
 
 @functools.cache
 def step_work(gpt: type, key: Config, path: str) -> StepWork:
-    """count_steps at two widths and depths, fitted: key from work_key, path one that fused.supports."""
+    """count_steps at two widths and depths, fitted: key from work_key, path one that choice.supports."""
     w1 = _counted_width(key)
     counts = {(w, d): count_steps(gpt, key, path, w, d) for w in (w1, 2 * w1) for d in (1, 2)}
     launches = counts[w1, 2][1][0] - counts[w1, 1][1][0]
@@ -887,11 +887,11 @@ def range_text(values: tuple[float, float]) -> str:
 
 
 def planned_path(cfg: Config, gpu: str, check: dict | None) -> str:
-    """The streams' path a run of `cfg` will take on this device (fused.kernel_path's choice, but for its
+    """The streams' path a run of `cfg` will take on this device (choice.kernel_path's choice, but for its
     self-check, which only the device can run): --check's fastest timing where auto has one, else what is asked."""
-    timed = fused.fastest_timed(cfg, check or {}, gpu) if cfg.kernels == "auto" and gpu != "cpu" else None
-    wanted = timed[0] if timed else fused.asked_path(cfg, on_gpu=gpu != "cpu")
-    return wanted if fused.supports(cfg, wanted) else "reference"
+    timed = choice.fastest_timed(cfg, check or {}, gpu) if cfg.kernels == "auto" and gpu != "cpu" else None
+    wanted = timed[0] if timed else choice.asked_path(cfg, on_gpu=gpu != "cpu")
+    return wanted if choice.supports(cfg, wanted) else "reference"
 
 
 def step_seconds(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, path: str,
