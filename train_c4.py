@@ -45,7 +45,9 @@ from hcstudy.kernels import fused
 from hcstudy.planner import memory as plan
 from hcstudy.failures import classify_failure, exit_process, failure
 from hcstudy.config_flags import COUNT, NATURAL, option
-from hcstudy.run_record import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
+from hcstudy.progress import Progress
+from hcstudy.run_record import announce, device_name, run_record
+from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
 from hcstudy.planner.memory import flops_per_token, gpu_peak_flops
 from hcstudy.readahead import Loader
 from hcstudy.run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
@@ -1561,9 +1563,8 @@ def main(argv: list[str] | None = None) -> int:
     dist = Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), torch.device("cpu"))
     try:
         if "--consolidate" in argv:
-            sys.modules.setdefault("train_c4", sys.modules[__name__])     # export.py's import: not a second copy
-            from hcstudy import consolidate as export
-            print(export.consolidate(*export.arguments(argv)))
+            from hcstudy import consolidate     # the model's code passed in: the package never imports the trainer
+            print(consolidate.consolidate(*consolidate.arguments(argv), trainer=sys.modules[__name__]))
             return EXIT_OK
         if argv == ["--plan-jobs"]:
             print(json.dumps(plan_jobs(json.load(sys.stdin))))

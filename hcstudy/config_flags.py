@@ -40,10 +40,19 @@ PARSE = {"int": _plain(int, r"[+-]?[0-9]+"), "float": _plain(float, NUMBER)}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's own checks, reported as one line (and exit 2) instead of the usage block."""
+    """argparse whose own checks raise `error_type` with one line instead of printing the usage block: the trainer,
+    the launcher and the GPU check each turn it into their one line and exit 2. `usage_title` begins --help."""
+
+    def __init__(self, *args, error_type: type[Exception] = ConfigError, hint: str = " (see --help)",
+                 usage_title: str = "usage: ", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.error_type, self.hint, self.usage_title = error_type, hint, usage_title
 
     def error(self, message):
-        raise ConfigError(f"{message} (see --help)")
+        raise self.error_type(f"{message}{self.hint}")
+
+    def format_help(self):
+        return self.usage_title + super().format_help().removeprefix("usage: ")
 
 
 def preset_names(given: list[str], presets: dict) -> list[str]:

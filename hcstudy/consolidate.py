@@ -1,9 +1,10 @@
-"""export.py: a checkpoint's weights in one file, loadable without a process group or this project's code.
+"""A checkpoint's weights in one file, loadable without a process group or this project's code.
 
     python train_c4.py --consolidate RUN/checkpoints/step-N OUT.pt     (or a run folder: its newest checkpoint)
 
 writes OUT.pt (a GPT state_dict for torch.load(OUT.pt, weights_only=True)), OUT.safetensors (no pickle at all; the
 head, tied to the embedding, left out) and OUT.json (the model's settings). FSDP's sharded checkpoints included.
+The trainer passes itself as `trainer` (its Config, GPT, validate and Dist): this package never imports it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 from safetensors.torch import save_file as save_safetensors
 
 from hcstudy import config_flags as flags
-import train_c4 as T
 from hcstudy.contract import MODEL_KEYS, ConfigError, TrainerError
 from hcstudy.run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause, safe_dcp,
                         save_file, verified_checkpoints, write_atomically)
@@ -40,16 +40,16 @@ def arguments(argv: list[str]) -> tuple[Path, Path]:
     return source, out
 
 
-def consolidate(source: Path, out: Path) -> str:
+def consolidate(source: Path, out: Path, trainer) -> str:
     """Write the model's weights from a checkpoint (FSDP's sharded ones included), loadable without a process
     group: OUT, a GPT state_dict for torch.load(OUT, weights_only=True), and beside it OUT's stem .safetensors
     (no pickle at all; the head, tied to the embedding, left out) with OUT's stem .json, the model's config.
     `source` is a checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
-    folder, marker = complete_checkpoint(source.resolve())
-    cfg = saved_config(folder.parent.parent)
+    folder, marker = complete_checkpoint(source.resolve(), trainer.Dist(0, 1, torch.device("cpu")))
+    cfg = saved_config(folder.parent.parent, trainer)
     state = saved_model_state(folder, sharded=marker.get("format") == "sharded")
     with torch.device("meta"):
-        reference = T.GPT(cfg).state_dict()
+        reference = trainer.GPT(cfg).state_dict()
     state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
     if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
         raise ConfigError(f"checkpoint {folder} does not match the model of {folder.parent.parent / 'config.json'}")
@@ -62,10 +62,10 @@ def consolidate(source: Path, out: Path) -> str:
             f"parameters of {cfg.residual} depth {cfg.depth} from {folder}")
 
 
-def complete_checkpoint(source: Path) -> tuple[Path, dict]:
+def complete_checkpoint(source: Path, single_process) -> tuple[Path, dict]:
     """`source` itself when it is a complete checkpoint, else the newest complete one of the run folder."""
     folders, skipped = [source] if (source / MARKER).exists() else checkpoint_dirs(source)[::-1], []
-    for folder, _, marker in verified_checkpoints(folders, T.Dist(0, 1, torch.device("cpu")), skipped.append):
+    for folder, _, marker in verified_checkpoints(folders, single_process, skipped.append):
         print(*(f"warning: {line}" for line in skipped), sep="\n", file=sys.stderr, end="\n" if skipped else "")
         return folder, marker
     newest = f" (newest: {skipped[0].removeprefix('checkpoint ').split(';')[0]})" if skipped else ""
@@ -73,19 +73,19 @@ def complete_checkpoint(source: Path) -> tuple[Path, dict]:
                       "its checkpoints/step-N folders")
 
 
-def saved_config(run_dir: Path) -> T.Config:
+def saved_config(run_dir: Path, trainer):
     """The run's Config from its config.json, checked as a command line would be (a bad value is one line)."""
     path = run_dir / "config.json"
     try:
         saved = json.loads(path.read_text())["config"]
-        fields = {f.name for f in dataclasses.fields(T.Config)}
+        fields = {f.name for f in dataclasses.fields(trainer.Config)}
         # the micro-batch saved is the one the run used, not a setting
-        cfg = T.Config(**{k: v for k, v in saved.items() if k in fields - {"micro_batch_size"}})
+        cfg = trainer.Config(**{k: v for k, v in saved.items() if k in fields - {"micro_batch_size"}})
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
         raise ConfigError(f"{path} is missing or unreadable: the model cannot be rebuilt") from None
     try:
         flags.check_types(cfg)
-        T.validate(cfg)
+        trainer.validate(cfg)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}; the model cannot be rebuilt") from None
     return cfg

@@ -18,7 +18,6 @@ Writes {out}/gpu_check/: result.json (its format: docs/planning.md; the dry run'
 `methods`), each part's log, and the run folders of the timed runs.
 Without a CUDA GPU it prints one line and exits 1: nothing was checked.
 """
-import argparse
 import json
 import os
 import re
@@ -30,10 +29,12 @@ import time
 from pathlib import Path
 
 from hcstudy import ROOT
+from hcstudy.config_flags import OneLineErrorParser
+from hcstudy.contract import METHODS, ConfigError
 
 PROG = "run_experiments.sh --check"
 BUDGET_S = 570                     # the whole check, so that it ends within 10 minutes with its start-up
-METHODS, KERNELS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc"), ("reference", "fused", "triton")
+KERNELS = ("reference", "fused", "triton")
 STEPS, WARM_STEPS = 10, 4          # median over the steps after the first WARM_STEPS (compile, allocator, loader)
 SIZE = ["--data", "sample", "--tokenizer", "gpt2", "--dtype", "bf16", "--width", "2048", "--depth", "4",
         "--seq-len", "1024", "--batch-size", "8", "--micro-batch-size", "8", "--warmup", "2",
@@ -42,13 +43,9 @@ SIZE = ["--data", "sample", "--tokenizer", "gpt2", "--dtype", "bf16", "--width",
 TOKENS_PER_STEP = 8 * 1024
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{PROG}: error: {message} (it takes --out DIR and --budget SECONDS only)\n")
-
-
 def parse_args(argv):
-    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0], error_type=ConfigError,
+                           hint=" (it takes --out DIR and --budget SECONDS only)")
     p.add_argument("--out", default="runs", help="the runs folder; results go to OUT/gpu_check (default runs)")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check; the parts that "
                    f"do not fit are reported out of time (default {BUDGET_S})")
@@ -264,7 +261,11 @@ def write_result(folder, device, parts, table):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ConfigError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
     import torch
     if not torch.cuda.is_available():
         print(f"{PROG}: no CUDA GPU visible (torch {torch.__version__}, "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hcstudy import consolidate as export
+from hcstudy import consolidate
 from hcstudy import run_folder
 import train_c4 as T
 
@@ -92,7 +92,7 @@ def weights(run_dir: Path, out: Path, command_line: bool = False) -> dict:
                                        str(run_dir / "checkpoints" / "step-20"), str(out)), wait=True)
         assert code == 0, stderr
     else:                                                            # the same function, without a start-up
-        export.consolidate(run_dir / "checkpoints" / "step-20", out)
+        consolidate.consolidate(run_dir / "checkpoints" / "step-20", out, T)
     state = torch.load(out, weights_only=True)
     T.GPT(T.parse_config(ARGS)).load_state_dict(state)              # strict: every key and shape
     return state
@@ -177,7 +177,7 @@ def test_fsdp_checkpoint_of_four_processes_resumes_on_two_and_on_three(tmp_path)
     assert code == 0, stderr
     whole = tmp_path / "whole" / RUN
     reference = metrics(whole)
-    export.consolidate(whole, tmp_path / "whole.pt")
+    consolidate.consolidate(whole, tmp_path / "whole.pt", T)
     whole_weights = torch.load(tmp_path / "whole.pt", weights_only=True)
     for processes, loader in ((2, []), (3, ["--data-workers", "1"])):
         resumed = tmp_path / f"on{processes}" / RUN
@@ -190,7 +190,7 @@ def test_fsdp_checkpoint_of_four_processes_resumes_on_two_and_on_three(tmp_path)
         assert [r.get("tokens") for r in metrics(resumed)] == [r.get("tokens") for r in reference]
         for key in ("loss", "grad_norm", "val_loss"):
             assert max_relative(metrics(resumed), reference, key) < LOSS_RTOL, (processes, key)
-        export.consolidate(resumed, tmp_path / f"on{processes}.pt")
+        consolidate.consolidate(resumed, tmp_path / f"on{processes}.pt", T)
         for name, value in torch.load(tmp_path / f"on{processes}.pt", weights_only=True).items():
             torch.testing.assert_close(value, whole_weights[name], rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from hcstudy import consolidate as export
+from hcstudy import consolidate
 from hcstudy import failures
 from hcstudy import run_folder
 import train_c4 as T
@@ -412,7 +412,7 @@ def test_a_crafted_non_tensor_entry_in_dcp_shards_never_runs(tmp_path):
 def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
     folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
     assert run_folder.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), print) is not None
-    export.consolidate(folder, tmp_path / "out.pt")
+    consolidate.consolidate(folder, tmp_path / "out.pt", T)
     state = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(state["wte.weight"], model_state["wte.weight"])
 

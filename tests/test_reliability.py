@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hcstudy import consolidate as export
+from hcstudy import consolidate
 from hcstudy import run_folder
 import train_c4 as T
 
@@ -97,7 +97,7 @@ def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tm
     folder, files, marker = run_folder.read_checkpoint(run_dir, ONE, print)
     assert folder.name == "step-20" and files["train_state.pt"]["step"] == marker["step"] == 20
     assert (run_dir / "checkpoints" / "rejected-step-20").is_dir()      # kept aside, never loaded
-    exported = export.consolidate(run_dir, tmp_path / "w.pt")
+    exported = consolidate.consolidate(run_dir, tmp_path / "w.pt", T)
     assert "checkpoints/step-20" in exported
 
 
@@ -236,7 +236,7 @@ def test_consolidate_creates_a_missing_output_folder(finished, tmp_path):
 
 def test_consolidate_writes_safetensors_beside_a_config(finished, tmp_path):
     from safetensors.torch import load_file
-    export.consolidate(finished / RUN, tmp_path / "w.pt")
+    consolidate.consolidate(finished / RUN, tmp_path / "w.pt", T)
     cfg = T.Config(**json.loads((tmp_path / "w.json").read_text()))
     model = T.GPT(cfg)
     missing = model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=False).missing_keys

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hcstudy import config_flags as flags
-from hcstudy import run_record as monitor
+from hcstudy import wandb_log
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,7 +227,7 @@ def test_wandb_honours_the_environment_and_keeps_one_run_id_per_folder(tmp_path)
         assert sync.startswith("wandb sync /") and f"W&B is offline; upload this run later with: {sync}" in stdout
         assert sync.endswith(ids[-1])                         # the offline run folder is named after the id
     assert ids[0] == ids[1] != ids[2]                       # a resume continues the run; a new folder is new
-    flat = monitor.wandb_record({"step": 3, "time": 1.0, "loss": 2.0, "layer_gain_fwd": [1.0, 1.5]})
+    flat = wandb_log.wandb_record({"step": 3, "time": 1.0, "loss": 2.0, "layer_gain_fwd": [1.0, 1.5]})
     assert flat == {"loss": 2.0, "layer_gain_fwd/000": 1.0, "layer_gain_fwd/001": 1.5}
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hcstudy import ROOT
+from hcstudy.config_flags import OneLineErrorParser
 from hcstudy.contract import (COEFFICIENT_METHODS, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED,
                       EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, METHODS, SINKHORN_METHODS, TRAINER_EXIT_CODES,
                       launcher_settings, run_name)
@@ -112,14 +113,6 @@ class UsageError(Exception):
     """A bad flag, environment knob or placement: one line (with the usage for a flag or knob), exit 2."""
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-    def format_help(self):
-        return "Usage: " + super().format_help().removeprefix("usage: ")
-
-
 def listed(pattern, what):
     """An argparse type: a comma list whose every entry matches `pattern`; names in any case (HC is hc)."""
     def parse(text):
@@ -152,7 +145,7 @@ SECONDS = r"[0-9]+(\.[0-9]{1,3})?"
 
 
 def build_parser():
-    p = Parser(prog=f"bash {PROG}", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+    p = OneLineErrorParser(error_type=UsageError, hint="", usage_title="Usage: ", prog=f"bash {PROG}", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
                formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=26, width=110))
     m = p.add_argument_group("matrix (default --full)")
     for mode, help_text in (
