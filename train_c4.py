@@ -16,7 +16,7 @@ checkpoint protocol), prefetch.py (data read ahead), monitor.py (config.json's r
 
 from __future__ import annotations
 
-import contextlib, dataclasses, functools, glob, hashlib, itertools, json, math, os, random, re, signal, sys, time
+import contextlib, dataclasses, functools, glob, hashlib, itertools, json, math, os, random, re, signal, sys, tempfile, time
 from datetime import timedelta
 from pathlib import Path
 
@@ -878,6 +878,16 @@ def parse_c4_line(line: str) -> str | None:
     return text if isinstance(text, str) and text.strip() else None
 
 
+def in_hf_cache(error: Exception) -> bool:
+    """Whether `error` is the file system refusing datasets' cache folder (HF_DATASETS_CACHE, under HF_HOME) or
+    a folder above it that it tried to create: a cause no data file can fix."""
+    import datasets
+    if not (isinstance(error, OSError) and error.filename):
+        return False
+    cache, refused = Path(datasets.config.HF_DATASETS_CACHE).absolute(), Path(error.filename).absolute()
+    return refused == cache or refused in cache.parents or cache in refused.parents
+
+
 class DocumentStream:
     """Virtual stream `rank` of `world`: its documents in an order fixed by the seed, resumable exactly. Lines are
     parsed here, so a malformed line is skipped rather than failing its shard; the shuffle buffer is ours, since
@@ -897,8 +907,11 @@ class DocumentStream:
         from datasets.distributed import split_dataset_by_node
         order = range(len(self.files)) if self.seed is None else torch.randperm(
             len(self.files), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        stream = datasets.load_dataset("text", data_files=[self.files[i] for i in order], split="train",
-                                       streaming=True, encoding_errors="replace")
+        # local files need no cache (streaming reads them in place): datasets' lock file goes to a temporary folder,
+        # so that an unwritable HF_HOME or HF_DATASETS_CACHE never stops a run on local files
+        with contextlib.nullcontext() if self.remote else tempfile.TemporaryDirectory() as cache:
+            stream = datasets.load_dataset("text", data_files=[self.files[i] for i in order], split="train",
+                                           streaming=True, encoding_errors="replace", cache_dir=cache)
         stream = split_dataset_by_node(stream, rank=self.rank, world_size=self.world)
         if self.position is not None:
             stream.load_state_dict(self.position)
@@ -937,6 +950,9 @@ class DocumentStream:
         """Hub errors are retried with exponential backoff and jitter, so that ranks hitting a rate limit together
         do not retry together; local files are not retried."""
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if self.remote and in_hf_cache(error):
+            raise ConfigError(f"the Hugging Face cache cannot be written ({cause}); set HF_HOME (or HF_DATASETS_CACHE) "
+                              "to a writable folder, or train on local files (--data sample, or a glob)") from error
         if not self.remote:
             raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
         unreachable = contract.hub_unreachable(error)
