@@ -7,7 +7,7 @@ without unpickling arbitrary objects (docs/reliability.md).
 """
 from __future__ import annotations
 
-import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, random, shutil, socket, sys, tempfile, time
+import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, random, shutil, sys, tempfile, time
 import warnings
 from pathlib import Path
 
@@ -63,8 +63,7 @@ def save_file(obj, path: Path) -> None:
 def open_own(path: Path, mode: str):
     """open(path, mode) for a file of the run folder, never through a symbolic link (O_NOFOLLOW): a link there
     would point the write at a file outside the folder."""
-    flags = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
-             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode]
+    flags = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode]
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as error:
@@ -119,20 +118,34 @@ def refuse_links(run_dir: Path) -> None:
 def lock_run_folder(run_dir: Path):
     """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
     so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
-    handle = open_own(run_dir / ".lock", "a+")
+    lock = run_dir / ".lock"
+    handle = open_own(lock, "a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        handle.seek(0)
-        holder = handle.read().strip()[:200] or "another process"
         handle.close()
+        holder = lock_holder(lock)
+        # a PID written into the file could be a dead trainer's, since reused: only the kernel's own record is named
+        holder = f"process {holder}" if holder else f"another process (`fuser {lock}` names it)"
         raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
                           "--run-name or --out") from None
-    with contextlib.suppress(OSError):     # the flock is the lock; the note only names its holder (a full disk)
-        handle.truncate(0)
-        handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
     return handle
+
+
+def lock_holder(lock: Path) -> int | None:
+    """The live process holding the flock on `lock`, from the kernel's table of locks (/proc/locks: "1: FLOCK
+    ADVISORY WRITE PID MAJOR:MINOR:INODE 0 EOF"); None where the table does not name one (a holder on another node
+    of a network file system, or in another PID namespace, a system without /proc)."""
+    try:
+        info, table = os.stat(lock), Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for fields in map(str.split, table.splitlines()):
+        if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode] and fields[4].isdigit() and \
+                Path(f"/proc/{fields[4]}").exists():
+            return int(fields[4])
+    return None
 
 
 def _same_file(stream, path: Path) -> bool:

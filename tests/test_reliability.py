@@ -80,9 +80,36 @@ def test_a_lock_left_by_a_dead_process_does_not_block(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     dead = subprocess.run([sys.executable, "-c", "import run_folder, pathlib, sys; "
                            f"run_folder.lock_run_folder(pathlib.Path({str(run_dir)!r})); sys.exit(0)"], cwd=ROOT)
-    assert dead.returncode == 0 and "process" in (run_dir / ".lock").read_text()
+    assert dead.returncode == 0 and (run_dir / ".lock").exists()
     code, stdout, stderr = run(out)
     assert code == 0 and "completed 20 steps" in stdout, stderr
+
+
+def test_the_lock_names_its_live_holder_never_a_pid_written_in_the_file(tmp_path):
+    """A trainer killed leaves its PID in an old lock file, and the PID may since be another process's: the holder
+    named is the one the kernel's lock table gives."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = dead.stdout.strip()
+    (tmp_path / ".lock").write_text(f"process {stale} on {os.uname().nodename}\n")
+    hold = ("import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); "
+            "sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / ".lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(T.ConfigError) as refused:
+            run_folder.lock_run_folder(tmp_path)
+    finally:
+        holder.communicate("")
+    assert f"in use by process {holder.pid};" in str(refused.value) and f"process {stale} " not in str(refused.value)
+
+
+def test_a_lock_whose_holder_the_kernel_does_not_name_says_how_to_find_it(tmp_path, monkeypatch):
+    holder = run_folder.lock_run_folder(tmp_path)
+    monkeypatch.setattr(run_folder, "lock_holder", lambda lock: None)     # a holder on another node
+    with pytest.raises(T.ConfigError, match=r"in use by another process \(`fuser .*/\.lock` names it\)"):
+        run_folder.lock_run_folder(tmp_path)
+    holder.close()
 
 
 # ---- damaged, symlinked or misnamed checkpoints
