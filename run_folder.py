@@ -396,15 +396,48 @@ def set_rng_state(state: dict) -> None:
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """Checkpoint folders `step-N`, oldest first (temp and set-aside folders are never listed)."""
-    root = run_dir / "checkpoints"
+    return step_folders(run_dir / "checkpoints")
+
+
+def step_folders(root: Path) -> list[Path]:
     found = [d for d in root.glob("step-*") if d.name[5:].isascii() and d.name[5:].isdigit()] if root.is_dir() else []
     return sorted(found, key=lambda d: int(d.name[5:]))
 
 
-def prune(run_dir: Path, keep: int) -> None:
-    """Only the newest `keep` checkpoints stay (also on a resume: a kill may land between a seal and its prune)."""
-    for old in checkpoint_dirs(run_dir)[:-keep]:
+def prune(root: Path, keep: int) -> None:
+    """Only the newest `keep` checkpoints of the folder `root` stay (also on a resume: a kill may land between a seal
+    and its prune)."""
+    for old in step_folders(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def held_run_folder(run_dir: Path) -> int:
+    """The run folder opened once, at the start, and held for the run's life (every rank): checkpoints are written
+    relative to it, so that a folder or a link put in its place later never receives them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+@contextlib.contextmanager
+def checkpoints_folder(run_dir: Path, held: int):
+    """RUN/checkpoints, created if needed and opened inside the held run folder without following a link, as a path
+    that reaches the folder opened whatever is renamed or linked later (/proc/self/fd/N: torch.save and DCP take
+    paths). refuse_links checks the start; a link put in its place during the run is refused here (exit 2)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir("checkpoints", dir_fd=held)
+    try:
+        fd = os.open("checkpoints", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=held)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise ConfigError(f"{run_dir / 'checkpoints'} was replaced during the run by a symbolic link or a file; a "
+                          "checkpoint is never written through one: put the folder itself back and rerun to resume "
+                          "(metrics.jsonl is intact)") from None
+    try:
+        opened = Path(f"/proc/self/fd/{fd}")
+        yield opened if opened.is_dir() else run_dir / "checkpoints"     # no /proc (not Linux): its checked path
+    finally:
+        os.close(fd)
 
 
 def set_aside(folder: Path) -> Path:
@@ -497,36 +530,38 @@ def contents_problem(files: dict, marker: dict) -> str | None:
 # the protocol every rank runs together: write, verify, fall back (`dist`: train_c4.Dist's rank, world and
 # collectives)
 
-def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sharded: dict | None = None) -> None:
+def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sharded: dict | None = None,
+                     held: int | None = None) -> None:
     """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
     (`sharded`, written with torch.distributed.checkpoint into SHARDED/). The folder appears under its
-    final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included."""
-    root = run_dir / "checkpoints"
-    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included. Written
+    into checkpoints_folder of `held`, the run folder as opened at the start (held_run_folder; None: opened now)."""
     from torch.distributed.checkpoint import CheckpointException
-    try:
-        if dist.is_main:
+    with checkpoints_folder(run_dir, held_run_folder(run_dir) if held is None else held) as root:
+        final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+        try:
+            if dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            dist.barrier()
+            for name, obj in files.items():
+                save_file(obj, tmp / name)
+            written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
+            dist.barrier()
+            # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
+            digests = dist.gather({name: sha256(tmp / name) for name in written})
+            if dist.is_main:
+                marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
+                          "files": dict(sorted(item for part in digests for item in part.items()))}
+                seal(tmp, final, marker)
+                prune(root, keep)
+        except (OSError, CheckpointException) as error:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        for name, obj in files.items():
-            save_file(obj, tmp / name)
-        written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
-        dist.barrier()
-        # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
-        digests = dist.gather({name: sha256(tmp / name) for name in written})
-        if dist.is_main:
-            marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
-                      "files": dict(sorted(item for part in digests for item in part.items()))}
-            seal(tmp, final, marker)
-            prune(run_dir, keep)
-    except (OSError, CheckpointException) as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = checkpoint_dirs(run_dir)
-        intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
-                  "metrics.jsonl is intact (no earlier checkpoint exists)")
-        raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
-                           "space (or fix the permission) and rerun to resume") from error
+            kept = step_folders(root)
+            intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
+                      "metrics.jsonl is intact (no earlier checkpoint exists)")
+            raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
+                               "space (or fix the permission) and rerun to resume") from error
     dist.barrier()
 
 
@@ -593,7 +628,7 @@ def resume_from(run_dir: Path, dist, load, log, ckpt_every: int, keep: int) -> t
                     break
                 log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
             if dist.is_main:
-                prune(run_dir, keep)
+                prune(run_dir / "checkpoints", keep)
             return folder, files
         fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
     if problems:

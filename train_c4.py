@@ -48,7 +48,7 @@ from monitor import WANDB_MODES, Progress, announce, device_name, run_record, st
 from plan import flops_per_token, gpu_peak_flops
 from prefetch import Loader
 from run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
-                        resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
+                        held_run_folder, resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -1263,6 +1263,7 @@ class Trainer:
     dtype: torch.dtype
     log: RunLog
     run_dir: Path
+    held_folder: int            # the run folder as opened at the start (run_folder.held_run_folder)
     peak_flops: float | None
     flops_per_token: float
     step: int = 0
@@ -1353,7 +1354,8 @@ class Trainer:
             files["train_state.pt"] = {"step": self.step, "tokens": self.tokens}
             if sharded is None:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
-        write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded)
+        write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded,
+                         self.held_folder)
         self.log.live["last_checkpoint_step"] = self.step
         if self.loader.skipped:
             self.log.info(f"data: {self.loader.skipped} malformed or empty lines skipped so far")
@@ -1505,6 +1507,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum, data = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
     log = RunLog(run_dir, dist.is_main)                 # locks the run folder before anything of it is read
+    held_folder = held_run_folder(run_dir)              # every rank writes its checkpoint files relative to it
     with log.recording_start_failure(lambda error: classify_failure(error, micro)):
         changes = check_resumable(run_dir, cfg, log)
         dtype = compute_dtype(cfg, dist.device)
@@ -1521,7 +1524,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
         loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
         params = count_parameters(cfg)
-        trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir,
+        trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir, held_folder,
                           gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
         trainer.restore()
         trainer.log.record_changes(changes, trainer.step)

@@ -425,6 +425,43 @@ def test_the_run_folders_files_are_never_opened_through_a_link(tmp_path):
     assert victim.read_text() == "data\n"
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoints_link_swapped_in_during_the_run_is_never_written_through(tmp_path, sharded):
+    """The trainer paused, checkpoints/ moved out of the run folder and a link put in its place, the trainer going on:
+    the next checkpoint is refused (exit 2), nothing written through the link."""
+    run_dir, outside = tmp_path / "out" / RUN, tmp_path / "moved"
+    held = run_folder.held_run_folder(run_dir)
+    shards = {"model": {"w": torch.ones(3)}} if sharded else None
+    run_folder.write_checkpoint(run_dir, 4, {"train_state.pt": {"step": 4}}, ONE, keep=5, sharded=shards, held=held)
+    os.replace(run_dir / "checkpoints", outside)
+    (run_dir / "checkpoints").symlink_to(outside)
+    with pytest.raises(T.ConfigError, match=r"checkpoints was replaced during the run by a symbolic link"):
+        run_folder.write_checkpoint(run_dir, 8, {"train_state.pt": {"step": 8}}, ONE, keep=5, sharded=shards, held=held)
+    assert [p.name for p in outside.iterdir()] == ["step-4"]
+
+
+def test_a_run_folder_moved_during_the_run_keeps_its_checkpoints_off_what_is_put_in_its_place(tmp_path, monkeypatch):
+    """Every write of a checkpoint goes through the folders opened at the start, also DCP's (it takes a path): a
+    link swapped in while DCP writes does not take its files."""
+    import torch.distributed.checkpoint as dcp
+    run_dir, outside = tmp_path / "out" / RUN, tmp_path / "moved"
+    held = run_folder.held_run_folder(run_dir)
+    real_save = dcp.save
+
+    def swap_then_save(*args, **kwargs):
+        os.replace(run_dir, outside)
+        run_dir.mkdir()
+        (run_dir / "checkpoints").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+        (tmp_path / "elsewhere").mkdir()
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", swap_then_save)
+    run_folder.write_checkpoint(run_dir, 4, {"train_state.pt": {"step": 4}}, ONE, keep=5,
+                                sharded={"model": {"w": torch.ones(3)}}, held=held)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    assert run_folder.read_marker(outside / "checkpoints" / "step-4")["format"] == "sharded"
+
+
 @pytest.mark.parametrize("emptied", [True, False])
 def test_a_run_with_history_but_no_checkpoint_is_refused_and_resume_never_moves_it_aside(finished, tmp_path,
                                                                                          emptied):
