@@ -91,6 +91,24 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
 
+class WriteFailed(TrainerError):
+    """A write of the run folder that the file system refused, as one line naming the file and what is intact."""
+
+
+@contextlib.contextmanager
+def naming_the_file(path: Path, what: str, intact: str):
+    """An OSError inside becomes WriteFailed: "could not `what` `path` (cause); `intact`". A full disk's error from
+    write() names no file ("No space left on device" alone)."""
+    try:
+        yield
+    except OSError as error:
+        raise WriteFailed(f"could not {what} {path} ({first_cause(error)}); {intact}; free disk space (or fix the "
+                          "permission) and rerun to resume") from error
+
+
+INTACT = "metrics.jsonl and the checkpoints are intact"
+
+
 def check_writable_folder(folder: Path, what: str) -> None:
     """Create `folder` if needed and prove that it takes a file, before anything is computed: a bad path is a
     one-line config error (exit 2) instead of a failure at the first write."""
@@ -160,7 +178,8 @@ STATUS_RESERVE_BYTES = 1 << 20     # far more than any status.json; random bytes
 
 
 class RunLog:
-    """The run folder's human and machine logs; only rank 0 writes."""
+    """The run folder's human and machine logs; only rank 0 writes them. Every rank holds the run folder as opened at
+    the start (`folder`: held_run_folder), which its checkpoint files are written relative to."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
@@ -180,6 +199,7 @@ class RunLog:
             tee = not _same_file(sys.stdout, run_dir / "train.log")
             self.log_file = open_own(run_dir / "train.log", "a") if tee else None
             self.metrics_file = None
+        self.folder = held_run_folder(run_dir)
 
     def info(self, message: str, terminal: bool = True) -> None:
         """A line for train.log, and for the terminal unless it already shows the same (the progress bar, the
@@ -191,7 +211,8 @@ class RunLog:
             (self.bar.write if self.bar else print)(line)
             sys.stdout.flush()
         if self.log_file:
-            self.log_file.write(line + "\n")
+            with naming_the_file(self.run_dir / "train.log", "append to", INTACT):
+                self.log_file.write(line + "\n")
 
     def open_metrics(self, keep_through_step: int) -> None:
         """Drop lines after the checkpoint being resumed (they are recomputed identically), then append."""
@@ -205,18 +226,17 @@ class RunLog:
             if unusable:
                 self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
                           "dropped")
-            write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-        self.metrics_file = open_own(path, "a")
+            with naming_the_file(path, "rewrite", "it is unchanged and the checkpoints are intact"):
+                write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+        with naming_the_file(path, "open", INTACT):
+            self.metrics_file = open_own(path, "a")
 
     def metrics(self, record: dict) -> None:
         if self.enabled:
-            try:
+            with naming_the_file(self.run_dir / "metrics.jsonl", f"append step {record['step']} to",
+                                 "the lines before it and the checkpoints are intact"):
                 self.metrics_file.write(json.dumps(record) + "\n")
                 self.metrics_file.flush()
-            except OSError as error:
-                raise TrainerError(f"could not append step {record['step']} to {self.run_dir / 'metrics.jsonl'} "
-                                   f"({first_cause(error)}); the lines before it and the checkpoints are intact, "
-                                   "free disk space and rerun to resume") from error
 
     def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
         """status.json, rewritten atomically on every change of state and at every log step; only a final state
@@ -225,18 +245,34 @@ class RunLog:
             return
         record = {"state": state, "step": step, "exit_code": exit_code, "reason": reason, "updated": time.time(),
                   **self.live}
+        with naming_the_file(self.run_dir / "status.json", f"record the state {state} in", INTACT):
+            try:
+                write_json_atomic(self.run_dir / "status.json", record)
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT) or state == "running" or not self.reserve.exists():
+                    raise
+                self.reserve.unlink()
+                write_json_atomic(self.run_dir / "status.json", record)
+
+    def record_failure(self, step: int, code: int, reason: str) -> str:
+        """Records `failed`; returns what the printed line must add when status.json cannot take it (it keeps
+        the state before)."""
         try:
-            write_json_atomic(self.run_dir / "status.json", record)
-        except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or state == "running" or not self.reserve.exists():
-                raise
-            self.reserve.unlink()
-            write_json_atomic(self.run_dir / "status.json", record)
+            self.status("failed", step, code, reason)
+            return ""
+        except WriteFailed as unrecorded:
+            return f"; status.json could not record the failure either ({first_cause(unrecorded.__cause__)})"
+
+    def write_config(self, record: dict) -> None:
+        """config.json: the run's record (train_c4.run_record)."""
+        if self.enabled:
+            with naming_the_file(self.run_dir / "config.json", "write", INTACT):
+                write_json_atomic(self.run_dir / "config.json", record)
 
     def refuse(self, reason: str) -> ConfigError:
         """A resume that cannot go on, recorded as failed (exit 2) at the step status.json had, and returned."""
         step = self.previous_status().get("step")
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(WriteFailed):
             self.status("failed", step if type(step) is int else 0, EXIT_BAD_CONFIG, reason)
         return ConfigError(reason)
 
@@ -249,7 +285,7 @@ class RunLog:
         except BaseException as error:
             if not self.previous_status():
                 code, reason = classify(error)
-                with contextlib.suppress(OSError):      # a full disk: the printed line still says why
+                with contextlib.suppress(WriteFailed):      # a full disk: the printed line still says why
                     self.status("failed", 0, code, reason)
             raise
 
@@ -303,7 +339,8 @@ class RunLog:
         self.info(f"continuing at step {step} under changed settings (--allow-changed-settings): "
                   f"{changes_text(changes)}")
         if self.enabled:
-            with open_own(self.run_dir / "settings_changes.jsonl", "a") as f:
+            path = self.run_dir / "settings_changes.jsonl"
+            with naming_the_file(path, "append to", INTACT), open_own(path, "a") as f:
                 f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
 
     def count_restart(self) -> None:

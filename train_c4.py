@@ -16,7 +16,7 @@ checkpoint protocol), prefetch.py (data read ahead), monitor.py (config.json's r
 
 from __future__ import annotations
 
-import contextlib, dataclasses, functools, glob, hashlib, itertools, json, math, os, random, re, signal, sys, tempfile, time
+import contextlib, dataclasses, functools, glob, hashlib, itertools, json, math, os, random, re, signal, sys, time
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,9 +46,9 @@ from failures import classify_failure, exit_process, failure
 from flags import COUNT, NATURAL, option
 from monitor import WANDB_MODES, Progress, announce, device_name, run_record, start_wandb, wandb_record
 from plan import flops_per_token, gpu_peak_flops
-from prefetch import Loader
+from prefetch import Loader, dataset_cache, hf_cache_refused, in_hf_cache
 from run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
-                        held_run_folder, resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
+                        resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -878,16 +878,6 @@ def parse_c4_line(line: str) -> str | None:
     return text if isinstance(text, str) and text.strip() else None
 
 
-def in_hf_cache(error: Exception) -> bool:
-    """Whether `error` is the file system refusing datasets' cache folder (HF_DATASETS_CACHE, under HF_HOME) or
-    a folder above it that it tried to create: a cause no data file can fix."""
-    import datasets
-    if not (isinstance(error, OSError) and error.filename):
-        return False
-    cache, refused = Path(datasets.config.HF_DATASETS_CACHE).absolute(), Path(error.filename).absolute()
-    return refused == cache or refused in cache.parents or cache in refused.parents
-
-
 class DocumentStream:
     """Virtual stream `rank` of `world`: its documents in an order fixed by the seed, resumable exactly. Lines are
     parsed here, so a malformed line is skipped rather than failing its shard; the shuffle buffer is ours, since
@@ -907,9 +897,7 @@ class DocumentStream:
         from datasets.distributed import split_dataset_by_node
         order = range(len(self.files)) if self.seed is None else torch.randperm(
             len(self.files), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        # local files need no cache (streaming reads them in place): datasets' lock file goes to a temporary folder,
-        # so that an unwritable HF_HOME or HF_DATASETS_CACHE never stops a run on local files
-        with contextlib.nullcontext() if self.remote else tempfile.TemporaryDirectory() as cache:
+        with dataset_cache(self.remote) as cache:
             stream = datasets.load_dataset("text", data_files=[self.files[i] for i in order], split="train",
                                            streaming=True, encoding_errors="replace", cache_dir=cache)
         stream = split_dataset_by_node(stream, rank=self.rank, world_size=self.world)
@@ -951,8 +939,7 @@ class DocumentStream:
         do not retry together; local files are not retried."""
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if self.remote and in_hf_cache(error):
-            raise ConfigError(f"the Hugging Face cache cannot be written ({cause}); set HF_HOME (or HF_DATASETS_CACHE) "
-                              "to a writable folder, or train on local files (--data sample, or a glob)") from error
+            raise hf_cache_refused(cause) from error
         if not self.remote:
             raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
         unreachable = contract.hub_unreachable(error)
@@ -1263,7 +1250,6 @@ class Trainer:
     dtype: torch.dtype
     log: RunLog
     run_dir: Path
-    held_folder: int            # the run folder as opened at the start (run_folder.held_run_folder)
     peak_flops: float | None
     flops_per_token: float
     step: int = 0
@@ -1355,7 +1341,7 @@ class Trainer:
             if sharded is None:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
         write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded,
-                         self.held_folder)
+                         self.log.folder)
         self.log.live["last_checkpoint_step"] = self.step
         if self.loader.skipped:
             self.log.info(f"data: {self.loader.skipped} malformed or empty lines skipped so far")
@@ -1507,7 +1493,6 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum, data = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
     log = RunLog(run_dir, dist.is_main)                 # locks the run folder before anything of it is read
-    held_folder = held_run_folder(run_dir)              # every rank writes its checkpoint files relative to it
     with log.recording_start_failure(lambda error: classify_failure(error, micro)):
         changes = check_resumable(run_dir, cfg, log)
         dtype = compute_dtype(cfg, dist.device)
@@ -1524,13 +1509,12 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
         loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
         params = count_parameters(cfg)
-        trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir, held_folder,
+        trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir,
                           gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
         trainer.restore()
         trainer.log.record_changes(changes, trainer.step)
         record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
-        if dist.is_main:
-            write_json_atomic(run_dir / "config.json", record)
+        log.write_config(record)
         trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
         announce(trainer, params, record, held_out_source(data, cfg.val_data), odd_settings(cfg))
         return trainer
@@ -1560,8 +1544,7 @@ def train(cfg: Config) -> None:
             # this rank failed first; rank 0 may be killed by torchrun before it can record why
             write_json_atomic(trainer.run_dir / "status.json", {"state": "failed", "step": trainer.step,
                               "exit_code": code, "reason": status, "updated": time.time()})
-        with contextlib.suppress(OSError):  # a disk refusing even status.json: the printed line still says why
-            log.status("failed", trainer.step, code, status)
+        reason += log.record_failure(trainer.step, code, status)
         raise RunFailed(code, reason) from error
     finally:
         trainer.loader.close()

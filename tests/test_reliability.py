@@ -497,32 +497,54 @@ def test_a_running_state_on_a_full_disk_leaves_the_reserve_for_the_final_state(t
         real_write(path, obj)
 
     monkeypatch.setattr(run_folder, "write_json_atomic", full_while_reserved)
-    with pytest.raises(OSError):
+    with pytest.raises(run_folder.WriteFailed):
         log.status("running", 12)
     assert (tmp_path / ".status-reserve").exists()
     log.status("failed", 12, 1, "could not append step 13 (No space left on device)")
     assert status_of(tmp_path)["state"] == "failed"
 
 
-def test_a_full_disk_after_a_checkpoint_still_records_the_failure(tmp_path):
-    """The disk fills right after step-10 is sealed: the next `running` state fails the run, which is recorded."""
-    prelude = """
+def run_with_status_writes_failing_after_step_10(tmp_path, when: str, error: str):
+    """The tiny trainer in a fresh process whose status.json writes raise `error` once step-10 is sealed, while `when`
+    holds (both Python source)."""
+    prelude = f"""
 import errno, run_folder
-_seal, _write, _full = run_folder.seal, run_folder.write_json_atomic, []
+_seal, _write, _sealed = run_folder.seal, run_folder.write_json_atomic, []
 def seal(*args):
     _seal(*args)
-    _full.append(True)
+    _sealed.append(True)
 def write(path, obj):
-    if _full and run_folder.Path(path.parent / ".status-reserve").exists():
-        raise OSError(errno.ENOSPC, "No space left on device")
+    if _sealed and {when}:
+        raise {error}
     _write(path, obj)
 run_folder.seal, run_folder.write_json_atomic = seal, write
 """
     code = f"{prelude}\nimport sys, train_c4\nsys.exit(train_c4.main({['--preset', 'tiny', '--out', str(tmp_path)]!r}))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_a_full_disk_after_a_checkpoint_still_records_the_failure(tmp_path):
+    """The disk fills right after step-10 is sealed: the next `running` state fails the run, which is recorded."""
+    reserved = 'run_folder.Path(path.parent / ".status-reserve").exists()'
+    result = run_with_status_writes_failing_after_step_10(tmp_path, reserved, 'OSError(errno.ENOSPC, "No space left '
+                                                          'on device")')
     assert result.returncode == 1 and one_line(result.stderr), result.stderr
+    assert f"could not record the state running in {tmp_path / RUN / 'status.json'} (No space left on device); " \
+           "metrics.jsonl and the checkpoints are intact" in result.stderr
     status = status_of(tmp_path / RUN)
     assert status["state"] == "failed" and "No space left on device" in status["reason"]
+
+
+def test_a_run_folder_made_immutable_mid_run_names_the_file_and_that_status_json_is_stale(tmp_path):
+    """chattr +i on the run folder after step-10 is sealed: no file can be created in it (status.json's temp file);
+    the line names status.json, what is intact, and that status.json could not record the failure."""
+    result = run_with_status_writes_failing_after_step_10(tmp_path, "True", 'PermissionError(errno.EPERM, "Operation '
+                                                          'not permitted", str(path.with_name(f".{path.name}.tmp")))')
+    assert result.returncode == 1 and one_line(result.stderr), result.stderr
+    assert "could not record the state running in" in result.stderr and "status.json (Operation not permitted)" in \
+        result.stderr and "checkpoints are intact" in result.stderr, result.stderr
+    assert result.stderr.rstrip().endswith("status.json could not record the failure either (Operation not permitted)")
+    assert (tmp_path / RUN / "checkpoints" / "step-10").is_dir()
 
 
 def test_a_lock_that_is_a_folder_is_refused_and_recorded(tmp_path):
