@@ -40,16 +40,14 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from hcstudy import config_flags as flags
-from hcstudy.kernels import choice
-from hcstudy.kernels import fused
+from hcstudy.kernels import choice, fused
 from hcstudy.planner import memory as plan
 from hcstudy.failures import classify_failure, exit_process, failure
 from hcstudy.config_flags import COUNT, NATURAL, option
 from hcstudy.progress import Progress
 from hcstudy.run_record import announce, device_name, run_record
 from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
-from hcstudy.planner.memory import flops_per_token, gpu_peak_flops
-from hcstudy.readahead import Loader
+from hcstudy.readahead import Loader, dataset_cache, hf_cache_refused, in_hf_cache
 from hcstudy.run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
                         resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
@@ -900,8 +898,9 @@ class DocumentStream:
         from datasets.distributed import split_dataset_by_node
         order = range(len(self.files)) if self.seed is None else torch.randperm(
             len(self.files), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        stream = datasets.load_dataset("text", data_files=[self.files[i] for i in order], split="train",
-                                       streaming=True, encoding_errors="replace")
+        with dataset_cache(self.remote) as cache:
+            stream = datasets.load_dataset("text", data_files=[self.files[i] for i in order], split="train",
+                                           streaming=True, encoding_errors="replace", cache_dir=cache)
         stream = split_dataset_by_node(stream, rank=self.rank, world_size=self.world)
         if self.position is not None:
             stream.load_state_dict(self.position)
@@ -940,6 +939,8 @@ class DocumentStream:
         """Hub errors are retried with exponential backoff and jitter, so that ranks hitting a rate limit together
         do not retry together; local files are not retried."""
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if self.remote and in_hf_cache(error):
+            raise hf_cache_refused(cause) from error
         if not self.remote:
             raise ConfigError(f"a data shard is unreadable ({cause}); check the files of --data") from error
         unreachable = contract.hub_unreachable(error)
@@ -1340,7 +1341,8 @@ class Trainer:
             files["train_state.pt"] = {"step": self.step, "tokens": self.tokens}
             if sharded is None:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
-        write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded)
+        write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded,
+                         self.log.folder)
         self.log.live["last_checkpoint_step"] = self.step
         if self.loader.skipped:
             self.log.info(f"data: {self.loader.skipped} malformed or empty lines skipped so far")
@@ -1508,13 +1510,12 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
         loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
         params = count_parameters(cfg)
-        trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir,
-                          gpu_peak_flops(device_name(dist.device)), flops_per_token(cfg, params["non_embedding"]))
+        peak, flops = plan.gpu_peak_flops(device_name(dist.device)), plan.flops_per_token(cfg, params["non_embedding"])
+        trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir, peak, flops)
         trainer.restore()
         trainer.log.record_changes(changes, trainer.step)
         record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
-        if dist.is_main:
-            write_json_atomic(run_dir / "config.json", record)
+        log.write_config(record)
         trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
         announce(trainer, params, record, held_out_source(data, cfg.val_data), odd_settings(cfg))
         return trainer
@@ -1544,8 +1545,7 @@ def train(cfg: Config) -> None:
             # this rank failed first; rank 0 may be killed by torchrun before it can record why
             write_json_atomic(trainer.run_dir / "status.json", {"state": "failed", "step": trainer.step,
                               "exit_code": code, "reason": status, "updated": time.time()})
-        with contextlib.suppress(OSError):  # a disk refusing even status.json: the printed line still says why
-            log.status("failed", trainer.step, code, status)
+        reason += log.record_failure(trainer.step, code, status)
         raise RunFailed(code, reason) from error
     finally:
         trainer.loader.close()

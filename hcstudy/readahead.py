@@ -6,11 +6,12 @@ states of the streams kept for checkpoints (docs/data.md).
 """
 from __future__ import annotations
 
-import contextlib, ctypes, itertools, multiprocessing, os, queue, signal, sys, threading, time
+import contextlib, ctypes, itertools, multiprocessing, os, queue, signal, sys, tempfile, threading, time
+from pathlib import Path
 
 import torch
 
-from hcstudy.contract import DataUnavailable, TrainerError
+from hcstudy.contract import ConfigError, DataUnavailable, TrainerError
 
 
 class _StepShares(torch.utils.data.IterableDataset):
@@ -163,3 +164,25 @@ class Loader:
         if self.shares is not None and not self.workers:
             self.thread.join(timeout=60)
         self.received = None
+
+
+def dataset_cache(remote: bool):
+    """Where datasets puts its lock file while it sets a stream up: its cache (HF_DATASETS_CACHE, under HF_HOME) for
+    the hub; a temporary folder for local files, which need no cache, so that an unwritable one never stops them."""
+    return contextlib.nullcontext() if remote else tempfile.TemporaryDirectory()
+
+
+def in_hf_cache(error: Exception) -> bool:
+    """Whether `error` is the file system refusing datasets' cache folder (HF_DATASETS_CACHE, under HF_HOME) or
+    a folder above it that it tried to create: a cause no data file can fix."""
+    import datasets
+    if not (isinstance(error, OSError) and error.filename):
+        return False
+    cache, refused = Path(datasets.config.HF_DATASETS_CACHE).absolute(), Path(error.filename).absolute()
+    return refused == cache or refused in cache.parents or cache in refused.parents
+
+
+def hf_cache_refused(cause: str) -> ConfigError:
+    return ConfigError(f"the Hugging Face cache cannot be written ({cause}); set HF_HOME (or HF_DATASETS_CACHE) to "
+                       "a writable folder, or train on local files (--data sample, or a glob)")
+

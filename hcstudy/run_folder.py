@@ -7,7 +7,7 @@ without unpickling arbitrary objects (docs/reliability.md).
 """
 from __future__ import annotations
 
-import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, random, shutil, socket, sys, tempfile, time
+import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, random, shutil, sys, tempfile, time
 import warnings
 from pathlib import Path
 
@@ -63,8 +63,7 @@ def save_file(obj, path: Path) -> None:
 def open_own(path: Path, mode: str):
     """open(path, mode) for a file of the run folder, never through a symbolic link (O_NOFOLLOW): a link there
     would point the write at a file outside the folder."""
-    flags = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
-             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode]
+    flags = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode]
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as error:
@@ -90,6 +89,24 @@ def write_atomically(path: Path, write) -> None:
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+
+
+class WriteFailed(TrainerError):
+    """A write of the run folder that the file system refused, as one line naming the file and what is intact."""
+
+
+@contextlib.contextmanager
+def naming_the_file(path: Path, what: str, intact: str):
+    """An OSError inside becomes WriteFailed: "could not `what` `path` (cause); `intact`". A full disk's error from
+    write() names no file ("No space left on device" alone)."""
+    try:
+        yield
+    except OSError as error:
+        raise WriteFailed(f"could not {what} {path} ({first_cause(error)}); {intact}; free disk space (or fix the "
+                          "permission) and rerun to resume") from error
+
+
+INTACT = "metrics.jsonl and the checkpoints are intact"
 
 
 def check_writable_folder(folder: Path, what: str) -> None:
@@ -119,20 +136,34 @@ def refuse_links(run_dir: Path) -> None:
 def lock_run_folder(run_dir: Path):
     """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
     so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
-    handle = open_own(run_dir / ".lock", "a+")
+    lock = run_dir / ".lock"
+    handle = open_own(lock, "a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        handle.seek(0)
-        holder = handle.read().strip()[:200] or "another process"
         handle.close()
+        holder = lock_holder(lock)
+        # a PID written into the file could be a dead trainer's, since reused: only the kernel's own record is named
+        holder = f"process {holder}" if holder else f"another process (`fuser {lock}` names it)"
         raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
                           "--run-name or --out") from None
-    with contextlib.suppress(OSError):     # the flock is the lock; the note only names its holder (a full disk)
-        handle.truncate(0)
-        handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
     return handle
+
+
+def lock_holder(lock: Path) -> int | None:
+    """The live process holding the flock on `lock`, from the kernel's table of locks (/proc/locks: "1: FLOCK
+    ADVISORY WRITE PID MAJOR:MINOR:INODE 0 EOF"); None where the table does not name one (a holder on another node
+    of a network file system, or in another PID namespace, a system without /proc)."""
+    try:
+        info, table = os.stat(lock), Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for fields in map(str.split, table.splitlines()):
+        if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode] and fields[4].isdigit() and \
+                Path(f"/proc/{fields[4]}").exists():
+            return int(fields[4])
+    return None
 
 
 def _same_file(stream, path: Path) -> bool:
@@ -147,7 +178,8 @@ STATUS_RESERVE_BYTES = 1 << 20     # far more than any status.json; random bytes
 
 
 class RunLog:
-    """The run folder's human and machine logs; only rank 0 writes."""
+    """The run folder's human and machine logs; only rank 0 writes them. Every rank holds the run folder as opened at
+    the start (`folder`: held_run_folder), which its checkpoint files are written relative to."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
@@ -167,6 +199,7 @@ class RunLog:
             tee = not _same_file(sys.stdout, run_dir / "train.log")
             self.log_file = open_own(run_dir / "train.log", "a") if tee else None
             self.metrics_file = None
+        self.folder = held_run_folder(run_dir)
 
     def info(self, message: str, terminal: bool = True) -> None:
         """A line for train.log, and for the terminal unless it already shows the same (the progress bar, the
@@ -178,7 +211,8 @@ class RunLog:
             (self.bar.write if self.bar else print)(line)
             sys.stdout.flush()
         if self.log_file:
-            self.log_file.write(line + "\n")
+            with naming_the_file(self.run_dir / "train.log", "append to", INTACT):
+                self.log_file.write(line + "\n")
 
     def open_metrics(self, keep_through_step: int) -> None:
         """Drop lines after the checkpoint being resumed (they are recomputed identically), then append."""
@@ -192,18 +226,17 @@ class RunLog:
             if unusable:
                 self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
                           "dropped")
-            write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-        self.metrics_file = open_own(path, "a")
+            with naming_the_file(path, "rewrite", "it is unchanged and the checkpoints are intact"):
+                write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+        with naming_the_file(path, "open", INTACT):
+            self.metrics_file = open_own(path, "a")
 
     def metrics(self, record: dict) -> None:
         if self.enabled:
-            try:
+            with naming_the_file(self.run_dir / "metrics.jsonl", f"append step {record['step']} to",
+                                 "the lines before it and the checkpoints are intact"):
                 self.metrics_file.write(json.dumps(record) + "\n")
                 self.metrics_file.flush()
-            except OSError as error:
-                raise TrainerError(f"could not append step {record['step']} to {self.run_dir / 'metrics.jsonl'} "
-                                   f"({first_cause(error)}); the lines before it and the checkpoints are intact, "
-                                   "free disk space and rerun to resume") from error
 
     def status(self, state: str, step: int, exit_code: int | None = None, reason: str = "") -> None:
         """status.json, rewritten atomically on every change of state and at every log step; only a final state
@@ -212,18 +245,34 @@ class RunLog:
             return
         record = {"state": state, "step": step, "exit_code": exit_code, "reason": reason, "updated": time.time(),
                   **self.live}
+        with naming_the_file(self.run_dir / "status.json", f"record the state {state} in", INTACT):
+            try:
+                write_json_atomic(self.run_dir / "status.json", record)
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT) or state == "running" or not self.reserve.exists():
+                    raise
+                self.reserve.unlink()
+                write_json_atomic(self.run_dir / "status.json", record)
+
+    def record_failure(self, step: int, code: int, reason: str) -> str:
+        """Records `failed`; returns what the printed line must add when status.json cannot take it (it keeps
+        the state before)."""
         try:
-            write_json_atomic(self.run_dir / "status.json", record)
-        except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or state == "running" or not self.reserve.exists():
-                raise
-            self.reserve.unlink()
-            write_json_atomic(self.run_dir / "status.json", record)
+            self.status("failed", step, code, reason)
+            return ""
+        except WriteFailed as unrecorded:
+            return f"; status.json could not record the failure either ({first_cause(unrecorded.__cause__)})"
+
+    def write_config(self, record: dict) -> None:
+        """config.json: the run's record (train_c4.run_record)."""
+        if self.enabled:
+            with naming_the_file(self.run_dir / "config.json", "write", INTACT):
+                write_json_atomic(self.run_dir / "config.json", record)
 
     def refuse(self, reason: str) -> ConfigError:
         """A resume that cannot go on, recorded as failed (exit 2) at the step status.json had, and returned."""
         step = self.previous_status().get("step")
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(WriteFailed):
             self.status("failed", step if type(step) is int else 0, EXIT_BAD_CONFIG, reason)
         return ConfigError(reason)
 
@@ -236,7 +285,7 @@ class RunLog:
         except BaseException as error:
             if not self.previous_status():
                 code, reason = classify(error)
-                with contextlib.suppress(OSError):      # a full disk: the printed line still says why
+                with contextlib.suppress(WriteFailed):      # a full disk: the printed line still says why
                     self.status("failed", 0, code, reason)
             raise
 
@@ -290,7 +339,8 @@ class RunLog:
         self.info(f"continuing at step {step} under changed settings (--allow-changed-settings): "
                   f"{changes_text(changes)}")
         if self.enabled:
-            with open_own(self.run_dir / "settings_changes.jsonl", "a") as f:
+            path = self.run_dir / "settings_changes.jsonl"
+            with naming_the_file(path, "append to", INTACT), open_own(path, "a") as f:
                 f.write(json.dumps({"time": time.time(), "step": step, "changes": changes}) + "\n")
 
     def count_restart(self) -> None:
@@ -383,15 +433,48 @@ def set_rng_state(state: dict) -> None:
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """Checkpoint folders `step-N`, oldest first (temp and set-aside folders are never listed)."""
-    root = run_dir / "checkpoints"
+    return step_folders(run_dir / "checkpoints")
+
+
+def step_folders(root: Path) -> list[Path]:
     found = [d for d in root.glob("step-*") if d.name[5:].isascii() and d.name[5:].isdigit()] if root.is_dir() else []
     return sorted(found, key=lambda d: int(d.name[5:]))
 
 
-def prune(run_dir: Path, keep: int) -> None:
-    """Only the newest `keep` checkpoints stay (also on a resume: a kill may land between a seal and its prune)."""
-    for old in checkpoint_dirs(run_dir)[:-keep]:
+def prune(root: Path, keep: int) -> None:
+    """Only the newest `keep` checkpoints of the folder `root` stay (also on a resume: a kill may land between a seal
+    and its prune)."""
+    for old in step_folders(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def held_run_folder(run_dir: Path) -> int:
+    """The run folder opened once, at the start, and held for the run's life (every rank): checkpoints are written
+    relative to it, so that a folder or a link put in its place later never receives them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+@contextlib.contextmanager
+def checkpoints_folder(run_dir: Path, held: int):
+    """RUN/checkpoints, created if needed and opened inside the held run folder without following a link, as a path
+    that reaches the folder opened whatever is renamed or linked later (/proc/self/fd/N: torch.save and DCP take
+    paths). refuse_links checks the start; a link put in its place during the run is refused here (exit 2)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir("checkpoints", dir_fd=held)
+    try:
+        fd = os.open("checkpoints", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=held)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise ConfigError(f"{run_dir / 'checkpoints'} was replaced during the run by a symbolic link or a file; a "
+                          "checkpoint is never written through one: put the folder itself back and rerun to resume "
+                          "(metrics.jsonl is intact)") from None
+    try:
+        opened = Path(f"/proc/self/fd/{fd}")
+        yield opened if opened.is_dir() else run_dir / "checkpoints"     # no /proc (not Linux): its checked path
+    finally:
+        os.close(fd)
 
 
 def set_aside(folder: Path) -> Path:
@@ -484,36 +567,38 @@ def contents_problem(files: dict, marker: dict) -> str | None:
 # the protocol every rank runs together: write, verify, fall back (`dist`: train_c4.Dist's rank, world and
 # collectives)
 
-def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sharded: dict | None = None) -> None:
+def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sharded: dict | None = None,
+                     held: int | None = None) -> None:
     """Every rank passes the files it owns and, under FSDP, its shards of the model and optimizer
     (`sharded`, written with torch.distributed.checkpoint into SHARDED/). The folder appears under its
-    final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included."""
-    root = run_dir / "checkpoints"
-    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included. Written
+    into checkpoints_folder of `held`, the run folder as opened at the start (held_run_folder; None: opened now)."""
     from torch.distributed.checkpoint import CheckpointException
-    try:
-        if dist.is_main:
+    with checkpoints_folder(run_dir, held_run_folder(run_dir) if held is None else held) as root:
+        final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+        try:
+            if dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            dist.barrier()
+            for name, obj in files.items():
+                save_file(obj, tmp / name)
+            written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
+            dist.barrier()
+            # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
+            digests = dist.gather({name: sha256(tmp / name) for name in written})
+            if dist.is_main:
+                marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
+                          "files": dict(sorted(item for part in digests for item in part.items()))}
+                seal(tmp, final, marker)
+                prune(root, keep)
+        except (OSError, CheckpointException) as error:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        for name, obj in files.items():
-            save_file(obj, tmp / name)
-        written = list(files) + (_write_shards(sharded, tmp, dist) if sharded is not None else [])
-        dist.barrier()
-        # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
-        digests = dist.gather({name: sha256(tmp / name) for name in written})
-        if dist.is_main:
-            marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
-                      "files": dict(sorted(item for part in digests for item in part.items()))}
-            seal(tmp, final, marker)
-            prune(run_dir, keep)
-    except (OSError, CheckpointException) as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = checkpoint_dirs(run_dir)
-        intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
-                  "metrics.jsonl is intact (no earlier checkpoint exists)")
-        raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
-                           "space (or fix the permission) and rerun to resume") from error
+            kept = step_folders(root)
+            intact = (f"the previous checkpoint {kept[-1].name} and metrics.jsonl are intact" if kept else
+                      "metrics.jsonl is intact (no earlier checkpoint exists)")
+            raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
+                               "space (or fix the permission) and rerun to resume") from error
     dist.barrier()
 
 
@@ -580,7 +665,7 @@ def resume_from(run_dir: Path, dist, load, log, ckpt_every: int, keep: int) -> t
                     break
                 log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
             if dist.is_main:
-                prune(run_dir, keep)
+                prune(run_dir / "checkpoints", keep)
             return folder, files
         fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
     if problems:

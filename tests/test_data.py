@@ -182,6 +182,28 @@ def test_a_failed_name_lookup_is_not_retried(tmp_path, monkeypatch):
     assert delays == []
 
 
+@pytest.mark.parametrize("variable", ["HF_HOME", "HF_DATASETS_CACHE"])
+def test_local_files_are_read_without_a_writable_hugging_face_cache(variable):
+    """The bundled sample needs no cache: an unwritable HF_HOME or HF_DATASETS_CACHE does not stop it."""
+    read = ("import sys, train_c4 as T; files = T.resolve_data_files('sample').train; "
+            "stream = T.DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0); print(next(iter(stream))[:20])")
+    result = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env={**os.environ, variable: "/proc/nope"})
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-2000:]
+
+
+def test_an_unwritable_hugging_face_cache_is_named_as_the_cause_for_the_hub(tmp_path, monkeypatch):
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path("/proc/nope/datasets"))
+    stream = T.DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
+    stream.remote = True
+    refused = FileNotFoundError(2, "No such file or directory", "/proc/nope")
+    monkeypatch.setattr(stream, "_open_epoch", lambda: (_ for _ in ()).throw(refused))
+    monkeypatch.setattr(T.time, "sleep", lambda seconds: pytest.fail("a cache that cannot be written is not retried"))
+    with pytest.raises(T.ConfigError, match=r"Hugging Face cache cannot be written .*/proc/nope.*HF_HOME"):
+        next(iter(stream))
+
+
 def test_the_hub_unreachable_at_the_start_leaves_failed_with_the_reason(tmp_path, monkeypatch, capsys):
     def unreachable(*args):
         raise T.DataUnavailable("the hub cannot be reached (ConnectionError: ...)")

@@ -148,12 +148,12 @@ def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(t
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Path, "write_text", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(run_folder.WriteFailed, match=r"could not record the state running in .*status.json \(No space"):
         log.status("running", 5)
     # a running state leaves the reserve to the final state
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".status-reserve", "metrics.jsonl", "status.json",
                                                           "train.log"]
-    with pytest.raises(OSError):
+    with pytest.raises(run_folder.WriteFailed, match=r"status.json .*; metrics.jsonl and the checkpoints are intact"):
         log.status("failed", 5, 1, "No space left on device")
     # the status-reserve file was spent on a second try, which failed too
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl", "status.json", "train.log"]
@@ -169,6 +169,19 @@ def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(t
     log.metrics_file = OverQuota()
     with pytest.raises(T.TrainerError, match=r"could not append step 3 .*Disk quota exceeded.*intact"):
         log.metrics({"step": 3})
+
+
+def test_a_full_disk_refusing_train_log_names_it_and_what_is_intact(tmp_path):
+    log = run_folder.RunLog(tmp_path, enabled=True)
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")        # write() names no file
+
+    log.log_file = FullDisk()
+    with pytest.raises(run_folder.WriteFailed, match=r"could not append to .*train.log \(No space left on device\); "
+                                                    r"metrics.jsonl and the checkpoints are intact"):
+        log.info("step 12/20", terminal=False)
 
 
 def test_a_file_size_limit_ends_the_run_with_one_line_and_status_failed(tmp_path):

@@ -78,11 +78,38 @@ def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished,
 
 def test_a_lock_left_by_a_dead_process_does_not_block(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
-    dead = subprocess.run([sys.executable, "-c", "import run_folder, pathlib, sys; "
+    dead = subprocess.run([sys.executable, "-c", "from hcstudy import run_folder; import pathlib, sys; "
                            f"run_folder.lock_run_folder(pathlib.Path({str(run_dir)!r})); sys.exit(0)"], cwd=ROOT)
-    assert dead.returncode == 0 and "process" in (run_dir / ".lock").read_text()
+    assert dead.returncode == 0 and (run_dir / ".lock").exists()
     code, stdout, stderr = run(out)
     assert code == 0 and "completed 20 steps" in stdout, stderr
+
+
+def test_the_lock_names_its_live_holder_never_a_pid_written_in_the_file(tmp_path):
+    """A trainer killed leaves its PID in an old lock file, and the PID may since be another process's: the holder
+    named is the one the kernel's lock table gives."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = dead.stdout.strip()
+    (tmp_path / ".lock").write_text(f"process {stale} on {os.uname().nodename}\n")
+    hold = ("import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); "
+            "sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / ".lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(T.ConfigError) as refused:
+            run_folder.lock_run_folder(tmp_path)
+    finally:
+        holder.communicate("")
+    assert f"in use by process {holder.pid};" in str(refused.value) and f"process {stale} " not in str(refused.value)
+
+
+def test_a_lock_whose_holder_the_kernel_does_not_name_says_how_to_find_it(tmp_path, monkeypatch):
+    holder = run_folder.lock_run_folder(tmp_path)
+    monkeypatch.setattr(run_folder, "lock_holder", lambda lock: None)     # a holder on another node
+    with pytest.raises(T.ConfigError, match=r"in use by another process \(`fuser .*/\.lock` names it\)"):
+        run_folder.lock_run_folder(tmp_path)
+    holder.close()
 
 
 # ---- damaged, symlinked or misnamed checkpoints
@@ -398,6 +425,43 @@ def test_the_run_folders_files_are_never_opened_through_a_link(tmp_path):
     assert victim.read_text() == "data\n"
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoints_link_swapped_in_during_the_run_is_never_written_through(tmp_path, sharded):
+    """The trainer paused, checkpoints/ moved out of the run folder and a link put in its place, the trainer going on:
+    the next checkpoint is refused (exit 2), nothing written through the link."""
+    run_dir, outside = tmp_path / "out" / RUN, tmp_path / "moved"
+    held = run_folder.held_run_folder(run_dir)
+    shards = {"model": {"w": torch.ones(3)}} if sharded else None
+    run_folder.write_checkpoint(run_dir, 4, {"train_state.pt": {"step": 4}}, ONE, keep=5, sharded=shards, held=held)
+    os.replace(run_dir / "checkpoints", outside)
+    (run_dir / "checkpoints").symlink_to(outside)
+    with pytest.raises(T.ConfigError, match=r"checkpoints was replaced during the run by a symbolic link"):
+        run_folder.write_checkpoint(run_dir, 8, {"train_state.pt": {"step": 8}}, ONE, keep=5, sharded=shards, held=held)
+    assert [p.name for p in outside.iterdir()] == ["step-4"]
+
+
+def test_a_run_folder_moved_during_the_run_keeps_its_checkpoints_off_what_is_put_in_its_place(tmp_path, monkeypatch):
+    """Every write of a checkpoint goes through the folders opened at the start, also DCP's (it takes a path): a
+    link swapped in while DCP writes does not take its files."""
+    import torch.distributed.checkpoint as dcp
+    run_dir, outside = tmp_path / "out" / RUN, tmp_path / "moved"
+    held = run_folder.held_run_folder(run_dir)
+    real_save = dcp.save
+
+    def swap_then_save(*args, **kwargs):
+        os.replace(run_dir, outside)
+        run_dir.mkdir()
+        (run_dir / "checkpoints").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+        (tmp_path / "elsewhere").mkdir()
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", swap_then_save)
+    run_folder.write_checkpoint(run_dir, 4, {"train_state.pt": {"step": 4}}, ONE, keep=5,
+                                sharded={"model": {"w": torch.ones(3)}}, held=held)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    assert run_folder.read_marker(outside / "checkpoints" / "step-4")["format"] == "sharded"
+
+
 @pytest.mark.parametrize("emptied", [True, False])
 def test_a_run_with_history_but_no_checkpoint_is_refused_and_resume_never_moves_it_aside(finished, tmp_path,
                                                                                          emptied):
@@ -433,32 +497,55 @@ def test_a_running_state_on_a_full_disk_leaves_the_reserve_for_the_final_state(t
         real_write(path, obj)
 
     monkeypatch.setattr(run_folder, "write_json_atomic", full_while_reserved)
-    with pytest.raises(OSError):
+    with pytest.raises(run_folder.WriteFailed):
         log.status("running", 12)
     assert (tmp_path / ".status-reserve").exists()
     log.status("failed", 12, 1, "could not append step 13 (No space left on device)")
     assert status_of(tmp_path)["state"] == "failed"
 
 
-def test_a_full_disk_after_a_checkpoint_still_records_the_failure(tmp_path):
-    """The disk fills right after step-10 is sealed: the next `running` state fails the run, which is recorded."""
-    prelude = """
-import errno, run_folder
-_seal, _write, _full = run_folder.seal, run_folder.write_json_atomic, []
+def run_with_status_writes_failing_after_step_10(tmp_path, when: str, error: str):
+    """The tiny trainer in a fresh process whose status.json writes raise `error` once step-10 is sealed, while `when`
+    holds (both Python source)."""
+    prelude = f"""
+import errno
+from hcstudy import run_folder
+_seal, _write, _sealed = run_folder.seal, run_folder.write_json_atomic, []
 def seal(*args):
     _seal(*args)
-    _full.append(True)
+    _sealed.append(True)
 def write(path, obj):
-    if _full and run_folder.Path(path.parent / ".status-reserve").exists():
-        raise OSError(errno.ENOSPC, "No space left on device")
+    if _sealed and {when}:
+        raise {error}
     _write(path, obj)
 run_folder.seal, run_folder.write_json_atomic = seal, write
 """
     code = f"{prelude}\nimport sys, train_c4\nsys.exit(train_c4.main({['--preset', 'tiny', '--out', str(tmp_path)]!r}))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_a_full_disk_after_a_checkpoint_still_records_the_failure(tmp_path):
+    """The disk fills right after step-10 is sealed: the next `running` state fails the run, which is recorded."""
+    reserved = 'run_folder.Path(path.parent / ".status-reserve").exists()'
+    result = run_with_status_writes_failing_after_step_10(tmp_path, reserved, 'OSError(errno.ENOSPC, "No space left '
+                                                          'on device")')
     assert result.returncode == 1 and one_line(result.stderr), result.stderr
+    assert f"could not record the state running in {tmp_path / RUN / 'status.json'} (No space left on device); " \
+           "metrics.jsonl and the checkpoints are intact" in result.stderr
     status = status_of(tmp_path / RUN)
     assert status["state"] == "failed" and "No space left on device" in status["reason"]
+
+
+def test_a_run_folder_made_immutable_mid_run_names_the_file_and_that_status_json_is_stale(tmp_path):
+    """chattr +i on the run folder after step-10 is sealed: no file can be created in it (status.json's temp file);
+    the line names status.json, what is intact, and that status.json could not record the failure."""
+    result = run_with_status_writes_failing_after_step_10(tmp_path, "True", 'PermissionError(errno.EPERM, "Operation '
+                                                          'not permitted", str(path.with_name(f".{path.name}.tmp")))')
+    assert result.returncode == 1 and one_line(result.stderr), result.stderr
+    assert "could not record the state running in" in result.stderr and "status.json (Operation not permitted)" in \
+        result.stderr and "checkpoints are intact" in result.stderr, result.stderr
+    assert result.stderr.rstrip().endswith("status.json could not record the failure either (Operation not permitted)")
+    assert (tmp_path / RUN / "checkpoints" / "step-10").is_dir()
 
 
 def test_a_lock_that_is_a_folder_is_refused_and_recorded(tmp_path):
