@@ -13,6 +13,11 @@ TRAINER_EXIT_CODES = frozenset({EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OO
                                 EXIT_INTERRUPTED})
 
 
+# A checkpoint folder `checkpoints/step-N` is complete once it holds this marker (with its files' checksums): the
+# trainer resumes from the newest, and the launcher says so when it launches the job.
+CHECKPOINT_MARKER = "COMPLETE.json"
+
+
 class TrainerError(Exception):
     """An expected failure: its message is the one line the user sees, exit_code what the launcher reads."""
     exit_code = 1

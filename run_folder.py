@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from contract import EXIT_BAD_CONFIG, MODEL_KEYS, TRAINING_KEYS, ConfigError, TrainerError
+from contract import CHECKPOINT_MARKER as MARKER, EXIT_BAD_CONFIG, MODEL_KEYS, TRAINING_KEYS, ConfigError, TrainerError
 
 # ----------------------------------------------------------------------------------------------
 # files written whole or not at all
@@ -359,9 +359,6 @@ def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
 
 # ----------------------------------------------------------------------------------------------
 # checkpoint folders: temp folder + marker with checksums + rename; verified before anything is loaded
-
-MARKER = "COMPLETE.json"
-
 
 SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
 
