@@ -983,6 +983,9 @@ class TokenWindows:
         ids = [token for doc in self.tokenizer.encode_batch(texts) for token in (*doc, self.tokenizer.eot)]
         self.tokens = torch.cat([self.tokens, torch.tensor(ids, dtype=torch.long)])
         self.refills.append((before, len(ids)))
+        if len(self.refills) == 1 and self.offset >= len(self.tokens):     # a saved count is always inside its refill
+            raise ConfigError(f"the checkpoint's data position ({self.offset:,} tokens taken) lies past the "
+                              f"{len(self.tokens):,} tokens its documents hold; resume from another checkpoint")
 
     def take(self, count: int) -> torch.Tensor:
         need = count * self.window
@@ -1010,6 +1013,8 @@ class TokenWindows:
         self.documents.load_state_dict(state["documents"])
         self.refills, self._docs = [], iter(self.documents)
         if "taken" in state:
+            if type(state["taken"]) is not int or state["taken"] < 0:
+                raise ValueError(f"a data position of {state['taken']!r} tokens taken")
             self.tokens, self.offset = torch.zeros(0, dtype=torch.long), state["taken"]
         else:
             self.tokens, self.offset = state["tokens"][state["offset"]:], 0

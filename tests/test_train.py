@@ -337,6 +337,21 @@ def test_a_checkpoints_data_state_holds_positions_not_the_pending_tokens():
     assert saved_size(loader.state_dict()) < 100_000
 
 
+def test_a_data_position_past_its_documents_or_not_a_count_is_refused():
+    """A checkpoint's count of tokens taken is re-read from its documents: beyond them (or not a count) it is one
+    line, never an endless read of the stream."""
+    state = sample_batches().state_dict()
+    for stream in state["streams"].values():
+        stream["taken"] = 10 ** 12
+    loader = sample_batches()
+    loader.load_state_dict([state])
+    with pytest.raises(T.ConfigError, match="lies past the"):
+        loader.next_batch()
+    state["streams"]["0"]["taken"] = -1
+    with pytest.raises(ValueError, match="a data position of -1"):
+        sample_batches().load_state_dict([state])
+
+
 def test_a_data_state_that_holds_pending_tokens_resumes_exactly_and_saves_them_again():
     """A checkpoint written when states held the pending tokens resumes, and a checkpoint after it resumes too."""
     reference = sample_batches()
