@@ -963,23 +963,33 @@ class DocumentStream:
         self.skipped = state["skipped"]
 
 
+LEGACY_TOKENS = "pending tokens saved by an older checkpoint"
+
+
 class TokenWindows:
-    """Packs a document stream, documents separated by the end-of-text token, into seq_len + 1 windows. The pending
-    tokens' tensor is replaced, never modified, so a state snapshot is a reference and an offset."""
+    """Packs a document stream, documents separated by the end-of-text token, into seq_len + 1 windows. Its state is
+    the document stream's state before the documents whose tokens are still pending, and how many of their tokens
+    were taken: a resume encodes those documents again rather than a checkpoint holding their tokens (long documents
+    made that megabytes per stream). Packing does not depend on how many documents one encode takes."""
 
     def __init__(self, documents: DocumentStream, tokenizer, seq_len: int, docs_per_encode: int = 64):
         self.documents, self.tokenizer = documents, tokenizer
         self.window, self.docs_per_encode = seq_len + 1, docs_per_encode
         self.tokens, self.offset = torch.zeros(0, dtype=torch.long), 0
+        self.refills = []            # (the documents' state before a refill whose tokens are pending, its token count)
         self._docs = iter(documents)
 
     def _refill(self) -> None:
+        before = self.documents.state_dict()
         texts = [text for _, text in zip(range(self.docs_per_encode), self._docs)]
         if not texts:
             raise ConfigError("the data stream holds no usable document")
         ids = [token for doc in self.tokenizer.encode_batch(texts) for token in (*doc, self.tokenizer.eot)]
-        self.tokens = torch.cat([self.tokens[self.offset:], torch.tensor(ids, dtype=torch.long)])
-        self.offset = 0
+        self.tokens = torch.cat([self.tokens, torch.tensor(ids, dtype=torch.long)])
+        self.refills.append((before, len(ids)))
+        if len(self.refills) == 1 and self.offset >= len(self.tokens):     # a saved count is always inside its refill
+            raise ConfigError(f"the checkpoint's data position ({self.offset:,} tokens taken) lies past the "
+                              f"{len(self.tokens):,} tokens its documents hold; resume from another checkpoint")
 
     def take(self, count: int) -> torch.Tensor:
         need = count * self.window
@@ -987,15 +997,32 @@ class TokenWindows:
             self._refill()
         windows = self.tokens[self.offset:self.offset + need].view(count, self.window)
         self.offset += need
+        while self.refills and self.offset >= self.refills[0][1]:     # a refill wholly taken: its state is spent
+            length = self.refills.pop(0)[1]
+            self.tokens, self.offset = self.tokens[length:], self.offset - length
         return windows
 
     def state_dict(self) -> dict:
-        return {"documents": self.documents.state_dict(), "tokens": self.tokens, "offset": self.offset}
+        """`skipped` counts the malformed lines read so far, the documents' state those before its start."""
+        start = self.refills[0][0] if self.refills else self.documents.state_dict()
+        skipped = self.documents.skipped
+        if start is LEGACY_TOKENS:                # pending tokens that no document state can encode again
+            return {"documents": self.documents.state_dict(), "tokens": self.tokens[self.offset:].clone(), "offset": 0,
+                    "skipped": skipped}
+        return {"documents": start, "taken": self.offset, "skipped": skipped}
 
     def load_state_dict(self, state: dict) -> None:
+        """`taken` tokens are skipped when the documents are encoded again; a checkpoint that holds the pending
+        tokens themselves (written before states held `taken`) is read as it was written."""
         self.documents.load_state_dict(state["documents"])
-        self.tokens, self.offset = state["tokens"], state["offset"]
-        self._docs = iter(self.documents)
+        self.refills, self._docs = [], iter(self.documents)
+        if "taken" in state:
+            if type(state["taken"]) is not int or state["taken"] < 0:
+                raise ValueError(f"a data position of {state['taken']!r} tokens taken")
+            self.tokens, self.offset = torch.zeros(0, dtype=torch.long), state["taken"]
+        else:
+            self.tokens, self.offset = state["tokens"][state["offset"]:], 0
+            self.refills = [(LEGACY_TOKENS, len(self.tokens))]
 
 
 class RankBatches:

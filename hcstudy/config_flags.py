@@ -4,7 +4,10 @@ train_c4.Config declares every setting with option(default, group, allowed, help
 (--help grouped in field order), numbers parse as plain ASCII only, bounds (inclusive) and choices are checked, and
 every refusal is one line (contract.ConfigError: exit 2).
 """
-import argparse, dataclasses, re, textwrap
+import argparse
+import dataclasses
+import re
+import textwrap
 
 from hcstudy.contract import ConfigError
 

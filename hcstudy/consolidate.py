@@ -8,7 +8,11 @@ The trainer passes itself as `trainer` (its Config, GPT, validate and Dist): thi
 """
 from __future__ import annotations
 
-import dataclasses, functools, json, shutil, sys
+import dataclasses
+import functools
+import json
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -16,8 +20,18 @@ from safetensors.torch import save_file as save_safetensors
 
 from hcstudy import config_flags as flags
 from hcstudy.contract import MODEL_KEYS, ConfigError, TrainerError
-from hcstudy.run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause, safe_dcp,
-                        save_file, verified_checkpoints, write_atomically)
+from hcstudy.run_folder import (
+    MARKER,
+    SHARDED,
+    check_writable_folder,
+    checkpoint_dirs,
+    dcp_load,
+    first_cause,
+    safe_dcp,
+    save_file,
+    verified_checkpoints,
+    write_atomically,
+)
 
 
 def arguments(argv: list[str]) -> tuple[Path, Path]:

@@ -5,12 +5,20 @@ the codes and builds the same names; report.py parses them. The errors below car
 raises them, and so can a module beside it without importing train_c4. Standard library only: the launcher
 imports it without torch.
 """
-import contextlib, importlib.util, re, sys
+import contextlib
+import importlib.util
+import re
+import sys
 
 # The trainer's exit codes (the table in README.md, "Exit codes").
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = 0, 2, 3, 4, 5, 6, 75
 TRAINER_EXIT_CODES = frozenset({EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA,
                                 EXIT_INTERRUPTED})
+
+
+# A checkpoint folder `checkpoints/step-N` is complete once it holds this marker (with its files' checksums): the
+# trainer resumes from the newest, and the launcher says so when it launches the job.
+CHECKPOINT_MARKER = "COMPLETE.json"
 
 
 class TrainerError(Exception):

@@ -5,13 +5,16 @@ A rank that only lost contact with the others takes the reason of the rank that 
 in torchrun's rendezvous store: the launcher then acts on the root cause instead of blaming a GPU
 (docs/distributed.md).
 """
-import contextlib, json, os, sys
+import contextlib
+import json
+import os
+import sys
 
 import torch
 from torch.distributed.distributed_c10d import _get_default_store
 
-from hcstudy.planner import memory as plan
 from hcstudy.contract import EXIT_DEVICE, EXIT_INTERRUPTED, EXIT_OOM, Diverged, Interrupted, RunFailed, TrainerError
+from hcstudy.planner import memory as plan
 
 
 def failure(error: BaseException, dist, micro: int | None = None) -> tuple[int, str, bool]:

@@ -120,8 +120,8 @@ def step_stats(run_dir):
 def timings(check, runs):
     """Every method on every kernel path that has it, eager; then each method compiled on its fastest eager path
     (a compile of every path would not fit the budget): {method: {"kernels/mode": stats or None}}."""
-    from hcstudy.kernels import choice
     import train_c4
+    from hcstudy.kernels import choice
     table = {m: {} for m in METHODS}
     for path in KERNELS:                   # eager first: the plan's numbers before the slower compile runs
         for method in METHODS:
@@ -175,8 +175,8 @@ def planned_allocated_gb(check):
 
 def modelled_steps(table, gpu):
     """The planner's step range (seconds) for every timed arm and path on this GPU: {method: {path: (low, high)}}."""
-    from hcstudy.planner import memory as plan
     import train_c4
+    from hcstudy.planner import memory as plan
     rates, model = plan.gpu_rates(gpu), {}
     if rates is None:
         return model
@@ -238,8 +238,8 @@ def fsdp(check, runs):
 
 def timed_flops_per_token(method):
     """FLOPs per token of the timed configuration: the planner scales the measured rate to other depths by it."""
-    from hcstudy.planner import memory as plan
     import train_c4
+    from hcstudy.planner import memory as plan
     cfg = train_c4.parse_config([*SIZE, "--residual", method])
     return plan.flops_per_token(cfg, train_c4.count_parameters(cfg)["non_embedding"])
 

@@ -6,7 +6,17 @@ states of the streams kept for checkpoints (docs/data.md).
 """
 from __future__ import annotations
 
-import contextlib, ctypes, itertools, multiprocessing, os, queue, signal, sys, tempfile, threading, time
+import contextlib
+import ctypes
+import itertools
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -155,7 +165,9 @@ class Loader:
     @property
     def skipped(self) -> int:
         """Malformed or empty lines skipped so far."""
-        return sum(stream["documents"]["skipped"] for stream in self.state_dict()["streams"].values())
+        # a stream state written before states counted them at the top holds the count in its documents' state
+        streams = self.state_dict()["streams"].values()
+        return sum(stream.get("skipped", stream["documents"]["skipped"]) for stream in streams)
 
     def close(self) -> None:
         """The thread stops before the interpreter exits (a thread killed inside torch aborts the process); the

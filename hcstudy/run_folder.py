@@ -7,13 +7,33 @@ without unpickling arbitrary objects (docs/reliability.md).
 """
 from __future__ import annotations
 
-import contextlib, errno, fcntl, functools, hashlib, io, json, os, pickle, random, shutil, sys, tempfile, time
+import contextlib
+import errno
+import fcntl
+import functools
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import sys
+import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from hcstudy.contract import EXIT_BAD_CONFIG, MODEL_KEYS, TRAINING_KEYS, ConfigError, TrainerError
+from hcstudy.contract import (
+    CHECKPOINT_MARKER as MARKER,
+    EXIT_BAD_CONFIG,
+    MODEL_KEYS,
+    TRAINING_KEYS,
+    ConfigError,
+    TrainerError,
+)
 
 # ----------------------------------------------------------------------------------------------
 # files written whole or not at all
@@ -409,9 +429,6 @@ def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
 
 # ----------------------------------------------------------------------------------------------
 # checkpoint folders: temp folder + marker with checksums + rename; verified before anything is loaded
-
-MARKER = "COMPLETE.json"
-
 
 SHARDED = "sharded"     # an FSDP checkpoint's model and optimizer: torch.distributed.checkpoint files
 

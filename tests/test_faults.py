@@ -185,9 +185,9 @@ def test_a_full_disk_refusing_train_log_names_it_and_what_is_intact(tmp_path):
 
 
 def test_a_file_size_limit_ends_the_run_with_one_line_and_status_failed(tmp_path):
-    """A real limit (ulimit -f, in KiB): the data-loader state, the largest file of a checkpoint (8 MB with
-    the tiny preset), cannot be written, torch.save fails with a RuntimeError; nothing else is that large."""
-    command = (f"ulimit -f 2000 && exec {sys.executable} train_c4.py --preset tiny --steps 10 "
+    """A real limit (ulimit -f, in KiB): the optimizer state, the largest file of a checkpoint (2.3 MB at width 96),
+    cannot be written, torch.save fails with a RuntimeError; nothing else is that large (.status-reserve: 1 MiB)."""
+    command = (f"ulimit -f 2000 && exec {sys.executable} train_c4.py --preset tiny --width 96 --steps 10 "
                f"--out {tmp_path}")
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 1, result.stderr

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import report
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "run_experiments.sh"
 FAKE_TRAINER = ROOT / "tests" / "fake_trainer.py"
@@ -144,6 +146,25 @@ def test_no_gpu_runs_on_one_cpu_slot(tmp_path):
         spans.append((inv["start"], inv["end"]))
     assert spans[0][1] <= spans[1][0], "one CPU slot: the second job starts after the first ends"
     assert not events(out, "PROBE")
+
+
+def test_the_first_line_comes_before_the_trainers_check_and_a_resume_is_said_at_launch(tmp_path):
+    """The check imports torch (seconds of silence before); a job with a complete checkpoint is launched saying
+    which one it resumes from, on the console and in matrix.log, which report.py still reads."""
+    out = tmp_path / "runs"
+    checkpoints = out / "hc_d2_s1" / "checkpoints"
+    for folder, marker in (("step-3", True), ("step-5", False), ("rejected-step-7", True)):   # 5: not sealed
+        (checkpoints / folder).mkdir(parents=True)
+        if marker:
+            (checkpoints / folder / "COMPLETE.json").write_text("{}")
+    r = launch(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    first, second = r.stdout.splitlines()[:2]
+    assert first.startswith("run_experiments.sh: planning 2 job(s): train_c4.py checks") and " START " in second
+    said = {run: text for _, _, text in events(out, "LAUNCH") for run in [text.split()[0]]}
+    assert " attempt=1 resume=step-3 micro_batch=" in said["hc_d2_s1"] and "resume=" not in said["mhc_d2_s1"]
+    assert "LAUNCH hc_d2_s1 gpus=cpu attempt=1 resume=step-3 " in r.stdout
+    assert report.read_matrix(out).runs == {"hc_d2_s1": ["done", "cpu"], "mhc_d2_s1": ["done", "cpu"]}
 
 
 def test_gpus_per_run_gives_each_job_its_gpus_and_fsdp(tmp_path):

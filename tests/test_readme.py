@@ -55,14 +55,33 @@ def test_the_gpu_section_says_what_has_run_on_a_gpu_and_which_path_a_run_takes()
         assert f"`{key}`" in planning
 
 
+def test_every_command_that_needs_a_gpu_says_so():
+    """A depth-32 or 48 run, or a matrix of them, refuses on the CPU (48.2 GiB at depth 48): its comment says so."""
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    lines = [line for block in blocks for line in block.splitlines()]
+    gpu = [line for line in lines if re.match(r"\.venv/bin/python train_c4\.py --depth (32|48)", line)
+           or re.match(r"bash run_experiments\.sh --(full|quick|stress|check)\b(?!.*--dry-run)", line)]
+    assert len(gpu) == 6 and all("# GPU only" in line for line in gpu), gpu
+
+
+def test_what_the_readmes_commands_write_is_ignored_by_git(tmp_path):
+    """Weights consolidated into w/, several nodes' runs in all/, nohup's matrix.out: never untracked files."""
+    written = ["runs/mhc_d4_s42/metrics.jsonl", "w/mhc.safetensors", "all/node0/matrix.log", "matrix.out"]
+    done = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *written], capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert done.stdout.split() == written, done.stdout
+
+
 def test_long_matrices_say_how_to_detach_and_come_back():
     section = README.split("## Long matrices", 1)[1].split("\n## ", 1)[0]
     assert "tmux attach" in section and "nohup" in section and "--summary" in section and "SIGHUP" in section
 
 
 def test_the_export_commands_work_as_printed(tmp_path):
-    """--consolidate into a folder a fresh clone does not have, then the loading snippet, as printed, run from the
-    repository root."""
+    """--consolidate into a folder a fresh clone does not have, then the loading snippet, saved as a file in a
+    folder outside the repository and run there by the printed command."""
     consolidate = shlex.split(next(c for c in commands() if "--consolidate" in c))
     assert consolidate[:2] == [".venv/bin/python", "train_c4.py"]
     run_folder = consolidate[3]
@@ -76,8 +95,11 @@ def test_the_export_commands_work_as_printed(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert {oct(path.stat().st_mode & 0o777) for path in written} == {oct(0o666 & ~umask)}
-    snippet = re.search(r"```python\n(.*?)```", README, re.S).group(1).replace('"w/', f'"{tmp_path}/w/')
-    loaded = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    (tmp_path / "load.py").write_text(re.search(r"```python\n(.*?)```", README, re.S).group(1))
+    path, python, script = shlex.split(re.search(r"`(PYTHONPATH=REPO [^`]+)`", README).group(1))
+    assert path == "PYTHONPATH=REPO" and python == "REPO/.venv/bin/python"
+    loaded = subprocess.run([sys.executable, script], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr
 
 

@@ -1,6 +1,7 @@
 """End-to-end runs of the trainer on the CPU with the `tiny` preset, as a user would run them."""
 import dataclasses
 import gzip
+import io
 import json
 import os
 import re
@@ -317,6 +318,52 @@ def test_sample_corpus_streams_and_resumes_exactly():
     for _ in range(2):                                       # a second and third resume must be exact too
         state = loader.state_dict()
         loader = sample_batches()
+        loader.load_state_dict([state])
+        seen += [loader.next_batch()[0] for _ in range(10)]
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected))
+
+
+def saved_size(state) -> int:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.tell()
+
+
+def test_a_checkpoints_data_state_holds_positions_not_the_pending_tokens():
+    """The sample's documents are long: their pending tokens were megabytes per stream (29 MB a demo checkpoint)."""
+    loader = sample_batches()
+    for _ in range(10):
+        loader.next_batch()
+    assert saved_size(loader.state_dict()) < 100_000
+
+
+def test_a_data_position_past_its_documents_or_not_a_count_is_refused():
+    """A checkpoint's count of tokens taken is re-read from its documents: beyond them (or not a count) it is one
+    line, never an endless read of the stream."""
+    state = sample_batches().state_dict()
+    for stream in state["streams"].values():
+        stream["taken"] = 10 ** 12
+    loader = sample_batches()
+    loader.load_state_dict([state])
+    with pytest.raises(T.ConfigError, match="lies past the"):
+        loader.next_batch()
+    state["streams"]["0"]["taken"] = -1
+    with pytest.raises(ValueError, match="a data position of -1"):
+        sample_batches().load_state_dict([state])
+
+
+def test_a_data_state_that_holds_pending_tokens_resumes_exactly_and_saves_them_again():
+    """A checkpoint written when states held the pending tokens resumes, and a checkpoint after it resumes too."""
+    reference = sample_batches()
+    expected = [reference.next_batch()[0] for _ in range(30)]
+    loader = sample_batches()
+    seen = [loader.next_batch()[0] for _ in range(10)]
+    current = loader.state_dict()
+    older = {"cursor": current["cursor"], "streams": {
+        v: {"documents": stream.documents.state_dict(), "tokens": stream.tokens, "offset": stream.offset}
+        for v, stream in ((str(v), s) for v, s in loader.streams.items())}}
+    for _ in range(2):
+        loader, state = sample_batches(), older if len(seen) == 10 else loader.state_dict()
         loader.load_state_dict([state])
         seen += [loader.next_batch()[0] for _ in range(10)]
     assert all(torch.equal(a, b) for a, b in zip(seen, expected))

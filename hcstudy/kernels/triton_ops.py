@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from hcstudy.kernels.fused import autocast_off       # the coefficients in fp32 whatever the autocast, as on the fused path
+from hcstudy.kernels.fused import autocast_off  # the coefficients in fp32 whatever the autocast, as on the fused path
 
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     # "0": compile only, for sm_90
     # the interpreter is chosen when a function is decorated, triton.language's own included: a triton imported
@@ -36,7 +36,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     #
     for name in [name for name in sys.modules if name == "triton" or name.startswith("triton.") and not
                  name.startswith("triton._C")]:         # the compiled extension stays: it cannot be loaded twice
         del sys.modules[name]
-import triton                                           # ships with CUDA builds of torch; CPU: setup.sh --dev
+import triton  # ships with CUDA builds of torch; CPU: setup.sh --dev
 import triton.language as tl
 
 MIXING = {"identity-hc": 0, "mhc": 1, "mhc-lite": 2}    # how an mHC-family kernel makes H_res (constexpr MIX)

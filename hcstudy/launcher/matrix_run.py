@@ -43,9 +43,22 @@ from pathlib import Path
 
 from hcstudy import ROOT
 from hcstudy.config_flags import OneLineErrorParser
-from hcstudy.contract import (COEFFICIENT_METHODS, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED,
-                      EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, METHODS, SINKHORN_METHODS, TRAINER_EXIT_CODES,
-                      launcher_settings, run_name)
+from hcstudy.contract import (
+    CHECKPOINT_MARKER,
+    COEFFICIENT_METHODS,
+    EXIT_BAD_CONFIG,
+    EXIT_DATA,
+    EXIT_DEVICE,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OOM,
+    METHODS,
+    SINKHORN_METHODS,
+    TRAINER_EXIT_CODES,
+    launcher_settings,
+    run_name,
+)
 
 PROG = "run_experiments.sh"
 # the launcher's own exit statuses
@@ -561,7 +574,7 @@ def lock_name(opt):
 def show_matrix(opt, whole=False):
     """The matrix view (report.py --watch) from this launcher's matrix log, or (whole) from every node's, and
     the runs' status.json."""
-    from hcstudy.report.live import watch_view            # numpy: only for the view
+    from hcstudy.report.live import watch_view  # numpy: only for the view
     from hcstudy.report.runs import ReportError
     try:
         print(watch_view(opt.out, log=None if whole else log_name(opt)), flush=True)
@@ -988,6 +1001,14 @@ def tail_lines(path, count):
     return text.replace("\r", "").splitlines()[-count:]
 
 
+def newest_checkpoint(folder):
+    """`step-N` of the run's newest complete checkpoint (one with its marker), None without one: where its trainer
+    resumes, unless the checksums fail (train.log then says which one it took)."""
+    steps = [int(d.name[5:]) for d in Path(folder, "checkpoints").glob("step-*")
+             if d.name[5:].isascii() and d.name[5:].isdigit() and (d / CHECKPOINT_MARKER).is_file()]
+    return f"step-{max(steps)}" if steps else None
+
+
 def last_line(path):
     return "".join(tail_lines(path, 1))[:300]
 
@@ -1139,7 +1160,9 @@ class Matrix:
         for g in gpus.split(","):
             self.gpu_state[g] = "busy"
         micro, batch = job.micro or job.planned.get("micro"), job.batch or job.planned.get("batch")
-        self.log("LAUNCH", f"{job.name} gpus={gpus} attempt={job.attempts} micro_batch={micro} global_batch={batch} "
+        resume = newest_checkpoint(folder)
+        self.log("LAUNCH", f"{job.name} gpus={gpus} attempt={job.attempts}" + (f" resume={resume}" if resume else "")
+                           + f" micro_batch={micro} global_batch={batch} "
                            f"cmd: CUDA_VISIBLE_DEVICES={'' if gpus == 'cpu' else gpus} {shlex.join(command)}")
         self.last_launch = time.time()
         job.launched_at = self.last_launch - 1      # a status.json older than this is left from before
@@ -1392,6 +1415,9 @@ def main(argv):
         if opt.requests is None:
             raise RunError("the matrix runs through run_experiments.sh (this process only decides): bash "
                            "run_experiments.sh " + shlex.join(argv))
+        # the check imports torch and counts each arm's work: seconds with nothing on the screen otherwise
+        print(f"{PROG}: planning {sum(j.node == opt.node_rank for j in jobs)} job(s): train_c4.py checks each one's "
+              "flags and memory and estimates its time before the first launch", flush=True)
         check_before_launch(opt, jobs, node)
         try:
             opt.out.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hcstudy.kernels import choice
 from hcstudy.contract import EXIT_BAD_CONFIG
+from hcstudy.kernels import choice
 
 
 class PlanError(Exception):

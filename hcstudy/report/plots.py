@@ -222,13 +222,15 @@ def mark_level(ax, y, text, values):
 
 
 def name_arms_at_one(ax, by_method, key):
-    """Arms whose gain stays at 1 draw one line over another, told apart by sparse markers only: name them."""
+    """Arms whose gain stays at 1 draw one line over another, told apart by sparse markers only: name them, in the
+    legend's title (written by the line at 1, it sat on the x axis, where the line at 1 often is)."""
     flat = [look.label for look, runs in by_method.items()
             if all(np.isfinite(v := r.series[key].arrays()[1]).any() and np.allclose(v[np.isfinite(v)], 1, atol=5e-3)
                    for r in runs)]
     if len(flat) > 1:
-        ax.annotate(f"at 1, one over another: {', '.join(flat)}", (0.01, 1), xycoords=("axes fraction", "data"),
-                    xytext=(0, -4), textcoords="offset points", va="top", fontsize=8, color="0.25")
+        legend = ax.get_legend()
+        legend.set_title(f"at 1, one over another: {', '.join(flat)}", prop={"size": 8})
+        legend.set_alignment("left")
 
 
 def plot_amax(runs, path):
