@@ -218,6 +218,30 @@ def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, m
     assert "no estimate, its bf16 peak or bandwidth is not known" in capsys.readouterr().out
 
 
+def without_triton(tmp_path: Path) -> dict:
+    """The environment of setup.sh without --dev, where the CPU torch brings no triton: a package named triton first
+    on the path whose import fails as a missing module's does (this venv has the real one)."""
+    (tmp_path / "no_triton" / "triton").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "no_triton" / "triton" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'triton'\", name='triton')\n")
+    return {"PYTHONPATH": str(tmp_path / "no_triton")}
+
+
+@pytest.mark.slow
+def test_the_plan_and_the_dry_run_need_no_triton(tmp_path):
+    """The README's set-up installs the runtime alone: the planner counts the triton path's kernels by their own
+    byte counts, and triton is imported only where its kernels run."""
+    env = {**os.environ, **without_triton(tmp_path)}
+    assert subprocess.run([sys.executable, "-c", "import triton"], env=env, capture_output=True).returncode == 1
+    done = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), "--estimate", "--depth", "48"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "triton path" in done.stdout and "the run on this CPU" in done.stdout
+    r = launcher(tmp_path, "--dry-run", "--full", **without_triton(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Wall time: 18 job(s)" in r.stdout and "triton path" in r.stdout
+
+
 def imports(path: Path, top_level_only: bool = False) -> set:
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
