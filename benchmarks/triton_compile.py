@@ -29,6 +29,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from hcstudy.planner import memory as plan  # noqa: E402
 from hcstudy.kernels import triton_ops as K  # noqa: E402
 
+K.load()                                      # the kernels as triton.jit made them, not their stand-ins
+
 ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"},
                     "_mhc_read_forward": {"u_ptr"}, "_mhc_read_backward": {"gu_ptr"},
                     "_hc_read_forward": {"u_ptr"}, "_hc_read_backward": {"gu_ptr"}}

@@ -3,7 +3,9 @@ bytes autograd saves, the depth 32 / 48 plans behind the public reproduction's o
 --micro-batch-size auto, and the launcher's plan: the check of every job before the first launch, the time and
 cost ranges of the documented node, the GPU check's timings."""
 import ast
+import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -216,6 +218,72 @@ def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A6000")
     T.main(["--estimate", "--depth", "32", "--gpu-memory-gb", "48"])
     assert "no estimate, its bf16 peak or bandwidth is not known" in capsys.readouterr().out
+
+
+def without_triton(tmp_path: Path) -> dict:
+    """The environment of setup.sh without --dev, where the CPU torch brings no triton: a package named triton first
+    on the path whose import fails as a missing module's does (this venv has the real one)."""
+    (tmp_path / "no_triton" / "triton").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "no_triton" / "triton" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'triton'\", name='triton')\n")
+    return {"PYTHONPATH": str(tmp_path / "no_triton")}
+
+
+@pytest.mark.slow
+def test_the_plan_and_the_dry_run_need_no_triton(tmp_path):
+    """The README's set-up installs the runtime alone: the planner counts the triton path's kernels by their own
+    byte counts, and triton is imported only where its kernels run."""
+    env = {**os.environ, **without_triton(tmp_path)}
+    assert subprocess.run([sys.executable, "-c", "import triton"], env=env, capture_output=True).returncode == 1
+    done = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), "--estimate", "--depth", "48"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "triton path" in done.stdout and "the run on this CPU" in done.stdout
+    r = launcher(tmp_path, "--dry-run", "--full", **without_triton(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Wall time: 18 job(s)" in r.stdout and "triton path" in r.stdout
+
+
+def test_the_cpu_model_prices_the_trainers_threads_at_the_share_of_a_core_the_other_work_leaves():
+    """One thread's timed rates (a core's own speed) become the trainer's: fast, its threads side by side at the share
+    a thread gets; slow, one thread's share at two thirds; the host's ops on one thread either way."""
+    quiet = plan.cpu_rates_at(60e9, 100e9, 4e-6, cores=2, share=1.0)
+    slow = plan.CPU_SLOW_SHARE
+    assert quiet.flops == (120e9, 60e9 * slow) and quiet.bandwidth == (200e9, 100e9 * slow)
+    assert quiet.host == (4e-6, 4e-6 / slow) and not quiet.overlapped
+    loaded = plan.cpu_rates_at(60e9, 100e9, 4e-6, cores=2, share=0.4)     # a load of about 4 on 2 cores
+    assert loaded.flops == pytest.approx((48e9, 24e9 * slow)) and loaded.host == pytest.approx((1e-5, 1e-5 / slow))
+    work = plan.StepCost("fused", 12e9, 2e9, 600, quiet)
+    quiet_s, loaded_s = work.seconds, dataclasses.replace(work, rates=loaded).seconds
+    assert loaded_s == pytest.approx(tuple(s / 0.4 for s in quiet_s))     # the step, at both ends, over the share
+    assert plan.cpu_rates_at(60e9, 100e9, 4e-6, 2, share=0.0).flops[1] > 0     # a timing that got no CPU at all
+
+
+def test_the_cpu_rates_are_timed_on_one_thread_on_a_slice_of_a_large_shape(monkeypatch):
+    """--estimate --width 65536 timed the MLP's matmul on its own (65536 x 262144) weight: 64 GiB. Never more than
+    a slice, one thread, the caller's thread count kept."""
+    randn, set_threads, threads, asked = torch.randn, torch.set_num_threads, torch.get_num_threads(), []
+
+    def small_randn(*size, **kwargs):
+        assert math.prod(size) <= 2 ** 24, f"the CPU timing allocates {size}"
+        return randn(*size, **kwargs)
+
+    def recorded_set_threads(n):
+        asked.append(n)
+        set_threads(n)
+    monkeypatch.setattr(torch, "randn", small_randn)
+    monkeypatch.setattr(torch, "set_num_threads", recorded_set_threads)
+    rates = plan.cpu_rates.__wrapped__(16 * 65536, 65536, 4)
+    assert asked == [1, threads] and torch.get_num_threads() == threads
+    assert 0 < rates.flops[1] < rates.flops[0] and 0 < rates.bandwidth[1] < rates.bandwidth[0]
+    assert rates.host[0] < rates.host[1]
+
+
+@pytest.mark.slow
+def test_the_widest_model_in_bounds_is_planned(capsys):
+    assert T.main(["--estimate", "--width", "65536", "--depth", "1", "--heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "the run on this CPU" in out and "h for 10,000 steps" in out
 
 
 def imports(path: Path, top_level_only: bool = False) -> set:

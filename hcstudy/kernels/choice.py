@@ -30,7 +30,7 @@ def supports(cfg, path: str = "fused") -> bool:
 
 
 def triton_kernels():
-    """triton_kernels.py, imported when first used: it imports triton, which only that path needs."""
+    """triton_ops.py, imported when first used (triton itself at its first launch: only that path needs it)."""
     from hcstudy.kernels import triton_ops as module
     return module
 

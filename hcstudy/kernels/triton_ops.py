@@ -16,8 +16,10 @@ H_pre, H_post (tokens, n), H_res (tokens, n, n) with H_res[t, i, j] the weight o
 reduction over the tokens (the weights' gradients) is a cuBLAS matmul or a torch sum, and every program owns its
 tokens, so there are no atomics: two runs with the same seed give the same bits.
 
-On a machine without CUDA the module runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set before
-triton is imported): slow, for tests and demos only.
+Triton is imported at the first launch (load), not with the module: the planner runs this path on the CPU with
+each kernel replaced by its byte count (traffic, plan.counting), and the runtime-only install (setup.sh without
+--dev: the CPU torch has no triton) plans it too. On a machine without CUDA the kernels run in Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported): slow, for tests and demos only.
 """
 from __future__ import annotations
 
@@ -29,15 +31,56 @@ import torch
 
 from hcstudy.kernels.fused import autocast_off  # the coefficients in fp32 whatever the autocast, as on the fused path
 
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     # "0": compile only, for sm_90
-    # the interpreter is chosen when a function is decorated, triton.language's own included: a triton imported
-    # before (torch._dynamo imports it) is imported again, so that its functions run in the interpreter too
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in [name for name in sys.modules if name == "triton" or name.startswith("triton.") and not
-                 name.startswith("triton._C")]:         # the compiled extension stays: it cannot be loaded twice
-        del sys.modules[name]
-import triton  # ships with CUDA builds of torch; CPU: setup.sh --dev
-import triton.language as tl
+triton = tl = None                    # the modules, once load has imported them
+_SOURCES = {}                         # every kernel and helper as written, by name: load compiles them
+
+
+def _jit(fn):
+    """triton.jit, deferred to load: the module-level name holds a stand-in until then."""
+    _SOURCES[fn.__name__] = fn
+    return _Unloaded(fn.__name__)
+
+
+class _Unloaded:
+    """A kernel before triton is imported: its first launch (kernel[grid](...)) loads every kernel."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, grid):
+        load()
+        return globals()[self.name][grid]
+
+
+def load() -> None:
+    """Import triton (its interpreter where there is no CUDA) and put each kernel's triton.jit in place of its
+    stand-in; a second call does nothing. Raises ImportError where triton is not installed (fused.triton_problem
+    turns that into the formulas' path and a warning)."""
+    global triton, tl
+    if triton is not None:
+        return
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     # "0": compile only, for sm_90
+        # the interpreter is chosen when a function is decorated, triton.language's own included: a triton imported
+        # before (torch._dynamo imports it) is imported again, so that its functions run in the interpreter too
+        os.environ["TRITON_INTERPRET"] = "1"
+        for name in [name for name in sys.modules if name == "triton" or name.startswith("triton.") and not
+                     name.startswith("triton._C")]:         # the compiled extension stays: it cannot be loaded twice
+            del sys.modules[name]
+    import triton as module                             # ships with CUDA builds of torch; CPU: setup.sh --dev
+    import triton.language as language
+    tl = language
+    globals().update({name: module.jit(fn) for name, fn in _SOURCES.items()})
+    triton = module                                     # last: a load that failed above is tried again
+
+
+def _next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 1, without triton: block sizes are chosen before any kernel is loaded."""
+    return 1 << (n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 
 MIXING = {"identity-hc": 0, "mhc": 1, "mhc-lite": 2}    # how an mHC-family kernel makes H_res (constexpr MIX)
 # "stored": the forward keeps Sinkhorn's 2(iters - 1) sum vectors per token and the backward walks them back;
@@ -49,8 +92,8 @@ def block_sizes(n: int, C: int) -> tuple[int, int, int]:
     """(tokens per program, C per chunk, padded n): a program holds a (tokens, n, chunk) fp32 tile of about 2,048
     values, 16 per thread at 4 warps, so that the per-token coefficients stay in registers beside it (0 spills at
     n <= 8: docs/benchmarks.md). Chunks of 128+ values keep each warp's loads 16 bytes wide."""
-    n_pad = triton.next_power_of_2(n)
-    chunk = min(triton.next_power_of_2(C), 256 if n_pad <= 4 else 128)
+    n_pad = _next_power_of_2(n)
+    chunk = min(_next_power_of_2(C), 256 if n_pad <= 4 else 128)
     tokens = max(1, 2048 // (n_pad * chunk))
     return tokens, chunk, n_pad
 
@@ -59,30 +102,30 @@ def block_sizes(n: int, C: int) -> tuple[int, int, int]:
 # shared pieces
 
 
-@triton.jit
+@_jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
+@_jit
 def _tanh(x):
     # written out (libdevice is not in the interpreter); exp(2x) = inf gives 1 exactly, 0 gives -1
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+@_jit
 def _stream_tile(ptr, t, s, c, st, ss, sc, mask):
     """Load the (tokens, streams, chunk) tile of a (T, n, C) tensor with strides (st, ss, sc), as fp32."""
     offsets = t[:, None, None] * st + s[None, :, None] * ss + c[None, None, :] * sc
     return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@_jit
 def _tile_mask(t, s, c, T, N, C):
     return (t < T)[:, None, None] & (s < N)[None, :, None] & (c < C)[None, None, :]
 
 
-@triton.jit
+@_jit
 def _log_normalise(L, valid, axis: tl.constexpr):
     """L minus its logsumexp along `axis` over the valid entries; padding stays at -1e30 (exp gives 0)."""
     L = tl.where(valid, L, -1e30)
@@ -91,7 +134,7 @@ def _log_normalise(L, valid, axis: tl.constexpr):
     return tl.where(valid, L - lse, -1e30)
 
 
-@triton.jit
+@_jit
 def _sums(P, axis: tl.constexpr, valid_line):
     """P's sums along `axis`, 1 on padded lines so that dividing by them leaves the zeros of the padding."""
     return tl.where(valid_line, tl.sum(P, axis=axis, keep_dims=True), 1.0)
@@ -101,7 +144,7 @@ def _sums(P, axis: tl.constexpr, valid_line):
 # mHC's family (mhc, mhc-lite, identity-hc): coefficients from the flattened state, then the read
 
 
-@triton.jit
+@_jit
 def _sinkhorn_forward(L, valid, valid_row, valid_col, sums_ptr, t, s, tmask, iters, N: tl.constexpr,
                       STORE: tl.constexpr):
     """train_c4.sinkhorn on (tokens, n, n) logits held in registers: a log-domain column-then-row pair, then
@@ -121,7 +164,7 @@ def _sinkhorn_forward(L, valid, valid_row, valid_col, sums_ptr, t, s, tmask, ite
     return P
 
 
-@triton.jit
+@_jit
 def _sinkhorn_backward(grad, L, H, valid, valid_row, valid_col, sums_ptr, t, s, tmask, iters, N: tl.constexpr,
                        STORED: tl.constexpr):
     """The logits' gradient from H_res's. Through Q = P / sums(P): dP = (dQ - sums(dQ * Q)) / sums(P) along the
@@ -157,7 +200,7 @@ def _sinkhorn_backward(grad, L, H, valid, valid_row, valid_col, sums_ptr, t, s, 
     return tl.where(valid, grad - first * tl.sum(grad, axis=1, keep_dims=True), 0.0)
 
 
-@triton.jit
+@_jit
 def _lite_softmax_stats(raw_ptr, t, tmask, K, inv_rms, a_res, b_res_ptr, R: tl.constexpr, N: tl.constexpr,
                         BR: tl.constexpr):
     """Running max and denominator of mHC-lite's softmax over the n! permutation logits, in chunks of BR."""
@@ -171,7 +214,7 @@ def _lite_softmax_stats(raw_ptr, t, tmask, K, inv_rms, a_res, b_res_ptr, R: tl.c
     return top, total
 
 
-@triton.jit
+@_jit
 def _lite_logits(raw_ptr, t, tmask, K, k0, inv_rms, a_res, b_res_ptr, R: tl.constexpr, N: tl.constexpr,
                  BR: tl.constexpr):
     k = k0 + tl.arange(0, BR)
@@ -181,7 +224,7 @@ def _lite_logits(raw_ptr, t, tmask, K, k0, inv_rms, a_res, b_res_ptr, R: tl.cons
     return tl.where(mask, logit, -1e30)
 
 
-@triton.jit
+@_jit
 def _lite_onehot(perm_ptr, k0, i: tl.constexpr, s, R: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
     """(BR, n_pad): row k is 1 at the stream that row i of permutation k0 + k takes."""
     k = k0 + tl.arange(0, BR)
@@ -189,7 +232,7 @@ def _lite_onehot(perm_ptr, k0, i: tl.constexpr, s, R: tl.constexpr, N: tl.conste
     return (target[:, None] == s[None, :]).to(tl.float32)
 
 
-@triton.jit
+@_jit
 def _lite_mixing(raw_ptr, perm_ptr, b_res_ptr, a_res, inv_rms, t, tmask, s, K, R: tl.constexpr, N: tl.constexpr,
                  NP: tl.constexpr, BR: tl.constexpr):
     """H_res = sum_k w_k P_k, w = softmax(a_res z_res + b_res) over the n! permutations, chunk by chunk."""
@@ -204,7 +247,7 @@ def _lite_mixing(raw_ptr, perm_ptr, b_res_ptr, a_res, inv_rms, t, tmask, s, K, R
     return H
 
 
-@triton.jit
+@_jit
 def _lite_backward(grad_res, raw_ptr, perm_ptr, b_res_ptr, a_res, inv_rms, t, tmask, s, K, gl_ptr, glz_ptr, graw_ptr,
                    R: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
     """mHC-lite's logits' gradient, written per token: dl = w (dw - sum(w dw)), dw_k = sum_i dH[i, perm_k(i)].
@@ -227,7 +270,7 @@ def _lite_backward(grad_res, raw_ptr, perm_ptr, b_res_ptr, a_res, inv_rms, t, tm
     return zdot
 
 
-@triton.jit
+@_jit
 def _lite_weight_grad(grad_res, perm_ptr, k0, s, R: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
     dw = tl.zeros((grad_res.shape[0], BR), tl.float32)
     for i in tl.static_range(N):
@@ -236,7 +279,7 @@ def _lite_weight_grad(grad_res, perm_ptr, k0, s, R: tl.constexpr, N: tl.constexp
     return dw
 
 
-@triton.jit
+@_jit
 def _store_logit_grads(gl, z, gate, inv_rms, offsets, mask, gl_ptr, glz_ptr, graw_ptr):
     """Per token and logit: the gradient of the biases (gl), of the gates (gl z) and of the raw projection
     (gl gate / rms; inv_rms comes broadcastable to gl); their sums over the tokens are torch's, so no program adds
@@ -246,7 +289,7 @@ def _store_logit_grads(gl, z, gate, inv_rms, offsets, mask, gl_ptr, glz_ptr, gra
     tl.store(graw_ptr + offsets, gl * gate * inv_rms, mask=mask)
 
 
-@triton.jit
+@_jit
 def _mhc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr,
                       b_res_ptr, perm_ptr, u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, sums_ptr, inv_rms_ptr,
                       T, C, eps, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, R: tl.constexpr,
@@ -292,7 +335,7 @@ def _mhc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, a_pre_ptr, a_post_ptr, a_re
     _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N, C, BC)
 
 
-@triton.jit
+@_jit
 def _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N: tl.constexpr, C, BC: tl.constexpr):
     """u = sum_j H_pre[j] x[j] over C in chunks, stored in u's dtype (the sublayer's)."""
     for c0 in range(0, C, BC):
@@ -303,7 +346,7 @@ def _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N: tl.constexpr, C, BC: t
                  mask=(t < T)[:, None] & (c < C)[None, :])
 
 
-@triton.jit
+@_jit
 def _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N: tl.constexpr, C, BC: tl.constexpr, NP: tl.constexpr):
     """dH_pre[j] = sum_c du[c] x[j, c] for BT tokens: one pass over x and du."""
     grad = tl.zeros((t.shape[0], NP), tl.float32)
@@ -316,7 +359,7 @@ def _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N: tl.constexpr, C, BC: tl
     return grad
 
 
-@triton.jit
+@_jit
 def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, shift, t, s, T, N: tl.constexpr, C,
                    BC: tl.constexpr):
     """dx[j] += H_pre[j] du + scale[j] x[j] + shift[j], in place in the contiguous (T, n, C) gradient: the read's
@@ -333,7 +376,7 @@ def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, shift, t,
         tl.store(gx_ptr + offsets, gx, mask=mask)
 
 
-@triton.jit
+@_jit
 def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr,
                        b_post_ptr, b_res_ptr, perm_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, sums_ptr,
                        gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gl_ptr, glz_ptr, graw_ptr,
@@ -392,7 +435,7 @@ def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_
 # HC: coefficients from each stream's own norm, then the read
 
 
-@triton.jit
+@_jit
 def _hc_coefficient_tile(raw_ptr, w_sum_ptr, mean, rstd, t, s, k, T, N: tl.constexpr):
     """z = rstd (x W^T - mean W 1) for the (tokens, n, n + 2) coefficients: the norm folded into the projection."""
     KH = N + 2
@@ -403,7 +446,7 @@ def _hc_coefficient_tile(raw_ptr, w_sum_ptr, mean, rstd, t, s, k, T, N: tl.const
     return rstd[:, :, None] * (raw - mean[:, :, None] * w_sum[None, None, :]), mask
 
 
-@triton.jit
+@_jit
 def _hc_stats(x_ptr, sxt, sxn, sxc, t, s, T, N: tl.constexpr, C, eps, BC: tl.constexpr, NP: tl.constexpr):
     """Each stream's mean and 1/std over C (layer_norm without affine), one pass: sum and sum of squares."""
     total = tl.zeros((t.shape[0], NP), tl.float32)
@@ -417,7 +460,7 @@ def _hc_stats(x_ptr, sxt, sxn, sxc, t, s, T, N: tl.constexpr, C, eps, BC: tl.con
     return mean, 1.0 / tl.sqrt(tl.maximum(squares / C - mean * mean, 0.0) + eps)
 
 
-@triton.jit
+@_jit
 def _hc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, a_m_ptr, a_r_ptr, b_ptr, s_a_ptr, s_b_ptr,
                      u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, mean_ptr, rstd_ptr, T, C, eps,
                      N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -442,12 +485,12 @@ def _hc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, a_m_ptr, a_r_ptr,
     _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N, C, BC)
 
 
-@triton.jit
+@_jit
 def _hc_scale(s_a_ptr, s_b_ptr, k, N: tl.constexpr):
     return tl.where(k == N + 1, tl.load(s_b_ptr).to(tl.float32), tl.load(s_a_ptr).to(tl.float32))[None, None, :]
 
 
-@triton.jit
+@_jit
 def _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N: tl.constexpr):
     """static[k, i]: A_m[i] (k = 0), A_r[i, k - 1] (1..n), B[i] (n + 1), as a (1, n_pad, k_pad) tile."""
     s3, k3 = s[None, :, None], k[None, None, :]
@@ -458,7 +501,7 @@ def _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N: tl.constexpr):
     return a_m + a_r + b
 
 
-@triton.jit
+@_jit
 def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_ptr, s_a_ptr, s_b_ptr, h_pre_ptr,
                       gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gcoef_ptr, gcd_ptr, gz_ptr, T, C,
                       N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -499,7 +542,7 @@ def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_p
 # the write, every arm
 
 
-@triton.jit
+@_jit
 def _write_forward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr, out_ptr, T, C,
                    N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y on a (BT tokens, BC) chunk: reads x (n values) and y
@@ -522,7 +565,7 @@ def _write_forward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr,
     tl.store(out_ptr + t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :], out, mask=mask)
 
 
-@triton.jit
+@_jit
 def _write_backward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr, g_ptr, sgt, sgn, sgc,
                     gx_ptr, gy_ptr, g_res_ptr, g_post_ptr, T, C,
                     N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -635,7 +678,7 @@ class _MHCRead(torch.autograd.Function):
         h_res = x.new_empty((T, n, n))
         logits = x.new_empty((T, n, n)) if mixing == 1 else None
         sums = x.new_empty((T, max(iters - 1, 0), 2, n)) if stored else None
-        _mhc_read_forward[(triton.cdiv(T, BT),)](
+        _mhc_read_forward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw), _or(perms, raw),
             u, h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), inv_rms, T, C, eps, iters,
             N=n, NP=NP, MIX=mixing, R=R, STORE_SUMS=stored, BT=BT, BC=BC, BR=_chunk(R))
@@ -662,7 +705,7 @@ class _MHCRead(torch.autograd.Function):
         K = 2 * n + R
         gl, glz, graw = (x.new_empty((T, K)) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
-        _mhc_read_backward[(triton.cdiv(T, BT),)](
+        _mhc_read_backward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, inv_rms, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw),
             _or(perms, raw), h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), grad_u, grad_post, grad_res,
             grad_x, gl, glz, graw, T, C, iters,
@@ -690,9 +733,9 @@ class _HCRead(torch.autograd.Function):
         u = x.new_empty((T, C), dtype=u_dtype)
         h_pre, h_post, mean, rstd = (x.new_empty((T, n)) for _ in range(4))
         h_res = x.new_empty((T, n, n))
-        _hc_read_forward[(triton.cdiv(T, BT),)](
+        _hc_read_forward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, w_sum, A_m, A_r, B, s_a, s_b, u, h_pre, h_post, h_res, mean, rstd, T, C, eps,
-            N=n, NP=NP, KP=triton.next_power_of_2(n + 2), BT=BT, BC=BC)
+            N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
         ctx.save_for_backward(x, W, raw, w_sum, mean, rstd, s_a, s_b, h_pre)
         ctx.set_materialize_grads(False)
         lead = x.shape[:-2]
@@ -708,9 +751,9 @@ class _HCRead(torch.autograd.Function):
         grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()
         gcoef, gcd, gz = (x.new_empty((T, n, n + 2)) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
-        _hc_read_backward[(triton.cdiv(T, BT),)](
+        _hc_read_backward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_x,
-            gcoef, gcd, gz, T, C, N=n, NP=NP, KP=triton.next_power_of_2(n + 2), BT=BT, BC=BC)
+            gcoef, gcd, gz, T, C, N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
         g = gz.view(T * n, n + 2)
         grad_x.view(T * n, C).addmm_(g, W)                       # dx's g W term, in place (cuBLAS)
         grad_W = (g.t() @ xt.reshape(T * n, C)).sub_((g.t() @ mean.view(-1)).unsqueeze(-1))
@@ -729,7 +772,7 @@ class _Write(torch.autograd.Function):
         yt = y.reshape(T, C)
         BT, BC, NP = block_sizes(n, C)
         out = x.new_empty((T, n, C))
-        _write_forward[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+        _write_forward[(_cdiv(T, BT), _cdiv(C, BC))](
             xt, *xt.stride(), yt, *yt.stride(), H_res.reshape(T, n, n).contiguous(),
             H_post.reshape(T, n).contiguous(), out, T, C, N=n, NP=NP, BT=BT, BC=BC)
         ctx.save_for_backward(H_res, x, H_post, y)
@@ -743,7 +786,7 @@ class _Write(torch.autograd.Function):
         BT, BC, NP = block_sizes(n, C)
         grad_x, grad_y = x.new_empty((T, n, C)), y.new_empty((T, C))
         grad_res, grad_post = x.new_empty((T, n, n)), x.new_empty((T, n))
-        _write_backward[(triton.cdiv(T, BT),)](
+        _write_backward[(_cdiv(T, BT),)](
             xt, *xt.stride(), yt, *yt.stride(), H_res.reshape(T, n, n).contiguous(),
             H_post.reshape(T, n).contiguous(), gt, *gt.stride(), grad_x, grad_y, grad_res, grad_post, T, C,
             N=n, NP=NP, BT=BT, BC=BC)
@@ -758,7 +801,7 @@ def _or(tensor, placeholder):
 
 def _chunk(R: int) -> int:
     """mHC-lite's permutations per chunk: 16 at least (a power of two), 64 at most (the (tokens, chunk, n) tile)."""
-    return min(64, max(16, triton.next_power_of_2(max(R, 1))))
+    return min(64, max(16, _next_power_of_2(max(R, 1))))
 
 
 def _like(grad, param):

@@ -746,7 +746,8 @@ GEMM_SHARE = (0.65, 0.45)
 BANDWIDTH_SHARE = (0.85, 0.40)
 LAUNCH_GAP_S = (1e-6, 3e-6)
 HOST_OP_S = (5e-6, 12e-6)
-CPU_SLOW_SHARE = 2 / 3          # the CPU's slow end: its timed rates at two thirds, the cores shared with other work
+CPU_SLOW_SHARE = 2 / 3          # slow end: one thread at two thirds of its rates (plan.cpu_rates_at)
+CPU_TIMED_WIDTH, CPU_TIMED_TOKENS = 512, 2048     # the largest shape the CPU's rates are timed on (16 MiB at n = 4)
 MEASURED_SPREAD = (0.9, 1.2)     # around a measured step time: another depth or micro-batch moves it
 CHECKPOINT_GBPS = (2.0, 0.5)     # a checkpoint's files written at local NVMe speed, down to a network disk's
 # imports, model build, the data streams' first batches, the first step's kernels: minutes for a 2.5B model on a
@@ -781,8 +782,9 @@ TERMS = ("matmuls", "memory", "launch gaps", "host")
 
 def rates_text(rates: Rates) -> str:
     if not rates.overlapped:
-        return (f"this CPU timed at {rates.flops[0] / 1e9:.0f} GFLOP/s, {rates.bandwidth[0] / 1e9:.0f} GB/s, "
-                f"{rates.host[0] * 1e6:.1f} us an op (slow end: {CPU_SLOW_SHARE:.0%} of each rate)")
+        return (f"this CPU timed at {rates.flops[1] / 1e9:.0f}-{rates.flops[0] / 1e9:.0f} GFLOP/s, "
+                f"{rates.bandwidth[1] / 1e9:.0f}-{rates.bandwidth[0] / 1e9:.0f} GB/s, {rates.host[0] * 1e6:.1f}-"
+                f"{rates.host[1] * 1e6:.1f} us an op (plan.cpu_rates_at)")
     peak, bandwidth = GPU_PEAK_BF16_FLOPS[rates.name], GPU_BANDWIDTH[rates.name]
     return (f"matmuls at {GEMM_SHARE[1]:.0%}-{GEMM_SHARE[0]:.0%} of {peak / 1e12:.0f} TFLOP/s, other kernels' bytes "
             f"at {BANDWIDTH_SHARE[1]:.0%}-{BANDWIDTH_SHARE[0]:.0%} of {bandwidth / 1e12:.2f} TB/s, "
@@ -801,35 +803,67 @@ def device_rates(cfg: Config, micro: int, gpu: str) -> Rates | None:
     return cpu_rates(micro * cfg.seq_len, cfg.width, streams) if gpu == "cpu" else gpu_rates(gpu)
 
 
-def _best_seconds(run, repeats: int = 5) -> float:
+def _best_seconds(run, repeats: int = 5, at_least_s: float = 0.1) -> float:
+    """The fastest of `repeats` or more runs after a warm-up, repeated for at_least_s: a short kernel gets enough
+    tries that one of them runs undisturbed on a shared CPU."""
     run()
-    times = []
-    for _ in range(repeats):
+    times, began = [], time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - began < at_least_s:
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread inside, the caller's thread count yielded and restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(threads)
+
+
 @functools.cache
 def cpu_rates(tokens: int, width: int, streams: int) -> Rates:
-    """This CPU's rates on a run's own shapes (a micro-batch's tokens), timed once with torch's threads, in under a
-    second: the MLP's first matmul in fp32; an add of two n-stream states (a small model's fit in the caches, and
-    that is the bandwidth its kernels get); a forward and backward of 100 multiplications of 8 numbers, per op."""
-    a, w = torch.randn(tokens, width), torch.randn(width, 4 * width)
-    flops = 2 * a.numel() * w.shape[1] / _best_seconds(lambda: a @ w)
-    x = torch.randn(tokens, streams, width)
-    bandwidth = 3 * x.nbytes / _best_seconds(lambda: x + x)
-    v = torch.ones(8, requires_grad=True)
+    """This CPU's rates on a run's own shapes (a micro-batch's tokens; a slice of at most CPU_TIMED_TOKENS x
+    CPU_TIMED_WIDTH where the run's is larger: the rates are per FLOP and per byte), timed once in under a second:
+    the MLP's first matmul in fp32; an add of two n-stream states (a small model's fit in the caches, and that is the
+    bandwidth its kernels get); a forward and backward of 100 multiplications of 8 numbers, per op. Timed on one
+    thread, where the fastest of many runs is this core's own speed: two threads on a shared CPU wait on each other
+    at every kernel, and timed that way the rates moved 10x from one run to the next (docs/benchmarks.md). The share of
+    a core that thread got meanwhile (its CPU time over the wall time) is the load of the other work; cpu_rates_at
+    turns the three into the trainer's rates."""
+    tokens, width = min(tokens, CPU_TIMED_TOKENS), min(width, CPU_TIMED_WIDTH)
+    with _one_thread() as threads:
+        wall, cpu = time.perf_counter(), time.process_time()
+        a, w = torch.randn(tokens, width), torch.randn(width, 4 * width)
+        flops = 2 * a.numel() * w.shape[1] / _best_seconds(lambda: a @ w)
+        x = torch.randn(tokens, streams, width)
+        bandwidth = 3 * x.nbytes / _best_seconds(lambda: x + x)
+        v = torch.ones(8, requires_grad=True)
 
-    def chain():
-        y = v
-        for _ in range(100):
-            y = y * 1.0
-        y.sum().backward()
-    op = _best_seconds(chain) / 202                  # 100 multiplications and the sum, forward and backward
-    return Rates("cpu", (flops, flops * CPU_SLOW_SHARE), (bandwidth, bandwidth * CPU_SLOW_SHARE), (0.0, 0.0),
-                 (op, op / CPU_SLOW_SHARE), False)
+        def chain():
+            y = v
+            for _ in range(100):
+                y = y * 1.0
+            y.sum().backward()
+        op = _best_seconds(chain) / 202                  # 100 multiplications and the sum, forward and backward
+        share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    return cpu_rates_at(flops, bandwidth, op, min(threads, os.cpu_count() or 1), share)
+
+
+def cpu_rates_at(flops: float, bandwidth: float, op_s: float, cores: int, share: float) -> Rates:
+    """The trainer's CPU rates from one thread's (FLOP/s, bytes/s, seconds an op) and the share of a core a thread
+    gets beside the other work: fast, its threads (one a core) in parallel, each at that share; slow, one thread's
+    share at CPU_SLOW_SHARE (under load the threads wait on each other, and two have run slower than one). The host's
+    ops run on one thread at that share either way."""
+    share = min(1.0, max(share, 0.05))              # a thread that got less than 5% could not have timed anything
+    fast, slow = cores * share, share * CPU_SLOW_SHARE
+    return Rates("cpu", (flops * fast, flops * slow), (bandwidth * fast, bandwidth * slow), (0.0, 0.0),
+                 (op_s / share, op_s / slow), False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -993,7 +1027,8 @@ def node_answer(gpu: str, jobs: list[dict]) -> dict:
     the jobs' answers."""
     measured = sorted({job["basis"] for job in jobs if job.get("basis") and not job["basis"].startswith("modelled")})
     rates = gpu_rates(gpu)
-    modelled = ("this CPU's rates, timed on each run's shapes" if gpu == "cpu" else rates_text(rates) if rates
+    modelled = ("this CPU's rates, timed on one thread on each run's shapes and scaled to the trainer's threads at "
+                "the share of a core the other work leaves" if gpu == "cpu" else rates_text(rates) if rates
                 else f"none: the bf16 peak or bandwidth of {gpu or 'this GPU'} is not known")
     startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
     return {"gpu": gpu, "jobs": jobs, "assumptions": [
