@@ -48,7 +48,7 @@ from hcstudy.progress import Progress
 from hcstudy.run_record import announce, device_name, run_record
 from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
 from hcstudy.readahead import Loader, dataset_cache, hf_cache_refused, in_hf_cache
-from hcstudy.run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
+from hcstudy.run_folder import (RunLog, batch_sizes_on, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
                         resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
@@ -1282,6 +1282,7 @@ class Trainer:
     flops_per_token: float
     step: int = 0
     tokens: int = 0
+    batch_sizes: list = dataclasses.field(default_factory=list)     # [first step, batch size] per part of the run
     wandb_run: object = None
     steady: bool = False        # past the first step: the short collective time-out applies
 
@@ -1365,7 +1366,8 @@ class Trainer:
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             sharded = {"model": model_state, "optimizer": optimizer_state}
         if self.dist.is_main:
-            files["train_state.pt"] = {"step": self.step, "tokens": self.tokens}
+            files["train_state.pt"] = {"step": self.step, "tokens": self.tokens, "batch_sizes": self.batch_sizes,
+                                       "config": dataclasses.asdict(self.cfg)}     # config.json may be rewritten
             if sharded is None:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
         write_checkpoint(self.run_dir, self.step, files, self.dist, self.cfg.keep_checkpoints, sharded,
@@ -1374,19 +1376,20 @@ class Trainer:
         if self.loader.skipped:
             self.log.info(f"data: {self.loader.skipped} malformed or empty lines skipped so far")
 
-    def restore(self) -> None:
-        """Called after wrapping: FSDP loads its shards in place, resharded to this world size."""
-        found = resume_from(self.run_dir, self.dist, self._load, self.log, self.cfg.ckpt_every,
-                            self.cfg.keep_checkpoints)
+    def restore(self, changed: bool) -> dict:
+        """Called after wrapping (FSDP loads its shards in place); returns the settings changed since the checkpoint."""
+        found = resume_from(self.run_dir, self.dist, self._load, self.log, self.cfg, changed)
+        state = found[1]["train_state.pt"] if found else {"step": 0, "tokens": 0, "batch_sizes": []}
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.batch_sizes = batch_sizes_on(state["batch_sizes"], self.step, self.cfg.batch_size)
         if found is None:
-            return
-        folder, files = found
-        self.step, self.tokens = files["train_state.pt"]["step"], files["train_state.pt"]["tokens"]
+            return {}
         if self.step > self.cfg.steps:
             raise ConfigError(f"{self.run_dir} has done {self.step} steps, more than --steps {self.cfg.steps}; "
                               f"pass --steps {self.step} or more, or choose another --run-name to start over")
         self.log.live["last_checkpoint_step"] = self.step
-        self.log.info(f"resumed from {folder} (step {self.step}, {self.tokens:,} tokens)")
+        self.log.info(f"resumed from {found[0]} (step {self.step}, {self.tokens:,} tokens)")
+        return found[2]
 
     def _load(self, folder: Path, files: dict, marker: dict) -> str | None:
         """Load a verified checkpoint into the model, optimizer, loader and RNG; what did not fit, or None."""
@@ -1539,8 +1542,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         params = count_parameters(cfg)
         peak, flops = plan.gpu_peak_flops(device_name(dist.device)), plan.flops_per_token(cfg, params["non_embedding"])
         trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir, peak, flops)
-        trainer.restore()
-        trainer.log.record_changes(changes, trainer.step)
+        trainer.log.record_changes(changes | trainer.restore(changed=bool(changes)), trainer.step)
         record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
         log.write_config(record)
         trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)

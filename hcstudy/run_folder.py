@@ -235,21 +235,38 @@ class RunLog:
                 self.log_file.write(line + "\n")
 
     def open_metrics(self, keep_through_step: int) -> None:
-        """Drop lines after the checkpoint being resumed (they are recomputed identically), then append."""
+        """Drop lines after the checkpoint being resumed (they are recomputed identically), then append. A line
+        missing up to its step (cut, deleted) cannot be recomputed from it: the gap is said and marked."""
         if not self.enabled:
             return
         path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            records = _metrics_records(path)
-            kept = [line for line, step in records if step is not None and step <= keep_through_step]
-            unusable = sum(step is None for _, step in records)
-            if unusable:
-                self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
-                          "dropped")
-            with naming_the_file(path, "rewrite", "it is unchanged and the checkpoints are intact"):
-                write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+        records = _metrics_records(path) if path.exists() else []
+        kept = [(step, line) for line, step in records if step is not None and step <= keep_through_step]
+        unusable = sum(step is None for _, step in records)
+        if unusable:
+            self.info(f"warning: {path}: {unusable} line(s) that are not metrics records (no whole-number step) "
+                      "dropped")
+        missing = sorted(set(range(keep_through_step + 1)) - {step for step, _ in kept})
+        if missing:
+            self.keep_damaged_metrics(path, missing, keep_through_step)
+        # a lost step keeps a line saying so: the steps stay consecutive, and a later resume finds no gap again
+        kept = sorted(kept + [(step, json.dumps({"step": step, "lost": True})) for step in missing], key=lambda k: k[0])
+        with naming_the_file(path, "rewrite", "it is unchanged and the checkpoints are intact"):
+            write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for _, line in kept)))
         with naming_the_file(path, "open", INTACT):
             self.metrics_file = open_own(path, "a")
+
+    def keep_damaged_metrics(self, path: Path, missing: list[int], checkpoint_step: int) -> None:
+        """A resume whose metrics.jsonl lacks lines up to its checkpoint: a history shortened for good, so said on
+        the console and in train.log, with the file as found kept beside it (metrics.damaged-N.jsonl)."""
+        found = "no metrics.jsonl was there"
+        if path.exists():
+            aside = self.first_free("metrics.damaged-{n}.jsonl")
+            shutil.copyfile(path, aside)
+            found = f"the file as found is kept as {aside}"
+        self.info(f"warning: {path} lacks the lines of step(s) {step_ranges(missing)} (cut or deleted); the run "
+                  f"resumes from checkpoint step-{checkpoint_step}, which cannot recompute them, so each is marked "
+                  f"\"lost\": true; {found}")
 
     def metrics(self, record: dict) -> None:
         if self.enabled:
@@ -320,20 +337,28 @@ class RunLog:
         """recorded_config, an unreadable one refused through this log (its status.json records why)."""
         return recorded_config(self.run_dir, self.refuse)
 
-    def lost_progress(self, ckpt_every: int) -> str | None:
+    def lost_progress(self, changed: bool) -> str | None:
         """Why this folder, with no checkpoint left, must not start over: status.json names a checkpoint, or
-        metrics.jsonl goes past the first checkpoint step. None for a new folder, or one whose run ended before
-        its first checkpoint (it starts again and recomputes the same lines)."""
+        metrics.jsonl goes past the lines a restart recomputes (restart_recomputes). None for a new folder, or
+        one whose run ended before its first checkpoint (it starts again and recomputes the same lines)."""
         if not self.enabled:
             return None
         metrics = self.run_dir / "metrics.jsonl"
         steps = [step for _, step in _metrics_records(metrics) if step is not None] if metrics.is_file() else []
         saved = self.previous_status().get("last_checkpoint_step")
-        if not (type(saved) is int and saved > 0 or max(steps, default=0) > ckpt_every):
+        if not (type(saved) is int and saved > 0 or max(steps, default=0) > self.restart_recomputes(changed)):
             return None
         return (f"{self.run_dir} holds a run's history (metrics to step {max(steps, default=0)}) but no checkpoint "
                 "to resume from; choose another --run-name, or pass --resume never to start over (its files are "
                 "moved aside, not deleted)")
+
+    def restart_recomputes(self, changed: bool) -> int:
+        """The last step whose line a restart writes again identically: the first checkpoint step of the settings
+        config.json recorded (a later line means a checkpoint was written). Under changed settings a restart
+        computes other lines, and without config.json when a checkpoint was due is unknown: then step 0 only."""
+        recorded = None if changed else self.previous_config()
+        due = [recorded.get("ckpt_every"), recorded.get("steps")] if recorded else []
+        return min(due) if due and all(type(step) is int and step > 0 for step in due) else 0
 
     def set_aside_history(self) -> None:
         """--resume never: every file of an earlier run moves to RUN/previous-N/ (never deleted); the lock, the
@@ -344,12 +369,15 @@ class RunLog:
         entries = [e for e in self.run_dir.iterdir() if e.name not in kept and not e.name.startswith("previous-")]
         if not entries:
             return
-        aside = next(self.run_dir / f"previous-{n}" for n in range(1, 1 << 30)
-                     if not (self.run_dir / f"previous-{n}").exists())
+        aside = self.first_free("previous-{n}")
         aside.mkdir()
         for entry in entries:
             os.replace(entry, aside / entry.name)
         self.info(f"--resume never: the earlier run's files moved to {aside}; starting over")
+
+    def first_free(self, pattern: str) -> Path:
+        """RUN/pattern with {n} the first number not taken: what an earlier move aside kept is never replaced."""
+        return next(path for n in range(1, 1 << 30) if not (path := self.run_dir / pattern.format(n=n)).exists())
 
     def record_changes(self, changes: dict, step: int) -> None:
         """A resume under changed training settings (--allow-changed-settings), said in the log and kept in
@@ -390,28 +418,48 @@ def changes_text(changes: dict) -> str:
 
 
 def check_resumable(run_dir: Path, cfg, log: RunLog | None = None) -> dict:
-    """Whether the trainer's Config `cfg` may continue the run in `run_dir`: refuse a run folder made by a different
-    model; refuse changed training settings unless --allow-changed-settings. Under --resume never the trainer
-    (`log`) moves an earlier run's files aside. Returns the allowed changes ({key: [old, new]}). Without the run's
-    log (the launcher's check of a finished run) nothing is recorded or moved."""
+    """Whether the trainer's Config `cfg` may continue the run in `run_dir` (settings_changes of its config.json).
+    Under --resume never the trainer (`log`) moves an earlier run's files aside. Without the run's log (the
+    launcher's check of a finished run) nothing is recorded or moved."""
     if cfg.resume == "never":
         if log:
             log.set_aside_history()
         return {}
     old = log.previous_config() if log else recorded_config(run_dir)
-    if old is None:
-        return {}
+    return {} if old is None else settings_changes(old, cfg, str(run_dir))
+
+
+def settings_changes(old: dict, cfg, source: str) -> dict:
+    """The training settings `cfg` changes from those `source` (a run folder, a checkpoint) recorded in `old`
+    ({key: [old, new]}); a different model refused, changed training settings unless --allow-changed-settings."""
     recorded = {key: old.get(key, field.default) for key, field in type(cfg).__dataclass_fields__.items()}
     for key in MODEL_KEYS:                                               # a key newer than the run: its default
         if recorded[key] != getattr(cfg, key):
-            raise ConfigError(f"{run_dir} was trained with {key}={recorded[key]!r} but this command has "
+            raise ConfigError(f"{source} was trained with {key}={recorded[key]!r} but this command has "
                               f"{key}={getattr(cfg, key)!r}; choose another --run-name or --out")
     changes = {key: [recorded[key], getattr(cfg, key)] for key in TRAINING_KEYS if recorded[key] != getattr(cfg, key)}
     if changes and not cfg.allow_changed_settings:
-        raise ConfigError(f"{run_dir} was trained with other settings ({changes_text(changes)}); rerun with its "
+        raise ConfigError(f"{source} was trained with other settings ({changes_text(changes)}); rerun with its "
                           "settings, choose another --run-name, or pass --allow-changed-settings to continue under "
                           "the new ones")
     return changes
+
+
+def batch_sizes_on(history: list, step: int, batch_size: int) -> list:
+    """A run's batch sizes ([first step, batch size], ...) continued from `step` with `batch_size`: a part of its
+    own where a resume changes it (--allow-changed-settings), so that the tokens add up (trained_tokens)."""
+    return history if history and history[-1][1] == batch_size else [*history, [step, batch_size]]
+
+
+def step_ranges(steps: list[int]) -> str:
+    """Sorted steps as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs = []
+    for step in steps:
+        if runs and runs[-1][1] == step - 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _metrics_records(path: Path) -> list[tuple[str, int | None]]:
@@ -563,13 +611,33 @@ def load_checked(folder: Path, marker: dict) -> tuple[dict, str | None]:
         return {}, f"cannot be loaded safely ({first_cause(error)})"
 
 
+def trained_tokens(state: dict) -> int | None:
+    """The tokens of a checkpoint's steps: batch size x seq_len each, at the batch size of its part of the run
+    (state["batch_sizes"]: [first step, batch size] pairs, a new one where a resume changed it under
+    --allow-changed-settings); None when that history does not fit the state."""
+    history, seq_len = state.get("batch_sizes"), state["config"].get("seq_len")
+    pairs = isinstance(history, list) and all(isinstance(pair, list) and len(pair) == 2 and
+                                              all(type(n) is int and n >= 0 for n in pair) for pair in history)
+    starts = [start for start, _ in history] if pairs else []
+    if not (starts and starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] <= state["step"]
+            and type(seq_len) is int and seq_len > 0 and history[-1][1] == state["config"].get("batch_size")):
+        return None
+    return sum((end - start) * size * seq_len for (start, size), end in zip(history, starts[1:] + [state["step"]]))
+
+
 def contents_problem(files: dict, marker: dict) -> str | None:
-    """What a verified checkpoint lacks for a resume: its step and tokens, every rank's data state, and (unless
-    DCP holds them) the model and optimizer; None when complete."""
+    """What a verified checkpoint lacks for a resume: its step, settings and tokens (as many as its steps took),
+    every rank's data state, and (unless DCP holds them) the model and optimizer; None when complete."""
     state = files.get("train_state.pt")
     if not (isinstance(state, dict) and type(state.get("step")) is int and type(state.get("tokens")) is int
-            and state["step"] == marker["step"] and state["tokens"] >= 0):
-        return "holds no valid train_state.pt (its step and tokens)"
+            and state["step"] == marker["step"] and isinstance(state.get("config"), dict)):
+        return "holds no valid train_state.pt (its step, tokens and settings)"
+    expected = trained_tokens(state)
+    if expected is None:
+        return "holds no valid train_state.pt (the batch sizes of its steps)"
+    if state["tokens"] != expected:
+        return (f"holds {state['tokens']:,} tokens in train_state.pt, not the {expected:,} of its {state['step']} "
+                "steps (batch size x seq_len each)")
     ranks = sorted(name for name in files if name.startswith("rank"))
     if marker.get("world_size") != len(ranks) or set(ranks) != {f"rank{r}.pt" for r in range(len(ranks))}:
         return f"holds the data states of {len(ranks)} rank(s), its marker says {marker.get('world_size')!r}"
@@ -605,6 +673,8 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sha
             # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
             digests = dist.gather({name: sha256(tmp / name) for name in written})
             if dist.is_main:
+                if (run_dir / "metrics.jsonl").is_file():   # a crash may drop a file's unsynced end, and the lines up
+                    fsync_path(run_dir / "metrics.jsonl")   # to a checkpoint's step cannot be recomputed from it
                 marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
                           "files": dict(sorted(item for part in digests for item in part.items()))}
                 seal(tmp, final, marker)
@@ -662,11 +732,13 @@ def read_checkpoint(run_dir: Path, dist, log) -> tuple[Path, dict, dict] | None:
     return next(verified_checkpoints(newest_first(run_dir, dist), dist, log), None)
 
 
-def resume_from(run_dir: Path, dist, load, log, ckpt_every: int, keep: int) -> tuple[Path, dict] | None:
-    """(folder, files) of the newest checkpoint that verifies and that `load(folder, files, marker)` takes (it
-    returns a problem or None); the newer ones are then set aside, to be written again. None without checkpoints
-    in a folder without progress; when every one fails, or none is left of a run that made progress, refused and
-    recorded (log.refuse): starting over would overwrite a run's history."""
+def resume_from(run_dir: Path, dist, load, log, cfg, changed: bool) -> tuple[Path, dict, dict] | None:
+    """(folder, files, the settings changes) of the newest checkpoint that verifies and that `load(folder, files,
+    marker)` takes (it returns a problem or None); the newer ones are then set aside, to be written again. The
+    training settings of the trainer's Config `cfg` are compared with the checkpoint's own (settings_changes:
+    config.json may be gone or rewritten). None without checkpoints in a folder without progress; when every one
+    fails, or none is left of a run that made progress, refused and recorded (log.refuse): starting over would
+    overwrite a run's history (changed: this command changes the training settings config.json recorded)."""
     problems = []
 
     def fall_back(line: str) -> None:
@@ -674,6 +746,7 @@ def resume_from(run_dir: Path, dist, load, log, ckpt_every: int, keep: int) -> t
         log.info(line)
 
     for folder, files, marker in verified_checkpoints(newest_first(run_dir, dist), dist, fall_back):
+        changes = settings_changes(files["train_state.pt"]["config"], cfg, f"checkpoint {folder}")
         problem = agreed_problem(dist, load(folder, files, marker))
         if problem is None:
             dist.barrier()                                  # every rank has read what it needs of the newer ones
@@ -682,13 +755,13 @@ def resume_from(run_dir: Path, dist, load, log, ckpt_every: int, keep: int) -> t
                     break
                 log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
             if dist.is_main:
-                prune(run_dir / "checkpoints", keep)
-            return folder, files
+                prune(run_dir / "checkpoints", cfg.keep_checkpoints)
+            return folder, files, changes
         fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
     if problems:
         raise log.refuse(f"no checkpoint of {run_dir} is usable (newest: {problems[0].split(';')[0]}); move that "
                          "folder away or choose another --run-name to start over")
-    lost = agreed_problem(dist, log.lost_progress(ckpt_every))
+    lost = agreed_problem(dist, log.lost_progress(changed))
     if lost:
         raise log.refuse(lost)
     return None

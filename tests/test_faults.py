@@ -369,7 +369,8 @@ def sharded_checkpoint(out, step=10):
     optimizer.step()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     run_dir = out / cfg.run_name
-    files = {"train_state.pt": {"step": step, "tokens": 0}, "rank0.pt": {"rng": T.rng_state()}}
+    files = {"train_state.pt": {"step": step, "tokens": step * cfg.tokens_per_step, "config": dataclasses.asdict(cfg),
+                                "batch_sizes": [[0, cfg.batch_size]]}, "rank0.pt": {"rng": T.rng_state()}}
     run_folder.write_checkpoint(run_dir, step, files, T.Dist(0, 1, torch.device("cpu")), keep=2,
                        sharded={"model": model_state, "optimizer": optimizer_state})
     (run_dir / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))

@@ -487,6 +487,133 @@ def test_a_run_with_history_but_no_checkpoint_is_refused_and_resume_never_moves_
         list(range(21))
 
 
+KILL_ONCE_STEP_8_IS_SAVED = """
+import os, signal, sys, train_c4
+_step = train_c4.Trainer.optimizer_step
+def optimizer_step(self, *args):
+    if self.step == 8:              # checkpoints/step-8 sealed and metrics written to step 8: kill -9 there
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _step(self, *args)
+train_c4.Trainer.optimizer_step = optimizer_step
+"""
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A --steps 20 --ckpt-every 4 run killed once checkpoints/step-8 exists, copied afresh by each test."""
+    out = tmp_path_factory.mktemp("killed")
+    argv = ["--preset", "tiny", "--steps", "20", "--ckpt-every", "4", "--out", str(out)]
+    code = f"{KILL_ONCE_STEP_8_IS_SAVED}\nsys.exit(train_c4.main({argv!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == -9 and (out / RUN / "checkpoints" / "step-8" / run_folder.MARKER).exists()
+    return out
+
+
+def steps_of(run_dir):
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_changed_settings_are_refused_by_the_checkpoint_itself_when_config_json_is_gone(killed, tmp_path):
+    out, run_dir = copy_of(killed, tmp_path)
+    (run_dir / "config.json").unlink()
+    code, _, stderr = run(out, "--ckpt-every", "4", "--lr", "0.0005")
+    assert code == 2 and one_line(stderr), stderr
+    assert "checkpoint" in stderr and "step-8 was trained with other settings (lr 0.003 -> 0.0005)" in stderr
+    assert not (run_dir / "config.json").exists() and steps_of(run_dir) == list(range(9))
+    code, stdout, stderr = run(out, "--ckpt-every", "4", "--lr", "0.0005", "--allow-changed-settings")
+    assert code == 0, stderr
+    changes = [json.loads(line) for line in (run_dir / "settings_changes.jsonl").read_text().splitlines()]
+    assert [(c["step"], c["changes"]) for c in changes] == [(8, {"lr": [0.003, 0.0005]})]
+
+
+@pytest.mark.parametrize("flags", [["--ckpt-every", "10"],
+                                   ["--ckpt-every", "10", "--lr", "0.001", "--allow-changed-settings"]])
+def test_no_checkpoint_and_no_status_refuses_by_the_recorded_checkpoint_interval(killed, tmp_path, flags):
+    out, run_dir = copy_of(killed, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "status.json").unlink()
+    history = (run_dir / "metrics.jsonl").read_bytes()
+    code, _, stderr = run(out, *flags)
+    assert code == 2 and one_line(stderr) and "metrics to step 8" in stderr and "--resume never" in stderr, stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == history and not list(run_dir.glob("previous-*"))
+
+
+@pytest.mark.parametrize("case", ["same settings", "changed settings", "no config.json"])
+def test_a_run_killed_before_its_first_checkpoint_restarts_only_where_it_recomputes_the_same_lines(killed, tmp_path,
+                                                                                                  case):
+    out, run_dir = copy_of(killed, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "status.json").unlink()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:4]))          # killed at step 3, before step-4's checkpoint
+    if case == "no config.json":        # when its first checkpoint was due is unknown
+        (run_dir / "config.json").unlink()
+    flags = ["--lr", "0.001", "--allow-changed-settings"] if case == "changed settings" else []
+    code, _, stderr = run(out, "--ckpt-every", "4", *flags)
+    if case == "same settings":
+        assert code == 0 and steps_of(run_dir) == list(range(21)), stderr
+    else:
+        assert code == 2 and one_line(stderr) and "metrics to step 3" in stderr, stderr
+
+
+@pytest.mark.parametrize("damage", ["step-8 line cut in half", "deleted", "emptied"])
+def test_metrics_lines_lost_up_to_the_checkpoint_are_said_marked_and_the_file_kept(killed, tmp_path, damage):
+    out, run_dir = copy_of(killed, tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    text = metrics.read_text()
+    if damage == "deleted":
+        metrics.unlink()
+    else:
+        metrics.write_text(text[:len(text) - len(text.splitlines()[-1]) // 2 - 1] if damage != "emptied" else "")
+    found = metrics.read_bytes() if metrics.exists() else None
+    code, stdout, stderr = run(out, "--ckpt-every", "4")
+    assert code == 0, stderr
+    lost = "8" if damage.startswith("step-8") else "0-8"
+    said = f"warning: {metrics} lacks the lines of step(s) {lost} (cut or deleted)"
+    assert said in stdout and said in (run_dir / "train.log").read_text()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(21))
+    assert [r["step"] for r in records if r.get("lost")] == ([8] if lost == "8" else list(range(9)))
+    aside = run_dir / "metrics.damaged-1.jsonl"
+    assert (aside.read_bytes() if aside.exists() else None) == found
+    code, stdout, stderr = run(out, "--ckpt-every", "4", "--steps", "24", "--allow-changed-settings")
+    assert code == 0 and "lacks the lines" not in stdout and steps_of(run_dir) == list(range(25)), stderr
+
+
+def test_a_checkpoint_whose_token_count_is_forged_falls_back(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    newest = run_dir / "checkpoints" / "step-20"
+    state = torch.load(newest / "train_state.pt", weights_only=True)
+    assert state["tokens"] == 20 * 4 * 32                                   # batch size x seq_len per step
+    reseal(newest, "train_state.pt", state | {"tokens": state["tokens"] * 2})
+    code, stdout, stderr = run(out)
+    assert code == 0 and stderr == "", stderr
+    assert "step-20 holds 5,120 tokens in train_state.pt, not the 2,560 of its 20 steps" in stdout
+    assert "(step 10, 1,280 tokens)" in stdout
+    assert torch.load(newest / "train_state.pt", weights_only=True)["tokens"] == 2560     # written again
+
+
+@pytest.mark.parametrize("history", [[[0, 8]], [[0, 4], [0, 8], [5, 4]], [[1, 4]], [[0, 4], [30, 4]], "4", [[0, "4"]]])
+def test_a_batch_size_history_that_does_not_fit_the_checkpoint_is_damaged(finished, history):
+    folder = finished / RUN / "checkpoints" / "step-20"
+    marker = run_folder.read_marker(folder)
+    files = run_folder.load_verified(folder, marker)
+    assert run_folder.contents_problem(files, marker) is None
+    files["train_state.pt"]["batch_sizes"] = history
+    assert "the batch sizes of its steps" in run_folder.contents_problem(files, marker)
+
+
+def test_the_token_count_adds_up_across_a_change_of_batch_size(finished, tmp_path):
+    out, run_dir = copy_of(finished, tmp_path)
+    code, _, stderr = run(out, "--steps", "30", "--batch-size", "8", "--allow-changed-settings")
+    assert code == 0, stderr
+    state = torch.load(run_dir / "checkpoints" / "step-30" / "train_state.pt", weights_only=True)
+    assert state["batch_sizes"] == [[0, 4], [20, 8]] and state["tokens"] == 20 * 4 * 32 + 10 * 8 * 32
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["tokens"] == state["tokens"]
+    code, stdout, stderr = run(out, "--steps", "30", "--batch-size", "8")
+    assert code == 0 and "resumed from" in stdout and "(step 30," in stdout, stderr
+
+
 def test_a_running_state_on_a_full_disk_leaves_the_reserve_for_the_final_state(tmp_path, monkeypatch):
     log = run_folder.RunLog(tmp_path, enabled=True)
     real_write = run_folder.write_json_atomic
