@@ -21,8 +21,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from hcstudy import contract
-from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, DataUnavailable, Diverged, Interrupted,
-                      RunFailed, TrainerError)
+from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, DataUnavailable, Diverged,
+                              Interrupted, RunFailed, TrainerError)
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
@@ -40,16 +40,18 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from hcstudy import config_flags as flags
-from hcstudy.kernels import choice, fused
-from hcstudy.planner import memory as plan
-from hcstudy.failures import classify_failure, exit_process, failure
 from hcstudy.config_flags import COUNT, NATURAL, option
+from hcstudy.failures import classify_failure, exit_process, failure
+from hcstudy.kernels import choice, fused
+from hcstudy.planner import gpus, memory
+from hcstudy.planner.estimate import print_estimate
+from hcstudy.planner.plan_jobs import card_bytes, job_plan, node_answer
 from hcstudy.progress import Progress
+from hcstudy.readahead import Loader, dataset_cache, hf_cache_refused, in_hf_cache
+from hcstudy.run_folder import (RunLog, batch_sizes_on, changes_text, check_resumable, check_writable_folder, dcp_load,
+                                first_cause, resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 from hcstudy.run_record import announce, device_name, run_record
 from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
-from hcstudy.readahead import Loader, dataset_cache, hf_cache_refused, in_hf_cache
-from hcstudy.run_folder import (RunLog, batch_sizes_on, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
-                        resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 
 # Imported where they are used, on purpose (`python -X importtime -c 'import train_c4'`): datasets and torch's
 # fsdp and checkpoint packages (a second each, which --help and most tests never need), flash_attn, wandb.
@@ -234,8 +236,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     try:                # what the presets alone make impossible is theirs to answer for, not the flags'
         validate(composed)
         micro = composed.micro_batch_size
-        plan.check_batch_split(composed, 1, None if micro == "auto" else int(micro))
-    except (ConfigError, plan.PlanError) as error:
+        memory.check_batch_split(composed, 1, None if micro == "auto" else int(micro))
+    except (ConfigError, memory.PlanError) as error:
         raise ConfigError(f"--preset {composed.preset} cannot compose: {error}") from None
     cfg = dataclasses.replace(composed, **explicit)
     flags.refuse_unused(explicit, cfg.residual, contract.ARMS_OF)
@@ -1214,9 +1216,9 @@ def held_out_source(data: DataFiles, val_data: str) -> str:
 def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float | None = None
                ) -> tuple[int, int, str]:
     """(micro-batch, accumulation steps, why auto chose it): every optimizer step sees --batch-size sequences;
-    auto is plan.resolve_micro_batch's, for a GPU (default: where CUDA is) or the CPU."""
+    auto is memory.resolve_micro_batch's, for a GPU (default: where CUDA is) or the CPU."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    micro, why = plan.resolve_micro_batch(GPT, cfg, world, on_gpu, card)
+    micro, why = memory.resolve_micro_batch(GPT, cfg, world, on_gpu, card)
     # the streams each process reads from (ranks share streams when the world size does not divide them)
     read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
     if cfg.data_workers > read:
@@ -1488,7 +1490,7 @@ def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     micro, accum, why = batch_plan(cfg, dist.world)
     if why and dist.is_main:
         print(f"micro-batch auto: {micro} ({why})", flush=True)
-    plan.check_memory(cfg, embedding_rows(cfg), micro, dist.world, dist.device)
+    memory.check_memory(cfg, embedding_rows(cfg), micro, dist.world, dist.device)
     data = resolve_data_files(cfg.data, cfg.val_data)
     check_writable_folder(Path(cfg.out), "--out")
     return micro, accum, data
@@ -1496,8 +1498,8 @@ def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
 
 def plan_jobs(request: dict) -> dict:
     """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
-    job's flags judged by this trainer's own checks, then planned for the launcher's node by plan.job_plan."""
-    gpu, world, answers = request["gpu"] or plan.ASSUMED_GPU, request["world"], []
+    job's flags judged by this trainer's own checks, then planned for the launcher's node by job_plan."""
+    gpu, world, answers = request["gpu"] or gpus.ASSUMED_GPU, request["world"], []
     parameters = functools.cache(count_parameters)      # one build per model shape, not one per job
     for job in request["jobs"]:
         try:
@@ -1508,16 +1510,16 @@ def plan_jobs(request: dict) -> dict:
             if job.get("finished") and not changes:
                 answers.append({"finished": True})
                 continue
-            card = plan.card_bytes(cfg, gpu, request.get("card_gib"))
+            card = card_bytes(cfg, gpu, request.get("card_gib"))
             micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
             if gpu == "cpu":
-                plan.check_memory(cfg, embedding_rows(cfg), micro, world, torch.device("cpu"))
+                memory.check_memory(cfg, embedding_rows(cfg), micro, world, torch.device("cpu"))
             resolve_data_files(cfg.data, cfg.val_data)
-            answers.append(plan.job_plan(GPT, cfg, parameters(plan.shape_key(cfg)), micro, world, gpu, card, job)
+            answers.append(job_plan(GPT, cfg, parameters(memory.shape_key(cfg)), micro, world, gpu, card, job)
                            | {"changes": changes_text(changes)})
-        except (TrainerError, plan.PlanError) as error:
+        except (TrainerError, memory.PlanError) as error:
             answers.append({"error": str(error)})
-    return plan.node_answer(gpu, answers)
+    return node_answer(gpu, answers)
 
 
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
@@ -1535,12 +1537,12 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         model = GPT(cfg, use_flash, kernels).to(dist.device)
         wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
         optimizer = make_optimizer(model, cfg)
-        micro = plan.confirm_micro_batch(cfg, dist, unwrap(wrapped), dtype, micro)     # auto on CUDA: one real step
+        micro = memory.confirm_micro_batch(cfg, dist, unwrap(wrapped), dtype, micro)     # auto on CUDA: one real step
         accum = cfg.batch_size // (micro * dist.world)
         batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
         loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
         params = count_parameters(cfg)
-        peak, flops = plan.gpu_peak_flops(device_name(dist.device)), plan.flops_per_token(cfg, params["non_embedding"])
+        peak, flops = gpus.gpu_peak_flops(device_name(dist.device)), gpus.flops_per_token(cfg, params["non_embedding"])
         trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir, peak, flops)
         trainer.log.record_changes(changes | trainer.restore(changed=bool(changes)), trainer.step)
         record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
@@ -1600,7 +1602,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         cfg = parse_config(argv)
         if cfg.estimate:
-            plan.print_estimate(GPT, cfg, count_parameters(cfg))
+            print_estimate(GPT, cfg, count_parameters(cfg))
         else:
             train(cfg)
         end_distributed()

@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hcstudy.planner import memory as plan  # noqa: E402
+from hcstudy.planner import memory as memory_module  # noqa: E402
 import train_c4 as T  # noqa: E402
 from bench_step import Variant  # noqa: E402
 from hcstudy.planner.memory import GiB  # noqa: E402
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         preset = ["--preset", "tiny"] if args.smoke else []
         cfg = T.parse_config([*preset, "--depth", str(depth), "--residual", args.residual])
         micro = min(args.micro_batch, cfg.batch_size)
-        memory = plan.memory_plan(T.GPT, cfg, micro)
+        memory = memory_module.memory_plan(T.GPT, cfg, micro)
         peak = measured_peak(cfg, micro, device)
         rows.append({"depth": depth, "residual": args.residual, "micro_batch": micro,
                      "planned_allocated_gib": round(memory.allocated / GiB, 2),

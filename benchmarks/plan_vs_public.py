@@ -21,7 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from hcstudy.planner import memory as plan  # noqa: E402
+from hcstudy.planner import memory
+from hcstudy.planner import run_time
+from hcstudy.planner import step_work  # noqa: E402
 import train_c4 as T  # noqa: E402
 from bench_connection import connection_step  # noqa: E402
 
@@ -42,33 +44,33 @@ H200_CONNECTION_MS = {("baseline", "reference"): 1.60, ("mhc", "reference"): 45.
                       ("mhc", "triton"): 10.3}
 
 
-def trainer_cost(flags: list[str], residual: str, path: str, gpu: str) -> plan.StepCost:
+def trainer_cost(flags: list[str], residual: str, path: str, gpu: str) -> run_time.StepCost:
     cfg = T.parse_config([*flags, "--residual", residual])
-    return plan.step_cost(T.GPT, cfg, T.count_parameters(cfg), path, int(cfg.micro_batch_size), 1,
-                          plan.gpu_rates(gpu))
+    return run_time.step_cost(T.GPT, cfg, T.count_parameters(cfg), path, int(cfg.micro_batch_size), 1,
+                          run_time.gpu_rates(gpu))
 
 
-def connection_cost(arm: str, path: str, tokens: int, width: int, gpu: str) -> plan.StepCost:
+def connection_cost(arm: str, path: str, tokens: int, width: int, gpu: str) -> run_time.StepCost:
     """One connection's forward and backward (bench_connection's call), counted at two widths and two token counts
     on the CPU and fitted as the trainer's step is: launches fixed, bytes per token linear in the width."""
     cfg = T.Config(residual=arm if arm != "baseline" else "mhc", heads=1)
-    w1, counted = plan._counted_width(cfg), {}
+    w1, counted = step_work._counted_width(cfg), {}
     for w in (w1, 2 * w1):
         small = T.Config(residual=cfg.residual, width=w, heads=1)
-        for t in (plan.COUNT_SEQ, 2 * plan.COUNT_SEQ):
+        for t in (step_work.COUNT_SEQ, 2 * step_work.COUNT_SEQ):
             step = connection_step(arm, path, small, T.torch.device("cpu"), t)
             triton = (arm, cfg.expansion, t) if path == "triton" else None
-            with plan.cuda_autocast(), plan.counting(w, triton) as counter:
+            with memory.cuda_autocast(), step_work.counting(w, triton) as counter:
                 step()
             counted[w, t] = counter.launches, counter.bytes
-    per_token = {w: (counted[w, 2 * plan.COUNT_SEQ][1] - counted[w, plan.COUNT_SEQ][1]) / plan.COUNT_SEQ
+    per_token = {w: (counted[w, 2 * step_work.COUNT_SEQ][1] - counted[w, step_work.COUNT_SEQ][1]) / step_work.COUNT_SEQ
                  for w in (w1, 2 * w1)}
     slope = (per_token[2 * w1] - per_token[w1]) / w1
     nbytes = tokens * (per_token[w1] + slope * (width - w1))
-    return plan.StepCost(path, 0.0, nbytes, counted[w1, plan.COUNT_SEQ][0], plan.gpu_rates(gpu))
+    return run_time.StepCost(path, 0.0, nbytes, counted[w1, step_work.COUNT_SEQ][0], run_time.gpu_rates(gpu))
 
 
-def row(label: str, published: float | None, cost: plan.StepCost, scale: float, unit: str) -> dict:
+def row(label: str, published: float | None, cost: run_time.StepCost, scale: float, unit: str) -> dict:
     low, high = (s * scale for s in cost.seconds)
     where = "" if published is None else "inside" if low <= published <= high else \
         "below" if published < low else "above"

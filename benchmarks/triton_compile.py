@@ -26,7 +26,9 @@ sys.path.insert(0, str(ROOT))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from hcstudy.planner import memory as plan  # noqa: E402
+from hcstudy.planner import gpus
+
+from hcstudy.planner import run_time  # noqa: E402
 from hcstudy.kernels import triton_ops as K  # noqa: E402
 
 K.load()                                      # the kernels as triton.jit made them, not their stand-ins
@@ -36,8 +38,8 @@ ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "g
                     "_hc_read_forward": {"u_ptr"}, "_hc_read_backward": {"gu_ptr"}}
 UNIT_STRIDES = {"sxc", "syc", "sgc"}
 CARDS = {"H100 SXM": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
-BANDWIDTH = {card: plan.GPU_BANDWIDTH[name] for card, name in CARDS.items()}       # bytes/s, the datasheets'
-PEAK = {card: plan.GPU_PEAK_BF16_FLOPS[name] for card, name in CARDS.items()}
+BANDWIDTH = {card: gpus.GPU_BANDWIDTH[name] for card, name in CARDS.items()}       # bytes/s, the datasheets'
+PEAK = {card: gpus.GPU_PEAK_BF16_FLOPS[name] for card, name in CARDS.items()}
 
 
 def variants(n: int, width: int):
@@ -114,7 +116,7 @@ def kernel_rows(n: int, width: int) -> list[dict]:
 def step_ratios(n: int, width: int, depth: int) -> list[dict]:
     """Step time over the baseline's, from the bytes the streams move beyond the baseline's residual (x + y: 4C
     read and written forward, and the same backward) at the card's bandwidth, over the baseline's FLOPs at the
-    planner's share of the card's bf16 peak for matmuls (plan.GEMM_SHARE). The 1.7B/2.5B models: width 2048, depth 32/48."""
+    planner's share of the card's bf16 peak for matmuls (run_time.GEMM_SHARE). The 1.7B/2.5B models: width 2048, depth 32/48."""
     non_embedding = 12 * depth * width * width
     flops = 6 * non_embedding + 12 * depth * width * 1024
     baseline = 2 * (2 * 4 * width + 2 * width) + (3 * 4 * width + 2 * 2 * width)     # residual add, both ways
@@ -123,12 +125,12 @@ def step_ratios(n: int, width: int, depth: int) -> list[dict]:
                                  ("triton kernels", sum(K.traffic("mhc", n, width).values()))):
         extra = 2 * depth * (per_connection - baseline)
         for card, bandwidth in BANDWIDTH.items():
-            ratios = [1 + extra / bandwidth / (flops / (share * PEAK[card])) for share in plan.GEMM_SHARE]
+            ratios = [1 + extra / bandwidth / (flops / (share * PEAK[card])) for share in run_time.GEMM_SHARE]
             rows.append({"traffic": what, "card": card, "bytes_per_token_per_connection": per_connection,
-                         "ratio_at_matmul_share": dict(zip(map(str, plan.GEMM_SHARE), ratios))})
+                         "ratio_at_matmul_share": dict(zip(map(str, run_time.GEMM_SHARE), ratios))})
             print(f"  {what:<15} {card:<9} {per_connection / 1024:6.1f} KiB/token/connection: step x "
-                  f"{min(ratios):.2f}-{max(ratios):.2f} of the baseline's matmuls at {plan.GEMM_SHARE[1]:.0%}-"
-                  f"{plan.GEMM_SHARE[0]:.0%} of the peak", flush=True)
+                  f"{min(ratios):.2f}-{max(ratios):.2f} of the baseline's matmuls at {run_time.GEMM_SHARE[1]:.0%}-"
+                  f"{run_time.GEMM_SHARE[0]:.0%} of the peak", flush=True)
     return rows
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.distributed_c10d import _get_default_store
 
 from hcstudy.contract import EXIT_DEVICE, EXIT_INTERRUPTED, EXIT_OOM, Diverged, Interrupted, RunFailed, TrainerError
-from hcstudy.planner import memory as plan
+from hcstudy.planner import memory
 
 
 def failure(error: BaseException, dist, micro: int | None = None) -> tuple[int, str, bool]:
@@ -29,7 +29,7 @@ def failure(error: BaseException, dist, micro: int | None = None) -> tuple[int, 
 
 
 def classify_failure(error: BaseException, micro: int | None) -> tuple[int, str]:
-    if isinstance(error, (TrainerError, plan.PlanError)):
+    if isinstance(error, (TrainerError, memory.PlanError)):
         return error.exit_code, str(error)
     if isinstance(error, torch.OutOfMemoryError):
         smaller = max(1, (micro or 2) // 2)

@@ -11,7 +11,7 @@ Parts, each under its own time limit, one PASS/FAIL line each:
                     auto takes the fastest path timed here (result.json's timings)
   compile           every --compile run finished
   memory plan       the trainer's --estimate allocated peak against the measured one (mHC, eager)
-  step model, MFU   every eager step against the planner's modelled range (plan.step_cost); the baseline's MFU
+  step model, MFU   every eager step against the planner's modelled range (run_time.step_cost); the baseline's MFU
   FSDP              the trainer under torchrun --parallel fsdp (one process): a checkpoint, then a resume
 
 Writes {out}/gpu_check/: result.json (its format: docs/planning.md; the dry run's planner reads its
@@ -176,15 +176,16 @@ def planned_allocated_gb(check):
 def modelled_steps(table, gpu):
     """The planner's step range (seconds) for every timed arm and path on this GPU: {method: {path: (low, high)}}."""
     import train_c4
-    from hcstudy.planner import memory as plan
-    rates, model = plan.gpu_rates(gpu), {}
+    from hcstudy.planner import run_time
+    rates, model = run_time.gpu_rates(gpu), {}
     if rates is None:
         return model
     for method, timed in table.items():
         cfg = train_c4.parse_config([*SIZE, "--residual", method])
         params = train_c4.count_parameters(cfg)
         for path in {key.split("/")[0] for key in timed}:
-            model.setdefault(method, {})[path] = plan.step_cost(train_c4.GPT, cfg, params, path, 8, 1, rates).seconds
+            cost = run_time.step_cost(train_c4.GPT, cfg, params, path, 8, 1, rates)
+            model.setdefault(method, {})[path] = cost.seconds
     return model
 
 
@@ -239,9 +240,9 @@ def fsdp(check, runs):
 def timed_flops_per_token(method):
     """FLOPs per token of the timed configuration: the planner scales the measured rate to other depths by it."""
     import train_c4
-    from hcstudy.planner import memory as plan
+    from hcstudy.planner import gpus
     cfg = train_c4.parse_config([*SIZE, "--residual", method])
-    return plan.flops_per_token(cfg, train_c4.count_parameters(cfg)["non_embedding"])
+    return gpus.flops_per_token(cfg, train_c4.count_parameters(cfg)["non_embedding"])
 
 
 def write_result(folder, device, parts, table):

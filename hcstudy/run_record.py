@@ -10,7 +10,7 @@ import sys
 import torch
 
 from hcstudy import ROOT
-from hcstudy.planner.memory import parameter_summary
+from hcstudy.planner.estimate import parameter_summary
 
 
 def announce(trainer, params: dict, record: dict, held_out: str, warning_lines: list[str]) -> None:

@@ -17,11 +17,13 @@ import torch
 import torch.nn as nn
 
 from hcstudy.launcher import matrix_run as matrix
-from hcstudy.planner import memory as plan
+from hcstudy.planner import gpus
+from hcstudy.planner import memory as memory_module
+from hcstudy.planner import run_time
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parent.parent
-CARD = 80 * plan.GiB
+CARD = 80 * memory_module.GiB
 SMALL_CONFIGS = ([], ["--width", "48", "--heads", "3", "--depth", "3", "--expansion", "3"],     # --expansion last
                  ["--tokenizer", "gpt2", "--width", "32", "--heads", "4", "--seq-len", "64", "--expansion", "2"])
 
@@ -37,7 +39,7 @@ def test_parameter_counts_equal_the_real_model(residual, flags):
     flags = flags[:-2] if residual == "baseline" and flags else flags    # no --expansion: the baseline has no streams
     cfg = T.parse_config(["--preset", "tiny", "--residual", residual, *flags])
     model = T.GPT(cfg)
-    counts, numels = T.count_parameters(cfg), plan.parameter_numels(T.GPT, cfg)
+    counts, numels = T.count_parameters(cfg), memory_module.parameter_numels(T.GPT, cfg)
     assert counts["total"] == numels["total"] == sum(p.numel() for p in model.parameters())
     assert counts["embedding"] == model.wte.weight.numel() + model.wpe.weight.numel()
     assert counts["streams"] == sum(p.numel() for name, p in model.named_parameters() if "_conn." in name)
@@ -56,7 +58,7 @@ def test_weight_gradient_optimizer_and_cast_terms_equal_the_real_tensors(residua
     model(idx, idx)[1].backward()
     optimizer.step()
     params = list(model.parameters())
-    memory = plan.memory_plan(T.GPT, cfg, micro=2)
+    memory = memory_module.memory_plan(T.GPT, cfg, micro=2)
     assert memory.terms["weights"] == nbytes(params)
     assert memory.terms["gradients"] == nbytes(p.grad for p in params)
     assert memory.terms["optimizer"] == nbytes(v for state in optimizer.state.values() for v in state.values())
@@ -64,9 +66,9 @@ def test_weight_gradient_optimizer_and_cast_terms_equal_the_real_tensors(residua
     matmul = [m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear) and "_conn" not in name]
     assert memory.terms["autocast weight cache"] == nbytes(matmul) // 2
     P = sum(p.numel() for p in params)
-    fsdp = plan.memory_plan(T.GPT, T.parse_config([*flags, "--parallel", "fsdp"]), 2, world=2)
+    fsdp = memory_module.memory_plan(T.GPT, T.parse_config([*flags, "--parallel", "fsdp"]), 2, world=2)
     assert fsdp.terms["weights"] == 4 * P / 2 and "autocast weight cache" not in fsdp.terms
-    assert plan.memory_plan(T.GPT, cfg, 2, world=2).terms["ddp buckets"] == 4 * P
+    assert memory_module.memory_plan(T.GPT, cfg, 2, world=2).terms["ddp buckets"] == 4 * P
 
 
 def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
@@ -92,7 +94,7 @@ def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
         for block in model.blocks:
             hooks += [conn.register_forward_pre_hook(held_by_checkpoint) for conn in (block.attn_conn, block.mlp_conn)]
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
-            plan._CudaAutocastOnCpu() if bf16 else torch.autocast("cpu", enabled=False), \
+            memory_module._CudaAutocastOnCpu() if bf16 else torch.autocast("cpu", enabled=False), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         model(idx, idx)
     for hook in hooks:
@@ -108,7 +110,7 @@ def test_activation_term_is_within_15_percent_of_what_autograd_saves(residual, d
     flags = ["--residual", residual, "--dtype", dtype, "--tokenizer", tokenizer, "--width", "40", "--heads", "4",
              "--depth", "5", "--seq-len", "24"] + (["--activation-checkpointing"] if checkpointing else [])
     cfg = T.parse_config(flags)
-    memory = plan.memory_plan(T.GPT, cfg, micro=3)
+    memory = memory_module.memory_plan(T.GPT, cfg, micro=3)
     predicted = sum(v for k, v in memory.terms.items() if k.startswith("act:") and k != "act: backward peak")
     torch.manual_seed(0)
     model = T.GPT(cfg)
@@ -123,17 +125,17 @@ def test_the_fit_is_linear_in_width_and_depth_and_per_token():
     """A third width, a fourth depth and other token counts land on the fitted lines (to the byte, up to the
     per-sequence position indices)."""
     cfg = T.parse_config(["--residual", "mhc", "--heads", "4", "--tokenizer", "byte", "--dtype", "bf16"])
-    fit = plan.activation_profile(T.GPT, plan.profile_key(cfg, False))
+    fit = memory_module.activation_profile(T.GPT, memory_module.profile_key(cfg, False))
     per_token = lambda k, C: fit[k][0] * C + fit[k][1]  # noqa: E731
     for width, depth, micro, seq in ((24, 4, 3, 20), (32, 2, 1, 40)):
-        measured = plan._saved_per_token(T.GPT, cfg, width, depth, True, micro, seq)
+        measured = memory_module._saved_per_token(T.GPT, cfg, width, depth, True, micro, seq)
         total = sum(v for k, v in measured.items() if k != "weight_casts")
         planned = depth * per_token("block", width) + per_token("rest", width) + per_token("loss", width)
         assert total == pytest.approx(planned, rel=2e-3)
 
 
-def plan_for(depth: int, micro: int) -> plan.MemoryPlan:
-    return plan.memory_plan(T.GPT, T.parse_config(["--depth", str(depth), "--dtype", "bf16"]), micro, card=CARD)
+def plan_for(depth: int, micro: int) -> memory_module.MemoryPlan:
+    return memory_module.memory_plan(T.GPT, T.parse_config(["--depth", str(depth), "--dtype", "bf16"]), micro, card=CARD)
 
 
 def test_depth_32_fits_80_gb_at_micro_batch_8_and_depth_48_does_not(capsys):
@@ -145,9 +147,9 @@ def test_depth_32_fits_80_gb_at_micro_batch_8_and_depth_48_does_not(capsys):
         print()
         for (depth, micro), memory in plans.items():
             acts = sum(v for k, v in memory.terms.items() if k.startswith("act:"))
-            print(f"depth {depth} micro-batch {micro:2d}: total {memory.total / plan.GiB:6.1f} GiB of 80 "
-                  f"(parameters, gradients, optimizer, bf16 copies {(memory.allocated - acts) / plan.GiB:5.1f}, "
-                  f"activations {acts / plan.GiB:5.1f}, overhead {(memory.total - memory.allocated) / plan.GiB:4.1f})")
+            print(f"depth {depth} micro-batch {micro:2d}: total {memory.total / memory_module.GiB:6.1f} GiB of 80 "
+                  f"(parameters, gradients, optimizer, bf16 copies {(memory.allocated - acts) / memory_module.GiB:5.1f}, "
+                  f"activations {acts / memory_module.GiB:5.1f}, overhead {(memory.total - memory.allocated) / memory_module.GiB:4.1f})")
     assert plans[32, 8].total <= CARD < plans[48, 8].total
     assert plans[32, 16].total > CARD and plans[32, 32].total > CARD
     assert plans[48, 4].total < plans[48, 8].total
@@ -157,14 +159,14 @@ def test_auto_picks_the_largest_micro_batch_within_the_margin_and_less_for_deepe
     picked = {}
     for depth in (32, 48):
         cfg = T.parse_config(["--depth", str(depth), "--dtype", "bf16"])
-        micro, memory = plan.auto_micro_batch(T.GPT, cfg, 1, CARD)
-        assert memory.total <= (1 - plan.AUTO_MARGIN) * CARD and 32 % micro == 0
-        larger = [d for d in plan.divisors_descending(32) if d > micro]
-        assert all(plan.memory_plan(T.GPT, cfg, d, 1, CARD).total > (1 - plan.AUTO_MARGIN) * CARD for d in larger)
+        micro, memory = memory_module.auto_micro_batch(T.GPT, cfg, 1, CARD)
+        assert memory.total <= (1 - memory_module.AUTO_MARGIN) * CARD and 32 % micro == 0
+        larger = [d for d in memory_module.divisors_descending(32) if d > micro]
+        assert all(memory_module.memory_plan(T.GPT, cfg, d, 1, CARD).total > (1 - memory_module.AUTO_MARGIN) * CARD for d in larger)
         picked[depth] = micro
     assert picked[48] < picked[32]
-    with pytest.raises(plan.PlanError, match="micro-batch 1 already needs"):
-        plan.auto_micro_batch(T.GPT, T.parse_config(["--depth", "48"]), 1, 40 * plan.GiB)
+    with pytest.raises(memory_module.PlanError, match="micro-batch 1 already needs"):
+        memory_module.auto_micro_batch(T.GPT, T.parse_config(["--depth", "48"]), 1, 40 * memory_module.GiB)
 
 
 def test_batch_plan_resolves_auto_on_cuda_from_the_plan_and_on_the_cpu_by_a_cap():
@@ -174,7 +176,7 @@ def test_batch_plan_resolves_auto_on_cuda_from_the_plan_and_on_the_cpu_by_a_cap(
     assert (micro, accum) == (8, 4) and "CPU" in why
     assert T.batch_plan(T.parse_config(["--batch-size", "12"]), 1, on_gpu=False)[:2] == (6, 2)
     micro, accum, why = T.batch_plan(cfg, 1, on_gpu=True)
-    assert micro * accum == 32 and micro == plan.auto_micro_batch(T.GPT, cfg, 1)[0] and "planned" in why
+    assert micro * accum == 32 and micro == memory_module.auto_micro_batch(T.GPT, cfg, 1)[0] and "planned" in why
     assert T.parse_config(["--preset", "demo"]).micro_batch_size == "16"     # presets keep their numbers
 
 
@@ -208,7 +210,7 @@ def test_estimate_prints_the_plan_without_building_the_model(capsys):
                                         ("cpu", None)])
 def test_gpu_peak_is_the_exact_device_names_and_unknown_devices_get_none(name, peak):
     """A PCIe H100 is not credited with the SXM's peak; a name not listed gets no MFU rather than a wrong one."""
-    assert plan.gpu_peak_flops(name) == peak
+    assert gpus.gpu_peak_flops(name) == peak
 
 
 def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, monkeypatch):
@@ -247,16 +249,16 @@ def test_the_plan_and_the_dry_run_need_no_triton(tmp_path):
 def test_the_cpu_model_prices_the_trainers_threads_at_the_share_of_a_core_the_other_work_leaves():
     """One thread's timed rates (a core's own speed) become the trainer's: fast, its threads side by side at the share
     a thread gets; slow, one thread's share at two thirds; the host's ops on one thread either way."""
-    quiet = plan.cpu_rates_at(60e9, 100e9, 4e-6, cores=2, share=1.0)
-    slow = plan.CPU_SLOW_SHARE
+    quiet = run_time.cpu_rates_at(60e9, 100e9, 4e-6, cores=2, share=1.0)
+    slow = run_time.CPU_SLOW_SHARE
     assert quiet.flops == (120e9, 60e9 * slow) and quiet.bandwidth == (200e9, 100e9 * slow)
     assert quiet.host == (4e-6, 4e-6 / slow) and not quiet.overlapped
-    loaded = plan.cpu_rates_at(60e9, 100e9, 4e-6, cores=2, share=0.4)     # a load of about 4 on 2 cores
+    loaded = run_time.cpu_rates_at(60e9, 100e9, 4e-6, cores=2, share=0.4)     # a load of about 4 on 2 cores
     assert loaded.flops == pytest.approx((48e9, 24e9 * slow)) and loaded.host == pytest.approx((1e-5, 1e-5 / slow))
-    work = plan.StepCost("fused", 12e9, 2e9, 600, quiet)
+    work = run_time.StepCost("fused", 12e9, 2e9, 600, quiet)
     quiet_s, loaded_s = work.seconds, dataclasses.replace(work, rates=loaded).seconds
     assert loaded_s == pytest.approx(tuple(s / 0.4 for s in quiet_s))     # the step, at both ends, over the share
-    assert plan.cpu_rates_at(60e9, 100e9, 4e-6, 2, share=0.0).flops[1] > 0     # a timing that got no CPU at all
+    assert run_time.cpu_rates_at(60e9, 100e9, 4e-6, 2, share=0.0).flops[1] > 0     # a timing that got no CPU at all
 
 
 def test_the_cpu_rates_are_timed_on_one_thread_on_a_slice_of_a_large_shape(monkeypatch):
@@ -273,7 +275,7 @@ def test_the_cpu_rates_are_timed_on_one_thread_on_a_slice_of_a_large_shape(monke
         set_threads(n)
     monkeypatch.setattr(torch, "randn", small_randn)
     monkeypatch.setattr(torch, "set_num_threads", recorded_set_threads)
-    rates = plan.cpu_rates.__wrapped__(16 * 65536, 65536, 4)
+    rates = run_time.cpu_rates.__wrapped__(16 * 65536, 65536, 4)
     assert asked == [1, threads] and torch.get_num_threads() == threads
     assert 0 < rates.flops[1] < rates.flops[0] and 0 < rates.bandwidth[1] < rates.bandwidth[0]
     assert rates.host[0] < rates.host[1]

@@ -5,25 +5,27 @@ import dataclasses
 import pytest
 import torch
 
-from hcstudy.planner import memory as plan
+from hcstudy.planner import run_time
+
+from hcstudy.planner import step_work
 import train_c4 as T
 
 H100 = "NVIDIA H100 80GB HBM3"
 
 
 def work(residual: str, path: str, **settings):
-    return plan.step_work(T.GPT, plan.work_key(T.Config(residual=residual, **settings)), path)
+    return step_work.step_work(T.GPT, step_work.work_key(T.Config(residual=residual, **settings)), path)
 
 
 def test_an_elementwise_op_is_one_launch_moving_its_inputs_and_output():
     x = torch.ones(8, 64)
-    with plan.counting(64) as counter:
+    with step_work.counting(64) as counter:
         x + 1
     assert (counter.launches, counter.bytes) == (1, 2 * x.nbytes)
-    with plan.counting(64) as counter:
+    with step_work.counting(64) as counter:
         x.expand(3, 8, 64) * 2                       # a broadcast input is read once: its strides' span
     assert (counter.launches, counter.bytes) == (1, x.nbytes + 3 * x.nbytes)
-    with plan.counting(64) as counter:
+    with step_work.counting(64) as counter:
         x.view(64, 8).t()                            # views launch nothing
     assert (counter.launches, counter.bytes) == (0, 0)
 
@@ -32,11 +34,11 @@ def test_matmuls_of_the_width_are_priced_by_flops_the_mixings_by_bytes():
     tokens, width, n = 16, 128, 4
     x, weight, grad = torch.ones(tokens, width), torch.ones(width, 3 * width), torch.ones(3 * width, tokens)
     state, mixing = torch.ones(tokens, n * width), torch.ones(n * width, n + 2)
-    with plan.counting(width) as counter:
+    with step_work.counting(width) as counter:
         x @ weight                                   # a block's projection: its FLOPs are in flops_per_token
         grad @ x                                     # and its weight gradient
     assert (counter.launches, counter.bytes) == (2, 0)
-    with plan.counting(width) as counter:
+    with step_work.counting(width) as counter:
         out = state @ mixing                         # HC's coefficients: bandwidth-bound, counted as bytes
     assert counter.launches == 1 and counter.bytes == state.nbytes + mixing.nbytes + out.nbytes
 
@@ -44,11 +46,11 @@ def test_matmuls_of_the_width_are_priced_by_flops_the_mixings_by_bytes():
 def test_one_more_op_in_a_block_counts_its_launches_and_bytes_as_the_formula_says(monkeypatch):
     plain = work("baseline", "reference")
     monkeypatch.setattr(T.MLP, "forward", lambda self, x: self.proj(torch.nn.functional.gelu(self.fc(x))).neg())
-    plan.step_work.cache_clear()
+    step_work.step_work.cache_clear()
     try:
         more = work("baseline", "reference")
     finally:
-        plan.step_work.cache_clear()
+        step_work.step_work.cache_clear()
     # neg forward and its gradient's neg backward, each reading and writing the MLP's bf16 output of `width` values
     assert more.launches == (plain.launches[0] + 2, plain.launches[1])
     assert more.block_bytes == pytest.approx((plain.block_bytes[0] + 4 * 2, plain.block_bytes[1]))
@@ -56,11 +58,11 @@ def test_one_more_op_in_a_block_counts_its_launches_and_bytes_as_the_formula_say
 
 
 def test_the_fit_in_width_predicts_a_count_at_another_width():
-    key = plan.work_key(T.Config(residual="mhc", dtype="bf16"))
-    fitted = plan.step_work(T.GPT, key, "reference")
-    width = 3 * plan._counted_width(key)
-    counts = {d: plan.count_steps(T.GPT, key, "reference", width, d) for d in (1, 2)}
-    per_token = {d: (c[2][1] - c[1][1]) / plan.COUNT_SEQ for d, c in counts.items()}
+    key = step_work.work_key(T.Config(residual="mhc", dtype="bf16"))
+    fitted = step_work.step_work(T.GPT, key, "reference")
+    width = 3 * step_work._counted_width(key)
+    counts = {d: step_work.count_steps(T.GPT, key, "reference", width, d) for d in (1, 2)}
+    per_token = {d: (c[2][1] - c[1][1]) / step_work.COUNT_SEQ for d, c in counts.items()}
     assert per_token[2] - per_token[1] == pytest.approx(fitted.block_bytes_per_token(width))
     assert counts[2][1][0] - counts[1][1][0] == fitted.launches[0]
 
@@ -84,33 +86,33 @@ def test_the_paths_differ_as_their_code_does():
 def test_a_step_is_bound_by_its_largest_term_and_host_time_overlaps_on_a_gpu():
     big = T.parse_config(["--depth", "32", "--batch-size", "32"])
     params = T.count_parameters(big)
-    cost = plan.step_cost(T.GPT, big, params, "triton", 8, 1, plan.gpu_rates(H100))
+    cost = run_time.step_cost(T.GPT, big, params, "triton", 8, 1, run_time.gpu_rates(H100))
     assert cost.dominant in ("matmuls", "memory")
     device = [sum(cost.terms[t][i] for t in ("matmuls", "memory", "launch gaps")) for i in (0, 1)]
     assert cost.seconds == pytest.approx(tuple(device)) and cost.seconds[0] < cost.seconds[1]
     small = T.parse_config(["--preset", "demo"])                # a tiny model: the host issues ops slower than
-    tiny = plan.step_cost(T.GPT, small, T.count_parameters(small), "reference", 16, 1, plan.gpu_rates(H100))
+    tiny = run_time.step_cost(T.GPT, small, T.count_parameters(small), "reference", 16, 1, run_time.gpu_rates(H100))
     assert tiny.dominant == "host" and tiny.seconds == pytest.approx(tiny.terms["host"])   # the GPU runs them
-    faster = dataclasses.replace(plan.gpu_rates(H100), bandwidth=tuple(2 * b for b in plan.gpu_rates(H100).bandwidth))
-    assert plan.step_cost(T.GPT, big, params, "triton", 8, 1, faster).terms["memory"] == pytest.approx(
+    faster = dataclasses.replace(run_time.gpu_rates(H100), bandwidth=tuple(2 * b for b in run_time.gpu_rates(H100).bandwidth))
+    assert run_time.step_cost(T.GPT, big, params, "triton", 8, 1, faster).terms["memory"] == pytest.approx(
         tuple(t / 2 for t in cost.terms["memory"]))
 
 
 def test_the_planned_path_follows_kernels_and_the_checks_fastest_timing():
     mhc, gpu = T.Config(residual="mhc"), "NVIDIA H200"
-    assert plan.planned_path(mhc, gpu, None) == "triton" and plan.planned_path(mhc, "cpu", None) == "fused"
-    assert plan.planned_path(T.Config(residual="baseline"), gpu, None) == "reference"
-    assert plan.planned_path(T.Config(residual="mhc", kernels="fused"), gpu, None) == "fused"
+    assert run_time.planned_path(mhc, gpu, None) == "triton" and run_time.planned_path(mhc, "cpu", None) == "fused"
+    assert run_time.planned_path(T.Config(residual="baseline"), gpu, None) == "reference"
+    assert run_time.planned_path(T.Config(residual="mhc", kernels="fused"), gpu, None) == "fused"
     check = {"gpu": gpu, "timings": {"mhc": {"reference/eager": {"step_s": 1.0}, "fused/eager": {"step_s": 0.5},
                                              "triton/eager": None}}}
-    assert plan.planned_path(mhc, gpu, check) == "fused"
-    assert plan.planned_path(mhc, "NVIDIA H100 80GB HBM3", check) == "triton"       # timed on another card
-    assert plan.planned_path(T.Config(residual="mhc", coefficients="sequence"), gpu, None) == "reference"
+    assert run_time.planned_path(mhc, gpu, check) == "fused"
+    assert run_time.planned_path(mhc, "NVIDIA H100 80GB HBM3", check) == "triton"       # timed on another card
+    assert run_time.planned_path(T.Config(residual="mhc", coefficients="sequence"), gpu, None) == "reference"
 
 
 def test_the_cpu_is_priced_at_its_own_timed_rates():
     demo = T.parse_config(["--preset", "demo", "--residual", "mhc"])
-    estimate = plan.run_time(T.GPT, demo, T.count_parameters(demo), 16, 1, "cpu", "fused")
+    estimate = run_time.run_time(T.GPT, demo, T.count_parameters(demo), 16, 1, "cpu", "fused")
     assert estimate is not None and 0 < estimate.step[0] < estimate.step[1] and estimate.total[0] > 600 * estimate.step[0]
-    rates = plan.device_rates(plan.device_config(demo, "cpu"), 16, "cpu")
+    rates = run_time.device_rates(run_time.device_config(demo, "cpu"), 16, "cpu")
     assert not rates.overlapped and all(r > 0 for r in (*rates.flops, *rates.bandwidth, *rates.host))

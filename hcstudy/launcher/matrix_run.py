@@ -158,8 +158,10 @@ SECONDS = r"[0-9]+(\.[0-9]{1,3})?"
 
 
 def build_parser():
-    p = OneLineErrorParser(error_type=UsageError, hint="", usage_title="Usage: ", prog=f"bash {PROG}", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
-               formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=26, width=110))
+    p = OneLineErrorParser(error_type=UsageError, hint="", usage_title="Usage: ",
+                           prog=f"bash {PROG}", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=26,
+                                                                                              width=110))
     m = p.add_argument_group("matrix (default --full)")
     for mode, help_text in (
             ("full", "baseline,hc,mhc x depths 32,48 x seeds 42,123,456 (18 runs, the trainer's default steps)"),

@@ -1,4 +1,6 @@
-"""report.py's command line: read every run folder, aggregate, write results.md, the CSV files and the plots, print\nthe table and the verdict. Exit 0 on success, 2 when no runs are found, a run is found twice or the arguments are\nwrong, 1 on a write error."""
+"""report.py's command line: read every run folder, aggregate, write results.md, the CSV files and the plots, print
+the table and the verdict. Exit 0 on success, 2 when no runs are found, a run is found twice or the arguments are
+wrong, 1 on a write error."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
-"""The launcher's live view of a matrix (report.py --watch, run_experiments.sh --summary), from matrix.log and each\nrun's status.json."""
+"""The launcher's live view of a matrix (report.py --watch, run_experiments.sh --summary), from matrix.log and each
+run's status.json."""
 from __future__ import annotations
 
 import math

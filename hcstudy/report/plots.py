@@ -1,4 +1,5 @@
-"""The report's figures: matplotlib's object API on the Agg canvas (no pyplot, no global state); matplotlib is\nimported only when plotting."""
+"""The report's figures: matplotlib's object API on the Agg canvas (no pyplot, no global state); matplotlib is
+imported only when plotting."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,6 @@
-"""The published figures beside ours (results.md's reference block and the verdict), in one place: where from,\nthe method, the depth of the model (None: not ours to match), the figure, and which of our readings and arms\ncompares."""
+"""The published figures beside ours (results.md's reference block and the verdict), in one place: where from,
+the method, the depth of the model (None: not ours to match), the figure, and which of our readings and arms
+compares."""
 from __future__ import annotations
 
 import math

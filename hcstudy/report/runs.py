@@ -1,4 +1,6 @@
-"""Reading run folders for the report: one streaming pass over each metrics.jsonl keeping what is reported,\nstatus.json and config.json read defensively (a half-written last line, a FIFO, a crafted file: a warning, never a\ntraceback), each run's arm named from its settings."""
+"""Reading run folders for the report: one streaming pass over each metrics.jsonl keeping what is reported,
+status.json and config.json read defensively (a half-written last line, a FIFO, a crafted file: a warning, never a
+traceback), each run's arm named from its settings."""
 from __future__ import annotations
 
 import bisect
