@@ -10,7 +10,8 @@ import torch
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# the repository (train_c4, hcstudy) and this folder (helpers, the fake trainer and probes) for every test folder
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 
 def pytest_configure(config):

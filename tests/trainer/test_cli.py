@@ -15,7 +15,7 @@ import torch
 
 import train_c4 as T
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_flag_states_its_facts_once_in_its_config_field():

@@ -21,7 +21,7 @@ import pytest
 
 import report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "run_experiments.sh"
 FAKE_TRAINER = ROOT / "tests" / "fake_trainer.py"
 FAKE_PROBE = ROOT / "tests" / "fake_probe.py"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 GPT2 = DATA / "gpt2"
 SAMPLE = DATA / "sample"
 TRAIN_SHARDS = [SAMPLE / f"c4-train.{k:05d}-of-00008.json.gz" for k in range(8)]

@@ -20,7 +20,7 @@ from hcstudy import consolidate
 from hcstudy import run_folder
 import train_c4 as T
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--preset", "tiny", "--residual", "hc", "--steps", "20"]
 RUN = "hc_d2_s42"
 # fp32 on the CPU. The only difference from one process is the order of the gradient sums (two local

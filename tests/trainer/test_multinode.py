@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # 4 processes x micro-batch 1 = the tiny preset's global batch of 4; 4 streams so that each rank reads one
 ARGS = ["--preset", "tiny", "--residual", "hc", "--steps", "12", "--data-streams", "4", "--micro-batch-size", "1"]
 RUN = "hc_d2_s42"

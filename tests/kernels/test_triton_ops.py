@@ -17,7 +17,7 @@ from hcstudy.kernels import choice
 import train_c4 as T
 from helpers import tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")     # compiled on a GPU, else interpreted
 pytest.importorskip("triton", reason="triton is not installed (bash setup.sh --dev installs it)")
 from hcstudy.kernels import triton_ops as kernels  # noqa: E402

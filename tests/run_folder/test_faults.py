@@ -24,7 +24,7 @@ from hcstudy import failures
 from hcstudy import run_folder
 import train_c4 as T
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(out, *args, prelude=""):

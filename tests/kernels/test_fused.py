@@ -15,7 +15,7 @@ from hcstudy.kernels import fused as fused_module
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESIDUALS = ("baseline", "hc", "mhc")
 # fp64: the same maths in another order; measured at most 2e-14. fp32: measured at most 3e-6 relative.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}

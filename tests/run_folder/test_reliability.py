@@ -15,7 +15,7 @@ from hcstudy import consolidate
 from hcstudy import run_folder
 import train_c4 as T
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUN = "mhc_d2_s42"
 ONE = T.Dist(0, 1, torch.device("cpu"))
 
@@ -303,7 +303,7 @@ def rank_pids(run_dir):
 def gloo_job(tmp_path):
     """The launcher on one pretend GPU, running a 2-process gloo job under torchrun whose ranks ignore SIGTERM
     (as ranks stuck in a collective would); every rank still alive is killed when the test ends."""
-    from test_launcher import launcher_env, start
+    from launcher.test_launcher import launcher_env, start
     env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=f"{sys.executable} {ROOT}/tests/gloo_rank.py",
                        RUN_EXPERIMENTS_STOP_TIMEOUT=1)
     proc = start(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", env=env)
@@ -317,7 +317,7 @@ def gloo_job(tmp_path):
 
 
 def test_the_launchers_stop_ends_every_rank_of_a_torchrun_job(gloo_job):
-    from test_launcher import wait_for
+    from launcher.test_launcher import wait_for
     proc, run_dir, seen = gloo_job
     wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
     seen.update(rank_pids(run_dir))
@@ -328,7 +328,7 @@ def test_the_launchers_stop_ends_every_rank_of_a_torchrun_job(gloo_job):
 
 
 def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(gloo_job):
-    from test_launcher import wait_for
+    from launcher.test_launcher import wait_for
     proc, run_dir, seen = gloo_job
     wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
     first = rank_pids(run_dir)

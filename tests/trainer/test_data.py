@@ -15,7 +15,7 @@ from hcstudy import c4_download
 from hcstudy import readahead as prefetch
 import train_c4 as T
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_shards(folder, shards=4, docs=30, prefix="c4-train"):

@@ -12,7 +12,7 @@ from hcstudy.kernels import fused as fused_module
 import train_c4 as T
 from helpers import randomize_mixing, tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])

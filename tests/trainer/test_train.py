@@ -19,7 +19,7 @@ from hcstudy import config_flags as flags
 from hcstudy import wandb_log
 import train_c4 as T
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAINING_KEYS = {"step", "time", "loss", "lr", "grad_norm", "clipped", "tokens", "tokens_per_s", "mfu", "mem_peak_gb"}
 PROBE_KEYS = {"amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_l0_fwd", "amax_l0_bwd",
               "min_row_sum", "min_col_sum"}

@@ -1,0 +1,88 @@
+"""The house as design.md draws it: the root shows what a user runs, everything else is the package hcstudy, whose
+imports form a tree that never reaches the trainer; train_c4.py reads top to bottom in design.md's sections."""
+import ast
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "hcstudy"
+ROOT_ENTRIES = {"train_c4.py", "report.py", "torchrun.py", "run_experiments.sh", "setup.sh", "requirements.txt",
+                "requirements-dev.txt", "requirements-gpu.txt", "requirements-lock.txt", "README.md", "LICENSE",
+                ".gitignore", ".ci", "hcstudy", "tests", "docs", "benchmarks", "slurm", "data"}
+SECTIONS = ["config/CLI", "model", "instability metrics", "data", "distributed", "checkpointing", "logging",
+            "training loop", "main"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    files = [*PACKAGE.rglob("*.py"), ROOT / "train_c4.py", ROOT / "report.py", ROOT / "torchrun.py"]
+    return {module_name(path): path for path in files if "__pycache__" not in path.parts}
+
+
+def imported(path: Path, modules: dict) -> set[str]:
+    """The project modules `path` imports anywhere in it (in functions too): `from a.b import c` is a.b.c where c is
+    a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                      for alias in node.names}
+    return found & set(modules)
+
+
+def test_the_root_holds_only_what_a_user_runs():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    entries = {line.split("/")[0] for line in tracked.splitlines()}
+    assert entries <= ROOT_ENTRIES, entries - ROOT_ENTRIES
+    assert sorted(p.name for p in ROOT.glob("*.py")) == ["report.py", "torchrun.py", "train_c4.py"]
+
+
+def test_the_package_never_imports_the_trainer_and_its_imports_form_a_tree():
+    modules = project_modules()
+    graph = {name: imported(path, modules) - {name} for name, path in modules.items()}
+    reaching_trainer = [name for name in graph if name.startswith("hcstudy") and "train_c4" in graph[name]]
+    assert not reaching_trainer
+    state, circles = {}, []
+
+    def visit(name, path):
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                circles.append(path + [other])
+            elif other not in state:
+                visit(other, path + [other])
+        state[name] = "done"
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles
+
+
+def test_no_module_but_the_trainer_is_long_and_the_map_names_every_module():
+    lengths = {path.relative_to(ROOT): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert not {path: n for path, n in lengths.items() if n > 900}
+    map_text = (PACKAGE / "__init__.py").read_text()
+    named = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+             if path.name not in ("__init__.py", "__main__.py")}
+    assert not {name for name in named if name not in map_text}
+
+
+def test_the_trainer_reads_in_one_sitting():
+    """design.md's section order; train_c4.py at most 1,650 lines with no autograd.Function (the kernels' own), the
+    training loop at most 380, no function over 40."""
+    source = (ROOT / "train_c4.py").read_text()
+    lines = source.splitlines()
+    assert len(lines) <= 1650 and "autograd.Function" not in source
+    assert [lines[i + 1][2:].split(":")[0] for i, line in enumerate(lines) if line.startswith("# -----")] == SECTIONS
+    loop, main = (lines.index(next(line for line in lines if line.startswith(f"# {name}"))) for name in
+                  ("training loop", "main:"))
+    assert main - loop <= 380
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 40]
+    assert not long
