@@ -8,10 +8,10 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
 exit codes and reliability rules in README.md and docs/reliability.md. Sections, in file order: config/CLI,
 model, instability metrics, data, distributed, checkpointing, logging, training loop, main. Beside it, what is not
-the model, the loader, the wrapping, bf16 or a checkpoint's contents: fused.py (the model's hand-written speed-ups,
---kernels), plan.py (memory plan, auto micro-batch, --estimate), run_folder.py (the run folder's files and the
-checkpoint protocol), prefetch.py (data read ahead), monitor.py (config.json's record, progress, W&B), flags.py
-(Config's fields as flags), failures.py (exit codes) and export.py (--consolidate).
+the model, the loader, the wrapping, bf16 or a checkpoint's contents: hcstudy/kernels/fused.py (the model's hand-written speed-ups,
+--kernels), hcstudy/planner (memory plan, auto micro-batch, --estimate), hcstudy/run_folder.py (the run folder's files and the
+checkpoint protocol), hcstudy/readahead.py (data read ahead), hcstudy/run_record.py (config.json's record, progress, W&B), hcstudy/config_flags.py
+(Config's fields as flags), hcstudy/failures.py (exit codes) and hcstudy/consolidate.py (--consolidate).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
 ROOT = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------
-# config/CLI: every setting of a run, resolved once into a frozen Config (its flags: flags.py; errors: contract.py)
+# config/CLI: every setting of a run, resolved once into a frozen Config (its flags: hcstudy/config_flags.py; errors: hcstudy/contract.py)
 
 PRESETS = {
     "c4": {},
@@ -147,8 +147,8 @@ class Config:
     attn: str = option("auto", MODEL, ("auto", "flash", "sdpa"), "attention kernel: flash-attn 2, PyTorch SDPA, or "
         "auto (flash when installed on CUDA with bf16)")
     kernels: str = option("auto", MODEL, ("auto", "reference", "fused", "triton"), "the residual streams' code: "
-        "the papers' formulas with autograd (reference), fused.py's hand-written backwards (fused), "
-        "triton_kernels.py's GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path "
+        "the papers' formulas with autograd (reference), hcstudy/kernels/fused.py's hand-written backwards (fused), "
+        "hcstudy/kernels/triton_ops.py's GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path "
         "--check timed fastest, else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
     dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
     batch_size: int = option(32, OPTIMISATION, (1, 2 ** 16), "global sequences per optimizer step, whatever the "
@@ -296,7 +296,7 @@ def embedding_rows(cfg: Config) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # model: GPT-2 body with a switchable residual path (plain, HC, mHC, mHC-lite, identity-HC) acting on n persistent
-# streams; each is its paper's formulas with autograd (docs/model.md), fused.py HC and mHC with hand-written backwards
+# streams; each is its paper's formulas with autograd (docs/model.md), hcstudy/kernels/fused.py HC and mHC with hand-written backwards
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, use_flash: bool):
@@ -394,8 +394,8 @@ def read_stream(cfg: Config, sublayer_index: int) -> torch.Tensor:
 
 
 class _StreamMixing(nn.Module):
-    """HC and mHC's family: coefficients (the subclass's), then the stream update; the kernels' path's (fused.py,
-    triton_kernels.py) where `kernels` names one."""
+    """HC and mHC's family: coefficients (the subclass's), then the stream update; the kernels' path's (hcstudy/kernels/fused.py,
+    hcstudy/kernels/triton_ops.py) where `kernels` names one."""
 
     def __init__(self, cfg: Config, kernels: str):
         super().__init__()
@@ -409,10 +409,10 @@ class _StreamMixing(nn.Module):
         return x_normed if self.norm_scale is None else x_normed * self.norm_scale.to(x_normed.dtype)
 
     def forward(self, x, sublayer):
-        if self.kernels == "fused":     # fused.py: the coefficients stream axes first, x passed through their maths
+        if self.kernels == "fused":     # hcstudy/kernels/fused.py: the coefficients stream axes first, x passed through their maths
             x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
             x, H_res = fused.stream_update(x, H_pre, H_post, H_res, sublayer), H_res.detach().movedim((0, 1), (-2, -1))
-        elif self.kernels == "triton":  # triton_kernels.py: coefficients and read, then write, a few kernels each
+        elif self.kernels == "triton":  # hcstudy/kernels/triton_ops.py: coefficients and read, then write, a few kernels each
             kernels = choice.triton_kernels()
             u, H_post, H_res, res_logits, x = getattr(kernels, self.triton_read)(self, x)
             x = kernels.write(x, H_res, H_post, sublayer(u))
@@ -624,7 +624,7 @@ class GPT(nn.Module):
         # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
         h = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))).float()
         # expand once, the embedding copied into every stream, in the layout the blocks return (torch.compile
-        # specialises on strides): fused.py's is stream-major
+        # specialises on strides): hcstudy/kernels/fused.py's is stream-major
         fused_streams = self.kernels == "fused" and self.streams > 1
         x = fused.expand(h, self.streams) if fused_streams else h.unsqueeze(-2).repeat(1, 1, self.streams, 1)
         for block in self.blocks:
@@ -784,7 +784,7 @@ def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, w
 
 # ----------------------------------------------------------------------------------------------
 # data: tokenizers, C4 (hub or local shards) and the bundled sample, streamed and exactly resumable (read ahead in
-# processes or a thread: prefetch.py)
+# processes or a thread: hcstudy/readahead.py)
 
 DATA_DIR = ROOT / "data"
 # tiktoken's published sha256 of OpenAI's GPT-2 files (tiktoken_ext/openai_public.py)
@@ -1197,11 +1197,11 @@ def unwrap(model: nn.Module) -> GPT:
 
 # ----------------------------------------------------------------------------------------------
 # checkpointing: what a checkpoint holds (Trainer.save and .restore); how the ranks write, verify and fall back,
-# and when a run may continue (check_resumable): run_folder.py
+# and when a run may continue (check_resumable): hcstudy/run_folder.py
 
 # ----------------------------------------------------------------------------------------------
-# logging: what a run announces once (monitor.announce); its files: run_folder.py (RunLog), its record, pace and
-# W&B: monitor.py
+# logging: what a run announces once (monitor.announce); its files: hcstudy/run_folder.py (RunLog), its record, pace and
+# W&B: hcstudy/run_record.py
 
 def held_out_source(data: DataFiles, val_data: str) -> str:
     if data.held_out_slice:
@@ -1587,7 +1587,7 @@ def train(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# main: one line and an exit code for every expected failure (failures.py classifies; the codes: contract.py)
+# main: one line and an exit code for every expected failure (hcstudy/failures.py classifies; the codes: hcstudy/contract.py)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv

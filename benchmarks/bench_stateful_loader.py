@@ -1,4 +1,4 @@
-"""torchdata's StatefulDataLoader in place of our loader processes (prefetch.py's Loader, _StepShares), reading the
+"""torchdata's StatefulDataLoader in place of our loader processes (hcstudy/readahead.py's Loader, _StepShares), reading the
 same streams in the same worker split: exact resume, resume under another worker count, and tokens/s.
 
     python benchmarks/bench_stateful_loader.py [--seconds 15] [--workers 2] [--snapshot-every 1 1000]

@@ -2,7 +2,7 @@
 the planner.
 
     python benchmarks/doc_plans.py            # rewrite every block between <!-- doc_plans NAME --> markers
-    python benchmarks/doc_plans.py --check    # exit 1 and name the stale blocks (tests/test_readme.py runs it)
+    python benchmarks/doc_plans.py --check    # exit 1 and name the stale blocks (tests/project/test_readme.py runs it)
 
 Each marked block is a fenced block of `$ command` lines, each followed by its output. The commands run as a user
 would run them on a machine without a GPU (no CUDA device, no nvidia-smi), in a temporary folder, so that

@@ -1,4 +1,4 @@
-"""The planner's step-time model (plan.py: the work counted on our code, priced at a card's rates) beside the
+"""The planner's step-time model (hcstudy/planner: the work counted on our code, priced at a card's rates) beside the
 published figures it can be held against, and beside what our own code measured on one H200.
 
     python benchmarks/plan_vs_public.py                 # the table (about a minute on a 2-core CPU)

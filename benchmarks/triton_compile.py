@@ -1,4 +1,4 @@
-"""Every kernel of triton_kernels.py compiled for Hopper (sm_90) on this machine, no GPU needed: registers, spills,
+"""Every kernel of hcstudy/kernels/triton_ops.py compiled for Hopper (sm_90) on this machine, no GPU needed: registers, spills,
 stack and shared memory from ptxas's report, and the bytes each must move per token; then the bandwidth floor and
 the step ratio over the baseline that the floor and the kernels' traffic imply on an H100 and an H200.
 

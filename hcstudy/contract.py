@@ -1,6 +1,6 @@
-"""contract.py: what the trainer, the launcher and the report agree on, written once.
+"""hcstudy/contract.py: what the trainer, the launcher and the report agree on, written once.
 
-train_c4.py exits with these codes and names its runs this way; matrix.py (behind run_experiments.sh) acts on
+train_c4.py exits with these codes and names its runs this way; hcstudy/launcher (behind run_experiments.sh) acts on
 the codes and builds the same names; report.py parses them. The errors below carry those codes: the trainer
 raises them, and so can a module beside it without importing train_c4. Standard library only: the launcher
 imports it without torch.

@@ -211,7 +211,7 @@ def judge(check, table, planned, gpu):
     check.verdict("step model", bool(low) and low / 2 <= base["step_s"] <= 2 * high,
                   f"baseline {base.get('step_s', 0):.3f} s/step against the planner's {low:.3f}-{high:.3f} s; PASS "
                   f"within half and twice of it; {inside_count(table, model)} eager timings inside their modelled range"
-                  if low else f"no model for {gpu}: its bf16 peak or bandwidth is not in plan.py")
+                  if low else f"no model for {gpu}: its bf16 peak or bandwidth is not in hcstudy/planner")
     mfu = base.get("mfu")
     check.verdict("MFU", mfu is not None, f"baseline {mfu:.1%}" if mfu is not None
                   else "unknown: the trainer has no bf16 peak for this card (GPU_PEAK_BF16_FLOPS)")

@@ -1,4 +1,4 @@
-"""run_folder.py: a run's folder on disk (README, "A run's folder"), whole after any crash, kill or full disk.
+"""hcstudy/run_folder.py: a run's folder on disk (README, "A run's folder"), whole after any crash, kill or full disk.
 
 Beside train_c4.py, which decides what a run logs and what a checkpoint holds; here is how those files are
 written and read back: atomic writes, the folder's lock, train.log, metrics.jsonl and status.json, checkpoint

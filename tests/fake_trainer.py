@@ -1,4 +1,4 @@
-"""A stand-in for train_c4.py that keeps the trainer's contract with the launcher (contract.py's exit codes, the
+"""A stand-in for train_c4.py that keeps the trainer's contract with the launcher (hcstudy/contract.py's exit codes, the
 run folder of README.md), for fast launcher tests.
 
 It parses the flags the launcher passes, writes config.json / status.json atomically and appends

@@ -1,6 +1,6 @@
 """The residual streams on the GPU: Triton kernels for every arm with per-token coefficients (hc, mhc, mhc-lite,
 identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path), proven equal to train_c4.py's
-formulas in Triton's interpreter (tests/test_triton.py) and compiled for sm_90 by benchmarks/triton_compile.py.
+formulas in Triton's interpreter (tests/kernels/test_triton_ops.py) and compiled for sm_90 by benchmarks/triton_compile.py.
 
 One connection, per direction (the maths: docs/model.md, "The Triton path"):
   forward   the coefficients' projection (one cuBLAS matmul)

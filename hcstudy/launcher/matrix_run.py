@@ -1,4 +1,4 @@
-"""matrix.py: the decisions of run_experiments.sh: the matrix, its plan, and what each job's exit means.
+"""hcstudy/launcher: the decisions of run_experiments.sh: the matrix, its plan, and what each job's exit means.
 
 run_experiments.sh keeps process control (starting jobs in their own process groups, probing GPUs, signals,
 waiting); everything that parses, validates, plans or decides is here, in one process that lives as long as the
@@ -18,9 +18,9 @@ per line, shell-quoted words; bash answers with zero or more lines and then `end
                                     `signal INT|TERM`...
     kill SIGNAL                     send SIGNAL to every running job's process group
 
-Without those two flags (tests, a plain `python matrix.py --dry-run`) only --help, --summary and --dry-run work.
+Without those two flags (tests, a plain `python hcstudy/launcher --dry-run`) only --help, --summary and --dry-run work.
 It imports only the standard library: every job's flags, memory and time are judged by the trainer itself, in a
-subprocess (`train_c4.py --plan-jobs`, plan.py's planner), before the first launch and in the dry run.
+subprocess (`train_c4.py --plan-jobs`, hcstudy/planner's planner), before the first launch and in the dry run.
 """
 from __future__ import annotations
 
@@ -669,7 +669,7 @@ def this_node(opt, gpus):
 
 def plan_jobs(opt, jobs, node, measured=None):
     """The trainer's answer for `jobs` on `node`: train_c4.py --plan-jobs judges each job's flags with its own checks
-    and plans its micro-batch, memory and time (plan.py), in one process for the whole matrix (matrix.py never
+    and plans its micro-batch, memory and time (hcstudy/planner), in one process for the whole matrix (hcstudy/launcher never
     imports the trainer). {"gpu", "assumptions", "jobs": {name: answer}}."""
     check = read_json(opt.out / "gpu_check" / "result.json")        # `run_experiments.sh --check`'s timings
     request = {"gpu": node.gpu, "world": opt.gpus_per_run, "card_gib": node.card_gib,

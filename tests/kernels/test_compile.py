@@ -1,4 +1,4 @@
-"""torch.compile against eager, and the benchmarks (the fused path against the formulas: test_kernels.py)."""
+"""torch.compile against eager, and the benchmarks (the fused path against the formulas: test_fused.py)."""
 import os
 import json
 import subprocess

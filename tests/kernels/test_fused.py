@@ -1,4 +1,4 @@
-"""fused.py against the formulas of train_c4.py (--kernels fused against --kernels reference): forward and every
+"""hcstudy/kernels/fused.py against the formulas of train_c4.py (--kernels fused against --kernels reference): forward and every
 gradient, in the layouts, precisions and wrappings the fused code meets; torch.compile of both paths."""
 import json
 import os
@@ -60,7 +60,7 @@ def test_fused_block_equals_the_formulas(residual, dtype, stream_major):
 
 
 def test_hc_folded_norm_stays_close_when_streams_have_large_means():
-    """fused.py folds each stream's LayerNorm into the projection (variance as mean(x^2) - mean^2, docs/model.md):
+    """hcstudy/kernels/fused.py folds each stream's LayerNorm into the projection (variance as mean(x^2) - mean^2, docs/model.md):
     its fp32 rounding grows with (mean / spread)^2. At a mean 30 times the spread, measured: up to 3.3e-4 of a
     tensor's largest entry apart (the formulas themselves are 7e-5 from fp64 there), against 1.3e-6 at mean 1."""
     x0 = state(torch.float32, True, mean=30.0)
@@ -95,7 +95,7 @@ def test_fused_stream_update_equals_the_formula(dtype, transposed_res):
     for fast in (True, False):
         x, H_pre, H_post, H_res = (t.clone().requires_grad_() for t in tensors)
         H_res_used = H_res.transpose(-1, -2) if transposed_res else H_res
-        if fast:                                 # fused.py takes the coefficients with their stream axes first
+        if fast:                                 # hcstudy/kernels/fused.py takes the coefficients with their stream axes first
             out = fused_module.stream_update(x, H_pre.movedim(-1, 0), H_post.movedim(-1, 0),
                                       H_res_used.movedim((-2, -1), (0, 1)), sublayer)
         else:
@@ -157,7 +157,7 @@ def test_auto_takes_the_fused_path_on_the_cpu_and_never_on_cuda(tmp_path):
 def test_one_block_compiles_to_one_graph_and_matches_eager(residual, kernels):
     """fullgraph=True fails on any graph break. aot_eager traces forward and backward as inductor would, without
     its C++ code generation: 0.3-3 s per block here, where inductor takes 13-50 s per tiny model on a 2-core CPU
-    (test_perf.py compiles with it); 3 Sinkhorn iterations keep the graph small."""
+    (test_compile.py compiles with it); 3 Sinkhorn iterations keep the graph small."""
     x0 = state(torch.float32, True, shape=(2, 8, 1 if residual == "baseline" else 4, 16))
     grad_out = torch.randn(x0.shape, generator=torch.Generator().manual_seed(2))
     results = []
@@ -177,7 +177,7 @@ def test_one_block_compiles_to_one_graph_and_matches_eager(residual, kernels):
     assert_equal_steps(results[1], results[0], 1e-5, 1e-5)
 
 
-FSDP_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")      # fused.py has the first two; the others run the formulas
+FSDP_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")      # hcstudy/kernels/fused.py has the first two; the others run the formulas
 
 
 def test_fsdp_gives_the_same_gradients_on_every_path(tmp_path):

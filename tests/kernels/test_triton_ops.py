@@ -1,4 +1,4 @@
-"""triton_kernels.py against the formulas of train_c4.py, run in Triton's interpreter on the CPU (TRITON_INTERPRET=1,
+"""hcstudy/kernels/triton_ops.py against the formulas of train_c4.py, run in Triton's interpreter on the CPU (TRITON_INTERPRET=1,
 which the module sets where there is no CUDA): forward and every gradient, for every arm, several n, widths that are
 not powers of two, token counts that are not multiples of the block, non-contiguous states, bf16 sublayers; the path
 choice (--kernels triton, auto) and its fallbacks; a training run through the CLI. The sm_90 compile is
@@ -95,7 +95,7 @@ def test_each_arm_equals_the_formulas_forward_and_every_gradient(arm, n):
 
 @pytest.mark.parametrize("arm", ["hc", "mhc", "mhc-lite"])
 def test_non_contiguous_states_and_a_stride_zero_gradient(arm):
-    """The layouts the model hands over: a stream-major view (fused.py's), a strided slice, and the collapse's
+    """The layouts the model hands over: a stream-major view (hcstudy/kernels/fused.py's), a strided slice, and the collapse's
     gradient, which reaches the last connection as one stride-0 view over the streams."""
     exact, reference, fast = connections(arm, 3, 24)
     x, grad_out, weight = inputs(3, 24)

@@ -1,5 +1,5 @@
-"""The residual arms on the launcher and report side: run names (contract.py), the lists of run_experiments.sh
-(matrix.py) that multiply a method only by the settings it has, report.py's rows, lines and colours per arm, and
+"""The residual arms on the launcher and report side: run names (hcstudy/contract.py), the lists of run_experiments.sh
+(hcstudy/launcher) that multiply a method only by the settings it has, report.py's rows, lines and colours per arm, and
 the published figures beside ours. The launcher runs tests/fake_trainer.py: no torch, no GPU."""
 import csv
 import json

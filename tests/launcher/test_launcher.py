@@ -410,7 +410,7 @@ def test_sigterm_stops_the_jobs_and_the_next_invocation_resumes(tmp_path):
 
 
 def test_ctrl_c_reaches_the_whole_foreground_group_and_the_launcher_stops_the_jobs_in_order(tmp_path):
-    """A terminal's Ctrl-C goes to the launcher's process group (bash, matrix.py, a sleep): matrix.py must not die
+    """A terminal's Ctrl-C goes to the launcher's process group (bash, hcstudy/launcher, a sleep): hcstudy/launcher must not die
     of it, and the jobs, each in a group of its own, get SIGTERM from the launcher and checkpoint."""
     out, runs = tmp_path / "runs", ("hc_d2_s1", "mhc_d2_s1")
     proc = start(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1",
@@ -815,7 +815,7 @@ def test_a_dropped_ssh_session_stops_nothing(tmp_path):
 
 
 def test_check_without_a_gpu_says_so_in_one_line_and_exits_1(tmp_path):
-    """--check runs benchmarks/gpu_check.py with the launcher's python; on this CPU machine it has nothing to check,
+    """--check runs hcstudy/gpu_check.py with the launcher's python; on this CPU machine it has nothing to check,
     and a `--check && --full` on a node without a working GPU must not go on."""
     pytest.importorskip("torch")
     r = subprocess.run(["bash", str(SCRIPT), "--check", "--out", str(tmp_path / "runs")], capture_output=True,

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py (run_experiments.sh --check) off the GPU: how its timings become result.json, the
+"""hcstudy/gpu_check.py (run_experiments.sh --check) off the GPU: how its timings become result.json, the
 file the planner reads. The check itself needs a CUDA GPU; test_launcher.py holds its one line without one."""
 import json
 import os
@@ -44,7 +44,7 @@ def test_result_json_gives_the_planner_each_methods_fastest_step_seconds(tmp_pat
     assert result["step_seconds"] == {"baseline": pytest.approx(0.3075), "hc": pytest.approx(0.4075)}
     assert result["paths"]["hc"] == "fused/eager" and "mhc" not in result["step_seconds"]
     assert result["tokens_per_step"] == 8 * 1024 and result["gpu"] == "NVIDIA H100 80GB HBM3"
-    # what plan.py reads: the planner's rate from the check must be the timed run's own FLOPs per second
+    # what hcstudy/planner reads: the planner's rate from the check must be the timed run's own FLOPs per second
     timing = result["methods"]["hc"]
     assert timing["step_seconds"] == pytest.approx(0.4075) and timing["tokens_per_step"] == 8 * 1024
     assert 6 * 4 * 12 * 2048 ** 2 < timing["flops_per_token"] < 6 * 4 * 13 * 2048 ** 2 + 12 * 4 * 2048 * 1024

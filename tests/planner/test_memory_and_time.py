@@ -1,4 +1,4 @@
-"""The planner (plan.py, beside train_c4.py): parameter counts, the memory plan against the real tensors and the
+"""The planner (hcstudy/planner, beside train_c4.py): parameter counts, the memory plan against the real tensors and the
 bytes autograd saves, the depth 32 / 48 plans behind the public reproduction's out-of-memory story,
 --micro-batch-size auto, and the launcher's plan: the check of every job before the first launch, the time and
 cost ranges of the documented node, the GPU check's timings."""

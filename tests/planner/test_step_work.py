@@ -1,5 +1,5 @@
 """The planner's step time: the work of a step counted on the real model (kernel launches, the bytes every kernel
-that is not a matmul of the width moves) and priced at a device's rates (plan.py; docs/planning.md)."""
+that is not a matmul of the width moves) and priced at a device's rates (hcstudy/planner; docs/planning.md)."""
 import dataclasses
 
 import pytest

@@ -120,10 +120,15 @@ def test_the_printed_plans_of_docs_planning_are_what_the_commands_print():
 
 
 def test_every_file_the_docs_name_exists():
-    """A renamed script (gpu_check.sh became gpu_check.py) must not live on in the docs."""
+    """A renamed script (gpu_check.sh became gpu_check.py) or a moved module must not live on in the docs: every path
+    they name exists, and every bare file name (`plan.py`) is a file of the repository."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    names = {Path(path).name for path in tracked} | {"load.py"}      # load.py: README's snippet, saved by the user
     named = set()
-    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
-        named |= {(doc.name, path) for path in re.findall(r"\b((?:benchmarks|tests|slurm)/[\w./-]+\.(?:py|sh|sbatch))",
-                                                            doc.read_text())}
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "tests").glob("README.md")]:
+        text = doc.read_text()
+        named |= {(doc.name, path) for path in re.findall(
+            r"\b((?:benchmarks|tests|slurm|hcstudy)/[\w./-]*\w(?:\.(?:py|sh|sbatch))?)", text)}
+        named |= {(doc.name, name) for name in re.findall(r"(?<![\w/.-])(\w+\.py)\b", text) if name not in names}
     missing = sorted((doc, path) for doc, path in named if not (ROOT / path).exists())
     assert not missing, missing

@@ -43,7 +43,7 @@ def test_forward_expands_once_and_collapses_once():
 
 @pytest.mark.parametrize("residual", ["hc", "mhc"])
 def test_the_state_stays_stream_major_through_every_block(residual):
-    """(B, T, n, C) stored as (n, B, T, C): each stream one contiguous slab, which fused.py's speed relies on."""
+    """(B, T, n, C) stored as (n, B, T, C): each stream one contiguous slab, which hcstudy/kernels/fused.py's speed relies on."""
     model = T.GPT(tiny_config(residual, depth=2), kernels="fused")
     layouts = []
     for block in model.blocks:
