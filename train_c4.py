@@ -7,11 +7,10 @@ manifold-constrained Hyper-Connections (mHC), and measure whether the residual s
 
 The maths, the metrics and every choice where the papers are silent are in docs/model.md; the run folder,
 exit codes and reliability rules in README.md and docs/reliability.md. Sections, in file order: config/CLI,
-model, instability metrics, data, distributed, checkpointing, logging, training loop, main. Beside it, what is not
-the model, the loader, the wrapping, bf16 or a checkpoint's contents: hcstudy/kernels/fused.py (the model's hand-written speed-ups,
---kernels), hcstudy/planner (memory plan, auto micro-batch, --estimate), hcstudy/run_folder.py (the run folder's files and the
-checkpoint protocol), hcstudy/readahead.py (data read ahead), hcstudy/run_record.py (config.json's record, progress, W&B), hcstudy/config_flags.py
-(Config's fields as flags), hcstudy/failures.py (exit codes) and hcstudy/consolidate.py (--consolidate).
+model, instability metrics, data, distributed, checkpointing, logging, training loop, main. What is not the model,
+the loader, the wrapping, bf16 or a checkpoint's contents lives in the package hcstudy (its map: hcstudy/__init__.py):
+the kernels' fast paths, the planner, the run folder's files, the data read ahead, the run record and W&B, the flags,
+the exit codes; it never imports this file, which passes what it needs.
 """
 
 from __future__ import annotations
@@ -1200,8 +1199,8 @@ def unwrap(model: nn.Module) -> GPT:
 # and when a run may continue (check_resumable): hcstudy/run_folder.py
 
 # ----------------------------------------------------------------------------------------------
-# logging: what a run announces once (monitor.announce); its files: hcstudy/run_folder.py (RunLog), its record, pace and
-# W&B: hcstudy/run_record.py
+# logging: what a run announces once (run_record.announce); its files: run_folder.RunLog; its record, pace and W&B:
+# run_record, progress, wandb_log
 
 def held_out_source(data: DataFiles, val_data: str) -> str:
     if data.held_out_slice:

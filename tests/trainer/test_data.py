@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hcstudy import c4_download
-from hcstudy import readahead as prefetch
+from hcstudy import readahead
 import train_c4 as T
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_two_ranks_times_two_loader_processes_read_disjoint_documents_whose_unio
     documents = []
     for rank in range(2):
         batches = T.RankBatches(files, T.ByteTokenizer(), cfg, rank=rank, world=2, micro=4)   # a step per batch
-        loader, by_stream = prefetch.Loader(batches, workers=2, timeout=60), {v: [] for v in batches.streams}
+        loader, by_stream = readahead.Loader(batches, workers=2, timeout=60), {v: [] for v in batches.streams}
         for _ in range(15):
             x, y = loader.next_batch()
             for v, window in zip(batches.owners, torch.cat([x, y[:, -1:]], dim=1)):
@@ -82,7 +82,7 @@ def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_p
     expected = [reference.next_batch() for _ in range(80)]
     seen, state = [], None
     for segment in range(4):
-        loader = prefetch.Loader(fresh(), workers=0 if kind == "thread" else 2, timeout=30, depth=4)
+        loader = readahead.Loader(fresh(), workers=0 if kind == "thread" else 2, timeout=30, depth=4)
         if state is not None:
             loader.load_state_dict([state])                  # before the first batch, as a resume does
         seen += [loader.next_batch() for _ in range(20)]     # whole steps: checkpoints are taken between steps
@@ -99,7 +99,7 @@ def test_a_batch_smaller_than_the_stream_count_resumes_exactly_through_loader_pr
     cfg = T.parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4"])
     reference = T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2)
     expected = [reference.next_batch()[0] for _ in range(12)]
-    loader = prefetch.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    loader = readahead.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
     seen = [loader.next_batch()[0] for _ in range(6)]
     state = loader.state_dict()
     loader.close()
@@ -116,7 +116,7 @@ def test_a_loader_process_error_arrives_as_one_clean_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("not json\n{\"no_text\": 1}\n")
     cfg = T.parse_config(["--preset", "tiny", "--data-streams", "2"])
-    loader = prefetch.Loader(T.RankBatches([str(bad)], T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    loader = readahead.Loader(T.RankBatches([str(bad)], T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
     with pytest.raises(T.ConfigError, match="holds no usable document") as error:
         loader.next_batch()
     assert "Traceback" not in str(error.value)
@@ -128,7 +128,7 @@ def test_a_stalled_loader_raises_instead_of_hanging(tmp_path, monkeypatch, worke
     files = write_shards(tmp_path)
     monkeypatch.setattr(T.RankBatches, "read_step", lambda self, streams: time.sleep(3))   # inherited by the fork
     cfg = T.parse_config(["--preset", "tiny"])
-    loader = prefetch.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=workers, timeout=1)
+    loader = readahead.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=workers, timeout=1)
     with pytest.raises(T.DataUnavailable, match="--data-timeout"):
         loader.next_batch()
     loader.close()
