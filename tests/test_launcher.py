@@ -779,16 +779,16 @@ def test_a_stop_spares_the_wandb_service_a_trainer_started(tmp_path):
 
 
 def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):
-    from hcstudy.launcher import matrix_run as matrix
+    from hcstudy.launcher import options, slurm
     monkeypatch.setenv("RUN_EXPERIMENTS_NVIDIA_SMI", "false")
     answers = {"a": {"seconds": [1800.0, 3600.0]}, "b": {"seconds": [3600.0, 7200.0]}}
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": answers})
-    opt = matrix.parse_options(["--slurm", "--out", str(tmp_path)])
-    assert matrix.task_time(opt, [])[0] == 7200 * 1.25 + 600
-    opt = matrix.parse_options(["--slurm", "--slurm-time", "2:30:00", "--out", str(tmp_path)])
-    assert matrix.task_time(opt, [])[0] == 9000 and matrix.hms(9000) == "2:30:00"
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": {"a": {"seconds": None}}})
-    assert matrix.task_time(opt, []) == (9000, "no time estimate")
+    monkeypatch.setattr(slurm, "plan_jobs", lambda *_: {"jobs": answers})
+    opt = options.parse_options(["--slurm", "--out", str(tmp_path)])
+    assert slurm.task_time(opt, [])[0] == 7200 * 1.25 + 600
+    opt = options.parse_options(["--slurm", "--slurm-time", "2:30:00", "--out", str(tmp_path)])
+    assert slurm.task_time(opt, [])[0] == 9000 and slurm.hms(9000) == "2:30:00"
+    monkeypatch.setattr(slurm, "plan_jobs", lambda *_: {"jobs": {"a": {"seconds": None}}})
+    assert slurm.task_time(opt, []) == (9000, "no time estimate")
 
 
 def test_a_dropped_ssh_session_stops_nothing(tmp_path):

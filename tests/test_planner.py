@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hcstudy.launcher import matrix_run as matrix
+from hcstudy.launcher import dry_run
 from hcstudy.planner import gpus
 from hcstudy.planner import memory as memory_module
 from hcstudy.planner import run_time
@@ -296,8 +296,9 @@ def imports(path: Path, top_level_only: bool = False) -> set:
 
 
 def test_the_launcher_never_imports_the_trainer_and_the_planner_not_at_module_level():
-    """matrix.py asks train_c4.py --plan-jobs in a subprocess; plan.py takes the model class from its caller."""
-    assert "train_c4" not in imports(ROOT / "hcstudy" / "launcher" / "matrix_run.py", top_level_only=False)
+    """The launcher asks train_c4.py --plan-jobs in a subprocess; the planner takes the model class from its caller."""
+    for module in (ROOT / "hcstudy" / "launcher").glob("*.py"):
+        assert "train_c4" not in imports(module, top_level_only=False), module
     assert "train_c4" not in imports(ROOT / "hcstudy" / "planner" / "memory.py", top_level_only=True)
 
 
@@ -328,9 +329,9 @@ def test_queue_schedule_of_18_jobs_on_8_gpus_by_hand():
     # t=0: jobs 1-8 start (slots end at 3,3,3,2,2,2,3,3); t=2: jobs 9-11 on the three free slots (9 ends at 5,
     # 10-11 at 4); t=3: jobs 12-16 on the five slots freed (12 and 16 end at 5, 13-15 at 6); t=4: jobs 17-18 end
     # at 6. Wall time 6 h; the naive sum over 8 GPUs would say 45 / 8 = 5.6 h.
-    assert matrix.queue_schedule(hours, 8) == 6
-    assert matrix.queue_schedule([1.0] * 3, 8, stagger=0.25) == 1.5          # launches a quarter apart
-    assert matrix.queue_schedule([2, 1, 1, 1], 2) == 3 and matrix.queue_schedule([], 8) == 0
+    assert dry_run.queue_schedule(hours, 8) == 6
+    assert dry_run.queue_schedule([1.0] * 3, 8, stagger=0.25) == 1.5          # launches a quarter apart
+    assert dry_run.queue_schedule([2, 1, 1, 1], 2) == 3 and dry_run.queue_schedule([], 8) == 0
 
 
 def launcher(tmp_path, *args, **env):

@@ -16,7 +16,7 @@ LAUNCHER_STATES = {"LAUNCH": "running", "DONE": "done", "DIVERGED": "done", "SKI
 
 
 @dataclass
-class Matrix:
+class MatrixLog:
     """The launcher's last invocation in a runs folder, as matrix.log tells it."""
     started: float
     slots: int
@@ -51,7 +51,7 @@ def read_matrix(root, log="matrix.log"):
     try:
         planned = {name: float(s) for name, s in (item.split(":") for item in fields.get("planned_s", "").split(",")
                                                    if item.count(":") == 1)}
-        return Matrix(log_time(stamp), int(fields.get("slots", 1)), int(fields.get("gpus_per_run", 1)),
+        return MatrixLog(log_time(stamp), int(fields.get("slots", 1)), int(fields.get("gpus_per_run", 1)),
                       float(fields.get("price_per_gpu_hour", 0)), fields.get("gpus") == "cpu", runs, planned,
                       ended and log_time(ended))
     except ValueError as e:
@@ -108,7 +108,7 @@ def read_matrices(root, log=None):
     if not shares:
         return None
     ends = [m.ended for m in shares]
-    return Matrix(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
+    return MatrixLog(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
                   shares[0].price, all(m.cpu for m in shares), {k: v for m in shares for k, v in m.runs.items()},
                   {k: v for m in shares for k, v in m.planned.items()}, None if None in ends else max(ends))
 
