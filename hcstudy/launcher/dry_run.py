@@ -12,11 +12,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hcstudy.contract import EXIT_OK
+from hcstudy.contract import EXIT_OK, METRICS_FILE, PLAN_JOBS, PlanJob, PlanRequest, load_check, read_plan_answer
+from hcstudy.durations import duration
 from hcstudy.launcher.jobs import (
     DOCUMENTED_NODE_GPUS,
     nvidia_smi,
-    read_json,
     slot_count,
     slot_label,
     trainer_base,
@@ -26,19 +26,14 @@ from hcstudy.launcher.jobs import (
 from hcstudy.launcher.options import RunError
 
 
-def human(seconds):
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
-        f"{seconds / 3600:.1f} h"
-
-
 def queue_schedule(durations, slots, stagger=0.0):
     """Wall time of jobs started in queue order, each on the first slot to become free, launches at least
     `stagger` seconds apart: what the launcher does (list scheduling, not the sum over slots)."""
     free, last_launch = [0.0] * slots, -math.inf
-    for duration in durations:
+    for seconds in durations:
         slot = min(range(slots), key=free.__getitem__)
         last_launch = max(free[slot], last_launch + stagger)
-        free[slot] = last_launch + duration
+        free[slot] = last_launch + seconds
     return max(free, default=0.0)
 
 
@@ -71,25 +66,23 @@ def this_node(opt, gpus):
 
 def plan_jobs(opt, jobs, node, measured=None):
     """The trainer's answer for `jobs` on `node`: train_c4.py --plan-jobs judges each job's flags with its own checks
-    and plans its micro-batch, memory and time (plan.py), in one process for the whole matrix (matrix.py never
-    imports the trainer). {"gpu", "assumptions", "jobs": {name: answer}}."""
-    check = read_json(opt.out / "gpu_check" / "result.json")        # `run_experiments.sh --check`'s timings
-    request = {"gpu": node.gpu, "world": opt.gpus_per_run, "card_gib": node.card_gib,
-               "jobs": [{"flags": trainer_flags(opt, job), "done_steps": job.step or 0, "check": check,
-                         "finished": bool(job.skipped_as),
-                         "tokens_per_s": (measured or {}).get(f"{job.method}_d{job.depth}")} for job in jobs]}
-    command = trainer_script() + ["--plan-jobs"]
+    and plans its micro-batch, memory and time (hcstudy.planner), in one process for the whole matrix (the launcher
+    never imports the trainer). {"gpu", "assumptions", "jobs": {name: JobAnswer as a dict}}."""
+    check = load_check(opt.out)        # `run_experiments.sh --check`'s timings
+    request = PlanRequest(node.gpu, opt.gpus_per_run, node.card_gib, [
+        PlanJob(trainer_flags(opt, job), job.step or 0, bool(job.skipped_as), check,
+                (measured or {}).get(f"{job.method}_d{job.depth}")) for job in jobs])
+    command = trainer_script() + [PLAN_JOBS]
     try:
         # in this folder, as the jobs will run: a relative --out or --data means the same to the check and to them
-        done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=900)
-        answer = json.loads(done.stdout.strip().splitlines()[-1])
-        answer["jobs"] = dict(zip((job.name for job in jobs), answer["jobs"], strict=True))
+        done = subprocess.run(command, input=request.to_json(), capture_output=True, text=True, timeout=900)
+        answer = read_plan_answer(done.stdout, [job.name for job in jobs])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
         tail = " ".join((locals().get("done") and done.stderr or "no output").strip().splitlines()[-2:])
         raise RunError(f"the trainer could not check the jobs ({shlex.join(command)}: {tail})") from None
     refused = {}
     for name, job_answer in answer["jobs"].items():
-        if "error" in job_answer:
+        if job_answer["error"]:
             refused.setdefault(job_answer["error"], []).append(name)
     if refused:
         raise JobsRefused("\n".join(f"train_c4.py refuses {names[0]}" + (f" and {len(names) - 1} more job(s)"
@@ -156,7 +149,7 @@ def calibrate(opt, jobs, node, folder):
                 wave.append((key, subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)))
         if len(wave) == slots or (job is None and wave):      # a wave fills every slot once; the last may not
             for key, process in wave:
-                rate = measured_rate(folder, key, opt.calibrate_steps) if process.wait() == 0 else None
+                rate = calibrated_tokens_per_s(folder, key, opt.calibrate_steps) if process.wait() == 0 else None
                 if rate is None:
                     tail = (folder / f"{key}.log").read_text(errors="replace").strip().splitlines()[-2:]
                     raise RunError(f"--calibrate: {key} exited {process.returncode} without a timed step: "
@@ -166,20 +159,15 @@ def calibrate(opt, jobs, node, folder):
     return keys
 
 
-def measured_rate(folder, key, steps):
+def calibrated_tokens_per_s(folder, key, steps):
     """The median tokens/s of the calibration run's timed steps (the first third is warm-up), or None."""
     warmup = steps // 3
     try:
-        with open(folder / key / "metrics.jsonl") as f:
+        with open(folder / key / METRICS_FILE) as f:
             rates = [r["tokens_per_s"] for r in map(json.loads, f) if r.get("tokens_per_s") and r["step"] > warmup]
     except (OSError, ValueError):
         rates = []
     return statistics.median(rates) if rates else None
-
-
-def hours_range(seconds):
-    return f"{seconds[0] / 3600:.1f}-{seconds[1] / 3600:.1f} h" if seconds[1] >= 7200 else \
-        f"{seconds[0] / 60:.0f}-{seconds[1] / 60:.0f} min"
 
 
 def wall_and_cost(opt, jobs, answers, node):
@@ -194,14 +182,14 @@ def wall_and_cost(opt, jobs, answers, node):
     total = [sum(d[i] for s in seconds.values() for d in s) for i in (0, 1)]
     where = f"{slots} slot(s)" + (f" on each of {opt.nodes} nodes" if opt.nodes > 1 else "")
     lines = [f"Wall time: {sum(map(len, seconds.values()))} job(s) on {where}, each started in queue order on the "
-             f"first free slot, launches {opt.stagger:g} s apart: {hours_range(wall)} (the jobs add up to "
-             f"{hours_range(total)}; retries and waits for data not included)"]
+             f"first free slot, launches {opt.stagger:g} s apart: {duration(*wall)} (the jobs add up to "
+             f"{duration(*total)}; retries and waits for data not included)"]
     if opt.nodes > 1:
-        lines.append("  per node: " + ", ".join(f"node {n} {hours_range(w)}" for n, w in walls.items()))
+        lines.append("  per node: " + ", ".join(f"node {n} {duration(*w)}" for n, w in walls.items()))
     if node.gpus == ["cpu"]:
         return lines + ["Cost: no GPU-hours, the jobs run on the CPU"]
     node_gpus, dollars = len(node.gpus) * opt.nodes, [w / 3600 * opt.price for w in wall]
-    return lines + [f"Cost at ${opt.price:.2f} per GPU-hour: {node_gpus} GPU(s) x {hours_range(wall)} = "
+    return lines + [f"Cost at ${opt.price:.2f} per GPU-hour: {node_gpus} GPU(s) x {duration(*wall)} = "
                     f"${node_gpus * dollars[0]:,.0f}-${node_gpus * dollars[1]:,.0f} for the node"
                     f"{'s' if opt.nodes > 1 else ''}; the jobs themselves use "
                     f"{opt.gpus_per_run * total[0] / 3600:,.0f}-{opt.gpus_per_run * total[1] / 3600:,.0f} GPU-hours"]
@@ -218,7 +206,7 @@ def job_line(opt, job, slot, answer, width):
             + (" (auto)" if answer.get("auto") and not job.micro else "") + f", global batch {answer['batch']}"
             + (f", {answer['memory']}" if answer.get("memory") else "")
             + (f", {answer['path']} path" if answer.get("path") else "")
-            + (f", {hours_range(answer['seconds'])} ({answer['basis'].split(',')[0].split(': ')[-1]})"
+            + (f", {duration(*answer['seconds'])} ({answer['basis'].split(',')[0].split(': ')[-1]})"
                if answer.get("seconds") else "")
             + (f", resumes (step {job.step})" if job.step is not None else ""))
 

@@ -2,7 +2,6 @@
 node, and each job's trainer command line."""
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -10,7 +9,16 @@ import sys
 from dataclasses import dataclass, field
 
 from hcstudy import ROOT
-from hcstudy.contract import COEFFICIENT_METHODS, SINKHORN_METHODS, launcher_settings, run_name
+from hcstudy.contract import (
+    COEFFICIENT_METHODS,
+    LAUNCHER_FILE,
+    SINKHORN_METHODS,
+    STATUS_FILE,
+    launcher_settings,
+    matrix_log_name,
+    read_json,
+    run_name,
+)
 from hcstudy.launcher.options import RunError, UsageError, warn
 
 
@@ -45,25 +53,6 @@ class Job:
         return self.state.removeprefix("skipped_") if self.state.startswith("skipped_") else None
 
 
-def write_json(path, obj):
-    """Atomically: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj) + "\n")
-    os.replace(tmp, path)
-
-
-def read_json(path, newer_than=None):
-    """A JSON file's content, or {} when missing, unreadable, or older than `newer_than` (left from before)."""
-    try:
-        if newer_than is not None and os.path.getmtime(path) < newer_than:
-            return {}
-        with open(path) as f:
-            value = json.load(f)
-        return value if isinstance(value, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def arms(opt):
     """(method, Sinkhorn iterations, coefficients) of each arm: a list multiplies only the methods it applies to,
     so hc under --sinkhorn-iters 5,20,100 is one arm, not three of one model."""
@@ -87,12 +76,12 @@ def matrix_jobs(opt):
                                 launcher_settings(method, opt.preset, opt.extra))
                 jobs.append(Job(name, method, depth, seed, len(jobs) % opt.nodes, iters, coefficients))
     for job in jobs:
-        status = read_json(opt.out / job.name / "status.json")
+        status = read_json(opt.out / job.name / STATUS_FILE, {})
         if status.get("state") in ("completed", "diverged"):
             job.state = "skipped_" + status["state"]
         if isinstance(status.get("step"), int):
             job.step = status["step"]
-        micro = read_json(opt.out / job.name / "launcher.json").get("micro_batch_size")
+        micro = read_json(opt.out / job.name / LAUNCHER_FILE, {}).get("micro_batch_size")
         if isinstance(micro, int) and micro > 0:      # halved after an OOM in an earlier invocation: stays halved
             job.micro = micro
     return jobs
@@ -176,7 +165,7 @@ def slot_count(opt, gpus):
 
 
 def log_name(opt):
-    return "matrix.log" if opt.nodes == 1 else f"matrix.node{opt.node_rank}.log"
+    return matrix_log_name(opt.nodes, opt.node_rank)
 
 
 def lock_name(opt):

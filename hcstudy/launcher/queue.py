@@ -23,6 +23,8 @@ from pathlib import Path
 
 from hcstudy.contract import (
     CHECKPOINT_MARKER,
+    CHECKPOINTS,
+    CONFIG_FILE,
     EXIT_BAD_CONFIG,
     EXIT_DATA,
     EXIT_DEVICE,
@@ -30,9 +32,15 @@ from hcstudy.contract import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_OOM,
+    LAUNCHER_FILE,
+    STATUS_FILE,
+    TRAIN_LOG,
     TRAINER_EXIT_CODES,
+    log_line,
+    read_json,
+    write_json_atomic,
 )
-from hcstudy.launcher.jobs import lock_name, log_name, read_json, slot_count, trainer_base, trainer_flags, write_json
+from hcstudy.launcher.jobs import lock_name, log_name, slot_count, trainer_base, trainer_flags
 from hcstudy.launcher.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, PROG, RunError, extra_value
 from hcstudy.launcher.summary import print_report, show_matrix
 
@@ -73,11 +81,9 @@ class Log:
     def __init__(self, path):
         self.path = path
 
-    def __call__(self, event, text):
-        now = time.time()
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}" \
-            + time.strftime("%z", time.localtime(now))
-        line = f"{stamp} {event} {text}"
+    def __call__(self, event, text="", run=None, **fields):
+        """One line of matrix.log's grammar (contract.log_line): `STAMP EVENT [RUN] [key=value ...] [text]`."""
+        line = log_line(event, run, text, **fields)
         print(line, flush=True)
         with open(self.path, "a") as f:
             f.write(line + "\n")
@@ -97,7 +103,7 @@ def tail_lines(path, count):
 def newest_checkpoint(folder):
     """`step-N` of the run's newest complete checkpoint (one with its marker), None without one: where its trainer
     resumes, unless the checksums fail (train.log then says which one it took)."""
-    steps = [int(d.name[5:]) for d in Path(folder, "checkpoints").glob("step-*")
+    steps = [int(d.name[5:]) for d in Path(folder, CHECKPOINTS).glob("step-*")
              if d.name[5:].isascii() and d.name[5:].isdigit() and (d / CHECKPOINT_MARKER).is_file()]
     return f"step-{max(steps)}" if steps else None
 
@@ -137,18 +143,17 @@ class MatrixRun:
         # seconds, the middle of its range: the view's ETA until steps are timed)
         planned = ",".join(f"{j.name}:{sum(j.planned['seconds']) / 2:.0f}" for j in self.jobs
                            if j.planned.get("seconds"))
-        self.log("QUEUE", f"slots={slot_count(o, self.gpus)} gpus_per_run={o.gpus_per_run} gpus={','.join(self.gpus)} "
-                          f"price_per_gpu_hour={o.price:g} runs={','.join(j.name for j in self.jobs)} "
-                          f"planned_s={planned}")
+        self.log("QUEUE", slots=slot_count(o, self.gpus), gpus_per_run=o.gpus_per_run, gpus=",".join(self.gpus),
+                 price_per_gpu_hour=f"{o.price:g}", runs=",".join(j.name for j in self.jobs), planned_s=planned)
         for job in self.jobs:
             if job.skipped_as:
-                self.log("SKIP", f"{job.name} already {job.skipped_as} (status.json)")
+                self.log("SKIP", f"already {job.skipped_as} (status.json)", job.name)
             else:
                 self.queue.append(job)
         if not self.cpu and self.queue:
             for gpu, status in self.bash.ask("probe", self.probes, *self.gpus):
                 if status == "0":
-                    self.log("PROBE", f"gpu={gpu} healthy")
+                    self.log("PROBE", "healthy", gpu=gpu)
                 else:
                     self.quarantine(gpu, f"failed the start-up probe: {self.probe_reason(gpu, int(status))}")
             if self.healthy() < o.gpus_per_run:
@@ -164,7 +169,7 @@ class MatrixRun:
 
     def quarantine(self, gpu, reason):
         self.gpu_state[gpu] = "quarantined"
-        self.log("QUARANTINE", f"gpu={gpu} {reason}; it is not used again in this matrix")
+        self.log("QUARANTINE", f"{reason}; it is not used again in this matrix", gpu=gpu)
 
     def healthy(self):
         return sum(state != "quarantined" for state in self.gpu_state.values())
@@ -254,15 +259,15 @@ class MatrixRun:
             self.gpu_state[g] = "busy"
         micro, batch = job.micro or job.planned.get("micro"), job.batch or job.planned.get("batch")
         resume = newest_checkpoint(folder)
-        self.log("LAUNCH", f"{job.name} gpus={gpus} attempt={job.attempts}" + (f" resume={resume}" if resume else "")
-                           + f" micro_batch={micro} global_batch={batch} "
-                           f"cmd: CUDA_VISIBLE_DEVICES={'' if gpus == 'cpu' else gpus} {shlex.join(command)}")
+        self.log("LAUNCH", f"cmd: CUDA_VISIBLE_DEVICES={'' if gpus == 'cpu' else gpus} {shlex.join(command)}", job.name,
+                 gpus=gpus, attempt=job.attempts, **({"resume": resume} if resume else {}), micro_batch=micro,
+                 global_batch=batch)
         self.last_launch = time.time()
         job.launched_at = self.last_launch - 1      # a status.json older than this is left from before
-        with open(folder / "train.log", "a") as f:
+        with open(folder / TRAIN_LOG, "a") as f:
             f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}: launcher attempt {job.attempts} on "
                     f"{'CPU' if gpus == 'cpu' else gpus}: {shlex.join(command)}\n")
-        self.bash.ask("launch", job.name, gpus, folder / "train.log", *command)
+        self.bash.ask("launch", job.name, gpus, folder / TRAIN_LOG, *command)
         self.running[job.name] = job
         job.gpus, job.state = gpus, "running"
 
@@ -274,7 +279,7 @@ class MatrixRun:
     # -- exits ----------------------------------------------------------------------------------
     def status(self, job):
         """status.json as this attempt left it ({} when it is from an earlier attempt)."""
-        return read_json(self.opt.out / job.name / "status.json", newer_than=job.launched_at)
+        return read_json(self.opt.out / job.name / STATUS_FILE, {}, newer_than=job.launched_at)
 
     def trainer_code(self, job, status):
         """A status the trainer does not use (torchrun reports 1 for any failed rank) is replaced by the
@@ -286,17 +291,17 @@ class MatrixRun:
 
     def reason(self, job):
         """The trainer's own reason for its exit: status.json, else the last line of train.log."""
-        return self.status(job).get("reason") or last_line(self.opt.out / job.name / "train.log")
+        return self.status(job).get("reason") or last_line(self.opt.out / job.name / TRAIN_LOG)
 
     def record_death(self, job, code):
         """A trainer that died without recording its end (SIGKILL, rank 0 killed under torchrun) leaves status.json
         `running`: the launcher, which saw the exit, records it as failed."""
-        path = self.opt.out / job.name / "status.json"
-        status = read_json(path)
+        path = self.opt.out / job.name / STATUS_FILE
+        status = read_json(path, {})
         if code in TRAINER_EXIT_CODES or status.get("state") != "running":
             return
         died = f"killed by signal {code - 128}" if code > 128 else f"exit {code}"
-        write_json(path, {**status, "state": "failed", "exit_code": code, "updated": time.time(),
+        write_json_atomic(path, {**status, "state": "failed", "exit_code": code, "updated": time.time(),
                           "reason": f"the trainer ended ({died}) without recording its state; seen by the launcher"})
 
     def on_exit(self, job, status):
@@ -304,21 +309,21 @@ class MatrixRun:
             if self.gpu_state[g] != "quarantined":
                 self.gpu_state[g] = "free"
         code = self.trainer_code(job, status)
-        self.log("EXIT", f"{job.name} code={status}"
-                         + (f" (trainer code {code} from status.json)" if code != status else "") + f" gpus={job.gpus}")
+        self.log("EXIT", f"(trainer code {code} from status.json)" if code != status else "", job.name, code=status,
+                 gpus=job.gpus)
         self.record_death(job, code)
         if self.stopping and code not in (EXIT_OK, EXIT_DIVERGED):
             job.state, job.reason = "interrupted", f"stopped by the launcher (exit {status}); resumes on the next run"
             return
         if code == EXIT_OK:
             job.state = "completed"
-            self.log("DONE", f"{job.name} completed")
+            self.log("DONE", "completed", job.name)
         elif code == EXIT_DIVERGED:
             job.state, job.reason = "diverged", self.reason(job)
-            self.log("DIVERGED", f"{job.name} recorded as a result, not retried: {job.reason}")
+            self.log("DIVERGED", f"recorded as a result, not retried: {job.reason}", job.name)
         elif code == EXIT_BAD_CONFIG:
             self.fail(job, f"bad arguments or config, not retried: {self.reason(job)}")
-            train_log = self.opt.out / job.name / "train.log"
+            train_log = self.opt.out / job.name / TRAIN_LOG
             print(f"---- last lines of {train_log} ----", *tail_lines(train_log, 5), sep="\n", file=sys.stderr,
                   flush=True)
         elif code == EXIT_OOM:
@@ -336,14 +341,14 @@ class MatrixRun:
 
     def fail(self, job, reason):
         job.state, job.reason = "failed", reason
-        self.log("FAILED", f"{job.name} {reason}")
+        self.log("FAILED", reason, job.name)
 
     def retry_or_fail(self, job, why):
         """A retry within --max-retries, else failed."""
         if job.retries < self.opt.max_retries:
             job.retries += 1
-            self.log("RETRY", f"{job.name} ({why}) retry {job.retries}/{self.opt.max_retries}; resumes from its "
-                              "checkpoint")
+            self.log("RETRY", f"({why}) retry {job.retries}/{self.opt.max_retries}; resumes from its checkpoint",
+                     job.name)
             self.requeue(job)
         else:
             self.fail(job, f"{why}; gave up after {self.opt.max_retries} retries")
@@ -352,7 +357,7 @@ class MatrixRun:
         """Requeues (exit 75, device errors) are bounded by RUN_EXPERIMENTS_MAX_REQUEUES."""
         if job.requeues < self.opt.max_requeues:
             job.requeues += 1
-            self.log("REQUEUE", f"{job.name} {why}")
+            self.log("REQUEUE", why, job.name)
             self.requeue(job)
         else:
             self.fail(job, given_up)
@@ -364,8 +369,8 @@ class MatrixRun:
         delay = self.opt.data_backoff << job.data_retries
         job.data_retries += 1
         job.not_before = time.time() + delay
-        self.log("RETRY", f"{job.name} data source unreachable: retry {job.data_retries}/{self.opt.max_retries} in "
-                          f"{delay}s: {self.reason(job)}")
+        self.log("RETRY", f"data source unreachable: retry {job.data_retries}/{self.opt.max_retries} in {delay}s: "
+                          f"{self.reason(job)}", job.name)
         self.requeue(job)
 
     def oom_retry(self, job):
@@ -382,16 +387,16 @@ class MatrixRun:
                                   "--gpus-per-run 2 or more")
         batch = batch if isinstance(batch, int) else None
         job.oom_retried, job.micro, job.batch = True, micro // 2, batch or job.batch
-        write_json(self.opt.out / job.name / "launcher.json",
+        write_json_atomic(self.opt.out / job.name / LAUNCHER_FILE,
                    {"micro_batch_size": job.micro, "reason": f"halved from {micro} after an out-of-memory exit"})
-        self.log("RETRY", f"{job.name} out of memory at micro-batch {micro}: retrying once with micro-batch "
-                          f"{job.micro}, global batch {batch or 'unchanged (trainer default)'}")
+        self.log("RETRY", f"out of memory at micro-batch {micro}: retrying once with micro-batch {job.micro}, "
+                          f"global batch {batch or 'unchanged (trainer default)'}", job.name)
         self.requeue(job)
 
     def used_batches(self, job):
         """(micro-batch, global batch) this attempt used: its config.json, else what the launcher passed, else what
         the trainer planned before the first launch (the OOM may come before config.json is written)."""
-        config = read_json(self.opt.out / job.name / "config.json", newer_than=job.launched_at).get("config", {})
+        config = read_json(self.opt.out / job.name / CONFIG_FILE, {}, newer_than=job.launched_at).get("config", {})
         known = {"micro_batch_size": job.micro or job.planned.get("micro"),
                  "batch_size": job.batch or job.planned.get("batch")}
         return [config[key] if isinstance(config.get(key), int) else value for key, value in known.items()]
@@ -414,8 +419,8 @@ class MatrixRun:
                 runs = " ".join(self.failed_runs[gpu])
                 self.quarantine(gpu, f"passed the probe but failed two different jobs ({runs})")
             else:
-                self.log("PROBE", f"gpu={gpu} healthy after a device error in {job.name}; kept (a second failing job "
-                                  "quarantines it)")
+                self.log("PROBE", f"healthy after a device error in {job.name}; kept (a second failing job "
+                                  "quarantines it)", gpu=gpu)
         self.requeue_or_fail(job, f"after a device error on gpu {job.gpus}; it will run on other GPUs if any are "
                                   "healthy",
                              f"device errors on {job.requeues + 1} attempts; probably not the hardware: see "

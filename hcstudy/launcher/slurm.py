@@ -1,7 +1,6 @@
 """--slurm: the matrix as a SLURM job array, one run per task, and a report job after it."""
 from __future__ import annotations
 
-import math
 import shlex
 import shutil
 import subprocess
@@ -9,16 +8,12 @@ import time
 
 from hcstudy import ROOT
 from hcstudy.contract import EXIT_OK
-from hcstudy.launcher.dry_run import Node, human, name_width, plan_jobs
+from hcstudy.durations import clock, duration
+from hcstudy.launcher.dry_run import Node, name_width, plan_jobs
 from hcstudy.launcher.jobs import nvidia_smi, trainer_flags
 from hcstudy.launcher.options import RunError
 
 SLURM_MARGIN = 1.25, 600       # a task asks for its planned time x 1.25 + 10 minutes (start-up, evaluation, probes)
-
-
-def hms(seconds):
-    seconds = int(math.ceil(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def submit(command):
@@ -40,7 +35,8 @@ def task_time(opt, jobs):
     if not seconds or None in seconds:
         return opt.slurm_time, "no time estimate"
     longest = max(high for _, high in seconds)      # the slow end of the range: a task cut short is requeued
-    return min(longest * SLURM_MARGIN[0] + SLURM_MARGIN[1], opt.slurm_time), f"the longest planned run {human(longest)}"
+    limit = min(longest * SLURM_MARGIN[0] + SLURM_MARGIN[1], opt.slurm_time)
+    return limit, f"the longest planned run {duration(longest)}"
 
 
 def submit_slurm(opt, jobs):
@@ -59,7 +55,7 @@ def submit_slurm(opt, jobs):
     lines = [shlex.join(trainer_flags(opt, job)) for job in todo]
     seconds, why = task_time(opt, todo)
     array_command = ["sbatch", "--parsable", f"--array=0-{len(todo) - 1}", "--nodes=1",
-                     f"--gpus-per-node={opt.gpus_per_run}", f"--time={hms(seconds)}",
+                     f"--gpus-per-node={opt.gpus_per_run}", f"--time={clock(seconds)}",
                      f"--job-name=matrix-{opt.out.name}", str(ROOT / "slurm" / "run.sbatch"), "--matrix", str(tasks)]
     report_command = ["sbatch", "--parsable", "--dependency=afterany:ARRAY_JOB_ID",
                       f"--job-name=report-{opt.out.name}", str(ROOT / "slurm" / "report.sbatch"), str(opt.out)]
@@ -80,7 +76,7 @@ def submit_slurm(opt, jobs):
     for i, job in enumerate(todo):
         print(f"{job.name:<{width}} task {array}_{i}")
     print(f"Submitted job array {array}: {len(todo)} run(s), each on one node with {opt.gpus_per_run} GPU(s), "
-          f"--time {hms(seconds)} ({why}, x{SLURM_MARGIN[0]:g} + {SLURM_MARGIN[1] // 60} min, at most --slurm-time "
-          f"{hms(opt.slurm_time)}); a run still going at the limit saves, is requeued and resumes. The report: job "
+          f"--time {clock(seconds)} ({why}, x{SLURM_MARGIN[0]:g} + {SLURM_MARGIN[1] // 60} min, at most --slurm-time "
+          f"{clock(opt.slurm_time)}); a run still going at the limit saves, is requeued and resumes. The report: job "
           f"{report}, after the array. The runs' flags: {tasks}. Watch: squeue -j {array},{report}")
     return EXIT_OK
