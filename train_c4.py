@@ -1496,10 +1496,9 @@ def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     return micro, accum, data
 
 
-def plan_jobs(request: dict) -> dict:
+def plan_jobs(request: PlanRequest) -> dict:
     """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
     job's flags judged by this trainer's own checks, then planned for the launcher's node by job_plan."""
-    request = PlanRequest.from_json(request)
     gpu, world, answers = request.gpu or gpus.ASSUMED_GPU, request.world, []
     parameters = functools.cache(count_parameters)      # one build per model shape, not one per job
     for job in request.jobs:
@@ -1599,7 +1598,7 @@ def main(argv: list[str] | None = None) -> int:
             print(consolidate.consolidate(*consolidate.arguments(argv), trainer=sys.modules[__name__]))
             return EXIT_OK
         if argv == [PLAN_JOBS]:
-            print(json.dumps(plan_jobs(json.load(sys.stdin))))
+            print(json.dumps(plan_jobs(PlanRequest.from_json(json.load(sys.stdin)))))
             return EXIT_OK
         cfg = parse_config(argv)
         if cfg.estimate:
