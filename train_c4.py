@@ -20,8 +20,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from hcstudy import contract
-from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, DataUnavailable, Diverged,
-                              Interrupted, RunFailed, TrainerError)
+from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, PLAN_JOBS, ConfigError, DataUnavailable,
+                              Diverged, Interrupted, JobAnswer, PlanRequest, RunFailed, TrainerError)
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
@@ -1495,29 +1495,29 @@ def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     return micro, accum, data
 
 
-def plan_jobs(request: dict) -> dict:
+def plan_jobs(request: PlanRequest) -> dict:
     """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
     job's flags judged by this trainer's own checks, then planned for the launcher's node by job_plan."""
-    gpu, world, answers = request["gpu"] or gpus.ASSUMED_GPU, request["world"], []
+    gpu, world, answers = request.gpu or gpus.ASSUMED_GPU, request.world, []
     parameters = functools.cache(count_parameters)      # one build per model shape, not one per job
-    for job in request["jobs"]:
+    for job in request.jobs:
         try:
-            cfg = parse_config(job["flags"])
+            cfg = parse_config(job.flags)
             # a run the launcher would skip as finished is compared as a resume would be: refused when its settings
             # changed, or with --allow-changed-settings planned and launched, so that this trainer continues it
-            changes = check_resumable(Path(cfg.out) / cfg.run_name, cfg) if job.get("finished") else {}
-            if job.get("finished") and not changes:
-                answers.append({"finished": True})
+            changes = check_resumable(Path(cfg.out) / cfg.run_name, cfg) if job.finished else {}
+            if job.finished and not changes:
+                answers.append(JobAnswer(finished=True))
                 continue
-            card = card_bytes(cfg, gpu, request.get("card_gib"))
+            card = card_bytes(cfg, gpu, request.card_gib)
             micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
             if gpu == "cpu":
                 memory.check_memory(cfg, embedding_rows(cfg), micro, world, torch.device("cpu"))
             resolve_data_files(cfg.data, cfg.val_data)
-            answers.append(job_plan(GPT, cfg, parameters(memory.shape_key(cfg)), micro, world, gpu, card, job)
-                           | {"changes": changes_text(changes)})
+            plan = job_plan(GPT, cfg, parameters(memory.shape_key(cfg)), micro, world, gpu, card, job)
+            answers.append(dataclasses.replace(plan, changes=changes_text(changes)))
         except (TrainerError, memory.PlanError) as error:
-            answers.append({"error": str(error)})
+            answers.append(JobAnswer(error=str(error)))
     return node_answer(gpu, answers)
 
 
@@ -1596,8 +1596,8 @@ def main(argv: list[str] | None = None) -> int:
             from hcstudy import consolidate     # the model's code passed in: the package never imports the trainer
             print(consolidate.consolidate(*consolidate.arguments(argv), trainer=sys.modules[__name__]))
             return EXIT_OK
-        if argv == ["--plan-jobs"]:
-            print(json.dumps(plan_jobs(json.load(sys.stdin))))
+        if argv == [PLAN_JOBS]:
+            print(json.dumps(plan_jobs(PlanRequest.from_json(json.load(sys.stdin)))))
             return EXIT_OK
         cfg = parse_config(argv)
         if cfg.estimate:

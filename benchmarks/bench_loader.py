@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from hcstudy.planner import gpus  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 H100_BF16_PEAK, REALISTIC_MFU = 989e12, 0.40
@@ -27,7 +28,7 @@ H100_BF16_PEAK, REALISTIC_MFU = 989e12, 0.40
 def gpu_tokens_per_second(depth: int) -> float:
     """What one H100 consumes at a realistic 40% MFU for the C4 model of this depth."""
     cfg = T.parse_config(["--depth", str(depth)])
-    flops = T.flops_per_token(cfg, T.count_parameters(cfg)["non_embedding"])
+    flops = gpus.flops_per_token(cfg, T.count_parameters(cfg)["non_embedding"])
     return H100_BF16_PEAK * REALISTIC_MFU / flops
 
 

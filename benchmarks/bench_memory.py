@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hcstudy.planner import memory as memory_module  # noqa: E402
+from hcstudy.run_record import device_name  # noqa: E402
 import train_c4 as T  # noqa: E402
 from bench_step import Variant  # noqa: E402
 from hcstudy.planner.memory import GiB  # noqa: E402
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
                      "measured_over_planned": None if peak is None else round(peak / memory.allocated, 3)})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"device": T.device_name(device),
+        args.json.write_text(json.dumps({"device": device_name(device),
                                          "torch": torch.__version__, "rows": rows}, indent=1))
     return 0
 

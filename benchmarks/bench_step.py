@@ -32,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from hcstudy.planner import gpus  # noqa: E402
+from hcstudy.run_record import device_name  # noqa: E402
 import train_c4 as T  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -229,7 +231,7 @@ def run_timing(args, device: torch.device) -> dict:
             round_median[v.name] = statistics.median(wall for wall, _ in times)
         per_round.append(round_median)
     tokens = args.micro_batch * args.seq
-    peak = T.gpu_peak_flops(T.device_name(device))      # None on CPU and unknown GPUs: mfu null
+    peak = gpus.gpu_peak_flops(device_name(device))      # None on CPU and unknown GPUs: mfu null
     out = {"variants": {}, "warmup_s": compile_s}
     for v in variants:
         ms = statistics.median(v.times) * 1e3
@@ -238,7 +240,7 @@ def run_timing(args, device: torch.device) -> dict:
             "ms_per_step": round(ms, 2), "tokens_per_s": round(tok_s, 1), "noise": round(spread(v.times), 3),
             "cpu_ms_per_step": round(statistics.median(v.cpu_times) * 1e3, 2),
             "cpu_noise": round(spread(v.cpu_times), 3), "fastest_ms": round(min(v.times) * 1e3, 2),
-            "mfu": round(tok_s * T.flops_per_token(v.cfg, v.non_embedding) / peak, 4) if peak else None}
+            "mfu": round(tok_s * gpus.flops_per_token(v.cfg, v.non_embedding) / peak, 4) if peak else None}
     for label, _, _ in labelled if "baseline" in args.variants else []:
         at = f"@{label}" if label else ""
         base = out["variants"]["baseline" + at]["ms_per_step"]

@@ -22,7 +22,14 @@ train_c4.py (the trainer), report.py, torchrun.py, run_experiments.sh, setup.sh.
     planner/run_time.py     a step and a run priced at a card's (or this CPU's) rates, or as measured
     planner/estimate.py     train_c4.py --estimate's text
     planner/plan_jobs.py    train_c4.py --plan-jobs: the launcher's check of every job
-    launcher/matrix_run.py  the launcher's decisions behind run_experiments.sh (python -m hcstudy.launcher)
+    durations.py            durations as people read them (the dry run, the live view, the planner)
+    launcher/options.py     the launcher's command line, its RUN_EXPERIMENTS_* knobs, its one-line errors
+    launcher/jobs.py        the matrix's jobs in queue order, the GPUs, each job's trainer command line
+    launcher/summary.py     --summary and the end-of-matrix report
+    launcher/dry_run.py     every job planned by the trainer (--plan-jobs): wall time and cost, the dry run's text
+    launcher/slurm.py       --slurm: the matrix as a SLURM job array
+    launcher/queue.py       the matrix run: the queue, the slots, what each exit code means, the talk with bash
+    launcher/main.py        python -m hcstudy.launcher (run_experiments.sh starts it)
     report/runs.py          run folders read for the report, defensively
     report/aggregate.py     one summary per run, one row per arm and depth
     report/tables.py        results.md's tables and the CSV files

@@ -1,14 +1,24 @@
-"""hcstudy/contract.py: what the trainer, the launcher and the report agree on, written once.
+"""hcstudy/contract.py: what the trainer, the launcher, the GPU check and the report agree on, written once.
 
-train_c4.py exits with these codes and names its runs this way; hcstudy/launcher (behind run_experiments.sh) acts on
+train_c4.py exits with these codes and names its runs this way; the launcher (behind run_experiments.sh) acts on
 the codes and builds the same names; report.py parses them. The errors below carry those codes: the trainer
-raises them, and so can a module beside it without importing train_c4. Standard library only: the launcher
-imports it without torch.
+raises them, and so can a module beside it without importing train_c4. Every file two processes share is defined
+here, with its writer and its reader: a run folder's files and their atomic JSON, matrix.log's lines, the
+`--plan-jobs` request and answer, and the GPU check's result.json. Standard library only: the launcher imports it
+without torch.
 """
 import contextlib
+import dataclasses
+import errno
 import importlib.util
+import json
+import os
 import re
+import stat
 import sys
+import time
+from datetime import datetime
+from pathlib import Path
 
 # The trainer's exit codes (the table in README.md, "Exit codes").
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = 0, 2, 3, 4, 5, 6, 75
@@ -16,6 +26,10 @@ TRAINER_EXIT_CODES = frozenset({EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OO
                                 EXIT_INTERRUPTED})
 
 
+# A run folder's files (README, "A run's folder"), written by the trainer, read by the launcher and the report; the
+# launcher adds its own record of a halved micro-batch.
+CONFIG_FILE, METRICS_FILE, STATUS_FILE, TRAIN_LOG = "config.json", "metrics.jsonl", "status.json", "train.log"
+CHECKPOINTS, LAUNCHER_FILE = "checkpoints", "launcher.json"
 # A checkpoint folder `checkpoints/step-N` is complete once it holds this marker (with its files' checksums): the
 # trainer resumes from the newest, and the launcher says so when it launches the job.
 CHECKPOINT_MARKER = "COMPLETE.json"
@@ -183,3 +197,223 @@ def run_name(method, depth, seed, preset=None, sinkhorn_iters=None, coefficients
     arm = f"_it{iters}" if iters not in (None, defaults["sinkhorn_iters"]) else ""
     arm += COEFFICIENT_SUFFIX[coefficients] if coefficients not in (None, defaults["coefficients"]) else ""
     return f"{method}_d{depth}_s{seed}{arm}{RUN_NAME_SUFFIX.get(preset, '')}"
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON files: written whole or not at all, read without trusting them
+
+def write_atomically(path: Path, write) -> None:
+    """write(temp file), then rename it over `path`: readers see the old file or the new one, never half of one,
+    and a failed write (full disk, quota, read-only, permission) leaves no temp file behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)             # a link left under the temp name would take the write elsewhere
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+
+
+def open_regular(path):
+    """`path` opened for reading when it is a regular file: a FIFO would block (O_NONBLOCK: not even the open
+    waits), a device may never end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_json(path, default=None, warn=None, newer_than: float | None = None):
+    """The JSON object in a small file, else `default`: where it is missing, older than `newer_than` (left from
+    before), unreadable, half-written, nested too deeply or not an object. `warn(message)` hears of every reason but
+    a missing or older file."""
+    try:
+        if newer_than is not None and os.path.getmtime(path) < newer_than:
+            return default
+        with open_regular(path) as f:
+            obj = json.loads(f.read())
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError, RecursionError) as error:
+        if warn:
+            warn(f"cannot read {path}: {type(error).__name__ if isinstance(error, RecursionError) else error}")
+        return default
+    return obj if isinstance(obj, dict) else default
+
+
+# ----------------------------------------------------------------------------------------------
+# matrix.log: every decision of the launcher, one line each, read back by report.py --watch and --summary
+#
+#     STAMP EVENT [RUN] [key=value ...] [text]
+#
+# STAMP is local time to the millisecond with its UTC offset; RUN a run name (the third word where it holds no
+# `=`); the fields run up to the first word that is not key=value, and the text is free. The QUEUE line opens an
+# invocation's queue: its fields QUEUE_FIELDS; the job events of JOB_STATES then move each run.
+
+MATRIX_LOG = "matrix.log"
+QUEUE_FIELDS = ("slots", "gpus_per_run", "gpus", "price_per_gpu_hour", "runs", "planned_s")
+JOB_STATES = {"LAUNCH": "running", "DONE": "done", "DIVERGED": "done", "SKIP": "done", "FAILED": "failed",
+              "RETRY": "queued", "REQUEUE": "queued"}
+LOG_STAMP = "%Y-%m-%dT%H:%M:%S"
+FIELD = re.compile(r"[a-z_]+=\S*")
+
+
+def matrix_log_name(nodes: int, node_rank: int) -> str:
+    """matrix.log, or with --nodes each node's share matrix.node{i}.log."""
+    return MATRIX_LOG if nodes == 1 else f"matrix.node{node_rank}.log"
+
+
+def log_stamp(now: float) -> str:
+    local = time.localtime(now)
+    return time.strftime(LOG_STAMP, local) + f".{int(now * 1000) % 1000:03d}" + time.strftime("%z", local)
+
+
+def log_time(stamp: str) -> float:
+    return datetime.strptime(stamp, LOG_STAMP + ".%f%z").timestamp()
+
+
+def log_line(event: str, run: str | None = None, text: str = "", now: float | None = None, **fields) -> str:
+    """One line of matrix.log; a field's value must hold no space."""
+    words = [log_stamp(time.time() if now is None else now), event, *([run] if run else []),
+             *(f"{key}={value}" for key, value in fields.items()), *([text] if text else [])]
+    return " ".join(words)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLine:
+    stamp: str
+    event: str
+    run: str | None
+    fields: dict
+    text: str
+
+
+def read_log_line(line: str) -> LogLine | None:
+    """A line of matrix.log split as log_line wrote it; None for a line too short to be one."""
+    words = line.split(" ")
+    if len(words) < 2:
+        return None
+    stamp, event, rest = words[0], words[1], words[2:]
+    run = rest.pop(0) if rest and "=" not in rest[0] else None
+    fields = {}
+    while rest and FIELD.fullmatch(rest[0]):
+        key, _, value = rest.pop(0).partition("=")
+        fields[key] = value
+    return LogLine(stamp, event, run, fields, " ".join(rest))
+
+
+# ----------------------------------------------------------------------------------------------
+# --plan-jobs: the launcher's request on the trainer's stdin, its answer the last line of the trainer's stdout
+# (docs/planning.md). The launcher never imports the trainer: every job is judged by the trainer's own checks.
+
+PLAN_JOBS = "--plan-jobs"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanJob:
+    flags: list                         # the job's trainer flags, as it will be launched
+    done_steps: int = 0                 # its status.json's step: the plan is for the steps left
+    finished: bool = False              # completed or diverged: checked for changed settings only
+    check: dict | None = None           # the GPU check's result.json, if any (load_check)
+    tokens_per_s: float | None = None   # --calibrate's timing of its method and depth
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    gpu: str                            # as nvidia-smi names it; "cpu"; "": the documented node's
+    world: int                          # GPUs per run
+    card_gib: float | None              # one card's memory, where nvidia-smi said it
+    jobs: list                          # of PlanJob
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "PlanRequest":
+        return cls(obj["gpu"], obj["world"], obj.get("card_gib"), [PlanJob(**job) for job in obj["jobs"]])
+
+
+@dataclasses.dataclass(frozen=True)
+class JobAnswer:
+    """The trainer's answer for one job: refused (error), finished with its settings unchanged, or planned."""
+    error: str | None = None
+    finished: bool = False
+    micro: int | None = None            # the micro-batch it will run (auto: planned)
+    auto: bool = False                  # the micro-batch was --micro-batch-size auto
+    batch: int | None = None            # its global batch
+    memory: str | None = None           # "12.3 of 80 GiB": the plan of one GPU (None on the CPU)
+    path: str | None = None             # the streams' kernel path
+    seconds: list | None = None         # the remaining run, [low, high]; None where unknown
+    step_seconds: list | None = None    # one optimizer step, [low, high]
+    basis: str | None = None            # where the step time comes from
+    changes: str = ""                   # settings changed since a finished run (--allow-changed-settings)
+
+
+def plan_answer(gpu: str, assumptions: list, jobs: list) -> dict:
+    """The trainer's answer: the GPU planned for, the assumptions behind every time, a JobAnswer per job."""
+    return {"gpu": gpu, "assumptions": assumptions, "jobs": [dataclasses.asdict(job) for job in jobs]}
+
+
+def read_plan_answer(stdout: str, names: list) -> dict:
+    """The answer on the trainer's last line of output, its jobs {name: JobAnswer as a dict} in the request's order;
+    ValueError, KeyError, TypeError or IndexError where it is not one."""
+    answer = json.loads(stdout.strip().splitlines()[-1])
+    jobs = [dataclasses.asdict(JobAnswer(**job)) for job in answer["jobs"]]
+    return {"gpu": answer["gpu"], "assumptions": list(answer["assumptions"]),
+            "jobs": dict(zip(names, jobs, strict=True))}
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU check's result.json (`run_experiments.sh --check`, docs/planning.md): written by hcstudy.gpu_check, read
+# by the kernel choice (auto takes the fastest path timed), the planner and the launcher.
+
+CHECK_FORMAT = 1
+
+
+def check_path(out) -> Path:
+    return Path(out) / "gpu_check" / "result.json"
+
+
+def load_check(out) -> dict:
+    """The GPU check's result.json in this --out, {} where there is none or it cannot be read."""
+    return read_json(check_path(out), {})
+
+
+def check_result(device: dict, flags: list, tokens_per_step: int, parts: dict, table: dict, methods: dict,
+                 modelled: dict) -> dict:
+    """result.json. `table`: {method: {"path/mode": {"step_s", "tokens_per_s", "mfu", "mem_peak_gb"} or None}}, every
+    run timed; `methods`: {method: {"path", "step_s", "flops_per_token"}}, its fastest, with the FLOPs per token of the
+    timed configuration the planner scales it by; `modelled`: the planner's step range beside each timing."""
+    return {"format": CHECK_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **device,
+            "trainer_flags": flags, "tokens_per_step": tokens_per_step, "parts": parts,
+            "methods": {m: {"step_seconds": s["step_s"], "tokens_per_step": tokens_per_step, "gpus": 1,
+                            "flops_per_token": s["flops_per_token"]} for m, s in methods.items()},
+            "step_seconds": {m: s["step_s"] for m, s in methods.items()},
+            "paths": {m: s["path"] for m, s in methods.items()}, "timings": table, "modelled": modelled}
+
+
+def timed_steps(check: dict, method: str, gpu: str) -> dict:
+    """{(path, mode): seconds per step} of every run of `method` the check timed on this GPU; {} for another GPU or
+    a result.json that is not one."""
+    try:
+        if check.get("gpu") != gpu:
+            return {}
+        return {tuple(key.split("/", 1)): stats["step_s"] for key, stats in check["timings"][method].items()
+                if stats and "/" in key and isinstance(stats.get("step_s"), (int, float))}
+    except (KeyError, TypeError, AttributeError):
+        return {}
+
+
+def timed_work(check: dict, method: str) -> tuple[float, int] | None:
+    """(FLOPs of one timed step, GPUs it ran on) of `method`'s timed configuration, None where not recorded."""
+    timing = (check.get("methods") or {}).get(method) or {}
+    try:
+        return timing["tokens_per_step"] * timing["flops_per_token"], timing.get("gpus", 1)
+    except (KeyError, TypeError):
+        return None

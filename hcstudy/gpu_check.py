@@ -26,11 +26,27 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from types import SimpleNamespace
 
 from hcstudy import ROOT
 from hcstudy.config_flags import OneLineErrorParser
-from hcstudy.contract import METHODS, ConfigError
+from hcstudy.contract import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    METHODS,
+    METRICS_FILE,
+    PLAN_JOBS,
+    STATUS_FILE,
+    ConfigError,
+    PlanJob,
+    PlanRequest,
+    check_path,
+    check_result,
+    read_json,
+    read_plan_answer,
+    write_json_atomic,
+)
+from hcstudy.planner import gpus
 
 PROG = "run_experiments.sh --check"
 BUDGET_S = 570                     # the whole check, so that it ends within 10 minutes with its start-up
@@ -102,9 +118,10 @@ def environment(check):
 
 
 def step_stats(run_dir):
-    """Median step seconds, tokens/s, MFU and the peak memory over the steps after the warm-up, or None."""
+    """Median step seconds, tokens/s, MFU and the peak memory over the steps after the warm-up, with the FLOPs per
+    token of the run's configuration (the planner scales the measured rate to other depths by them), or None."""
     try:
-        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return None
     steps = [r for r in lines if isinstance(r.get("step_time_s"), (int, float)) and r["step"] > WARM_STEPS]
@@ -114,19 +131,28 @@ def step_stats(run_dir):
     return {"step_s": statistics.median(r["step_time_s"] for r in steps),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
             "mfu": statistics.median(mfus) if mfus else None,
-            "mem_peak_gb": max((r.get("mem_peak_gb") or 0.0) for r in steps)}
+            "mem_peak_gb": max((r.get("mem_peak_gb") or 0.0) for r in steps),
+            "flops_per_token": timed_flops_per_token(run_dir)}
 
 
-def timings(check, runs):
-    """Every method on every kernel path that has it, eager; then each method compiled on its fastest eager path
-    (a compile of every path would not fit the budget): {method: {"kernels/mode": stats or None}}."""
-    import train_c4
-    from hcstudy.kernels import choice
+def timed_flops_per_token(run_dir):
+    """FLOPs per token of a timed run, from the settings and parameter counts its config.json records; None without."""
+    record = read_json(run_dir / CONFIG_FILE, {})
+    try:
+        return gpus.flops_per_token(SimpleNamespace(**record["config"]), record["params"]["non_embedding"])
+    except (KeyError, TypeError):
+        return None
+
+
+def timings(check, runs, gpu, card_gib):
+    """Every method on every kernel path that has it (the trainer's plan takes that path), eager; then each method
+    compiled on its fastest eager path (a compile of every path would not fit the budget):
+    {method: {"kernels/mode": stats or None}}."""
+    plans = trainer_plans(gpu, card_gib, {m: KERNELS if m != "baseline" else ("reference",) for m in METHODS})
     table = {m: {} for m in METHODS}
     for path in KERNELS:                   # eager first: the plan's numbers before the slower compile runs
         for method in METHODS:
-            cfg = train_c4.parse_config([*SIZE, "--residual", method])
-            if path == "reference" or method != "baseline" and choice.supports(cfg, path):    # one baseline path
+            if path == "reference" or plans.get(method, {}).get(path, {}).get("path") == path:
                 table[method][f"{path}/eager"] = timed_run(check, runs, method, path, "eager")
     for method in METHODS:
         eager = {key.split("/")[0]: s["step_s"] for key, s in table[method].items() if s}
@@ -136,15 +162,38 @@ def timings(check, runs):
     return table
 
 
+def arm_flags(method, path):
+    """The timed size for one arm on one kernel path. The baseline has no streams, so no --kernels (the trainer
+    refuses a flag that changes nothing)."""
+    return [*SIZE, "--residual", method, *(["--kernels", path] if method != "baseline" else [])]
+
+
+def trainer_plans(gpu, card_gib, paths):
+    """The trainer's plan (`train_c4.py --plan-jobs`, in one subprocess: the package never imports the trainer) of
+    each arm on each of its `paths` ({method: paths}) at the timed size on this GPU, modelled (no GPU check given):
+    {method: {path: JobAnswer as a dict}}; {} where the trainer gave no answer."""
+    pairs = [(method, path) for method, method_paths in paths.items() for path in method_paths]
+    request = PlanRequest(gpu, 1, card_gib, [PlanJob(arm_flags(method, path)) for method, path in pairs])
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), PLAN_JOBS], input=request.to_json(),
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        answers = read_plan_answer(done.stdout, pairs)["jobs"]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError):
+        return {}
+    plans = {}
+    for (method, path), answer in answers.items():
+        plans.setdefault(method, {})[path] = answer
+    return plans
+
+
 def timed_run(check, runs, method, path, mode):
     """One trainer run of STEPS steps; its step stats, or None."""
     name = f"{method}_{path}_{mode}"
-    # the baseline has no streams, so no --kernels (the trainer refuses a flag that changes nothing)
-    flags = [*SIZE, "--residual", method, *(["--kernels", path] if method != "baseline" else []), "--steps",
-             str(STEPS), "--out", str(runs), "--run-name", name, *(["--compile"] if mode == "compile" else [])]
+    flags = [*arm_flags(method, path), "--steps", str(STEPS), "--out", str(runs), "--run-name", name,
+             *(["--compile"] if mode == "compile" else [])]
     code = check.run(name, [sys.executable, "train_c4.py", *flags], 240)
     stats = step_stats(runs / name) if code == 0 else None
-    shutil.rmtree(runs / name / "checkpoints", ignore_errors=True)    # GBs each, not needed
+    shutil.rmtree(runs / name / CHECKPOINTS, ignore_errors=True)    # GBs each, not needed
     shown = "out of time" if code == 124 else f"exit {code}" if code else \
         f"{stats['step_s']:.3f} s/step, {stats['tokens_per_s']:,.0f} tok/s" if stats else "no timed steps"
     print(f"      {name:<30} {shown}", flush=True)
@@ -173,20 +222,13 @@ def planned_allocated_gb(check):
     return float(found.group(1)) if found else None
 
 
-def modelled_steps(table, gpu):
-    """The planner's step range (seconds) for every timed arm and path on this GPU: {method: {path: (low, high)}}."""
-    import train_c4
-    from hcstudy.planner import run_time
-    rates, model = run_time.gpu_rates(gpu), {}
-    if rates is None:
-        return model
-    for method, timed in table.items():
-        cfg = train_c4.parse_config([*SIZE, "--residual", method])
-        params = train_c4.count_parameters(cfg)
-        for path in {key.split("/")[0] for key in timed}:
-            cost = run_time.step_cost(train_c4.GPT, cfg, params, path, 8, 1, rates)
-            model.setdefault(method, {})[path] = cost.seconds
-    return model
+def modelled_steps(table, gpu, card_gib=None):
+    """The planner's step range (seconds) for every timed arm and path on this GPU, as the trainer plans it:
+    {method: {path: (low, high)}}; none for an arm whose step it cannot model on this GPU."""
+    paths = {method: sorted({key.split("/")[0] for key in timed}) for method, timed in table.items()}
+    plans = trainer_plans(gpu, card_gib, paths)
+    return {method: {path: tuple(answer["step_seconds"]) for path, answer in paths.items() if answer["step_seconds"]}
+            for method, paths in plans.items() if any(answer["step_seconds"] for answer in paths.values())}
 
 
 def inside_count(table, model):
@@ -195,7 +237,8 @@ def inside_count(table, model):
     return f"{sum(low <= step <= high for step, (low, high) in eager)} of {len(eager)}"
 
 
-def judge(check, table, planned, gpu):
+def judge(check, table, planned, model, gpu):
+    """Each part's verdict; `model`: modelled_steps of the table."""
     best = fastest(table)
     compiled = [s for paths in table.values() for path, s in paths.items() if path.endswith("/compile")]
     check.verdict("compile", bool(compiled) and all(compiled), f"{sum(map(bool, compiled))} of "
@@ -206,7 +249,6 @@ def judge(check, table, planned, gpu):
     check.verdict("memory plan", planned is not None and measured is not None and measured <= planned,
                   f"mHC measured peak {measured or 0:.1f} GB against {plan}")
     base = best.get("baseline", {})
-    model = modelled_steps(table, gpu)
     low, high = model.get("baseline", {}).get(base.get("path", "").split("/")[0], (None, None))
     check.verdict("step model", bool(low) and low / 2 <= base["step_s"] <= 2 * high,
                   f"baseline {base.get('step_s', 0):.3f} s/step against the planner's {low:.3f}-{high:.3f} s; PASS "
@@ -230,35 +272,20 @@ def fsdp(check, runs):
     second = check.run("fsdp_resume", [*torchrun, *flags, "--steps", "6", "--resume", "auto",
                                        "--allow-changed-settings"], 120)
     try:
-        status = json.loads((runs / "fsdp" / "status.json").read_text())
+        status = json.loads((runs / "fsdp" / STATUS_FILE).read_text())
     except (OSError, ValueError):
         status = {}
     check.verdict("FSDP", first == 0 and second == 0 and status.get("step") == 6,
                   f"exits {first}, {second}; resumed run at step {status.get('step')} of 6 (fsdp.log, fsdp_resume.log)")
 
 
-def timed_flops_per_token(method):
-    """FLOPs per token of the timed configuration: the planner scales the measured rate to other depths by it."""
-    import train_c4
-    from hcstudy.planner import gpus
-    cfg = train_c4.parse_config([*SIZE, "--residual", method])
-    return gpus.flops_per_token(cfg, train_c4.count_parameters(cfg)["non_embedding"])
-
-
-def write_result(folder, device, parts, table):
-    from hcstudy.run_folder import write_json_atomic
-    """result.json: per method, its fastest path's step seconds with what the planner needs to scale them
-    (`methods`, docs/planning.md); every path's figures under `timings`, the planner's range beside them under
-    `modelled`."""
-    best = fastest(table)
-    methods = {m: {"step_seconds": s["step_s"], "tokens_per_step": TOKENS_PER_STEP, "gpus": 1,
-                   "flops_per_token": timed_flops_per_token(m)} for m, s in best.items()}
-    result = {"format": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **device,
-              "trainer_flags": SIZE, "tokens_per_step": TOKENS_PER_STEP, "parts": parts, "methods": methods,
-              "step_seconds": {m: s["step_s"] for m, s in best.items()},
-              "paths": {m: s["path"] for m, s in best.items()}, "timings": table,
-              "modelled": modelled_steps(table, device.get("gpu"))}
-    write_json_atomic(folder / "result.json", result)          # a reader never sees half a file
+def write_result(out, device, parts, table, model):
+    """{out}/gpu_check/result.json (contract.check_result): per method, its fastest path's step seconds with what the
+    planner needs to scale them (`methods`, docs/planning.md); every path's figures under `timings`, the planner's
+    range beside them under `modelled`."""
+    result = check_result(device, SIZE, TOKENS_PER_STEP, parts, table, fastest(table), model)
+    check_path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(check_path(out), result)          # a reader never sees half a file
 
 
 def main(argv=None):
@@ -273,7 +300,7 @@ def main(argv=None):
               f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'a CPU-only build'}): nothing was checked; "
               "run it on the GPU node", file=sys.stderr)
         return 1
-    folder = Path(args.out) / "gpu_check"
+    folder = check_path(args.out).parent
     runs = folder / "runs"
     try:
         runs.mkdir(parents=True, exist_ok=True)
@@ -286,10 +313,12 @@ def main(argv=None):
     environment(check)
     fsdp(check, runs)                    # before the timings, which take whatever time is left
     planned = planned_allocated_gb(check)
-    table = timings(check, runs)
-    judge(check, table, planned, torch.cuda.get_device_name())
-    device = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    write_result(folder, device, check.parts, table)
+    gpu, card_gib = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    table = timings(check, runs, gpu, card_gib)
+    model = modelled_steps(table, gpu, card_gib)
+    judge(check, table, planned, model, gpu)
+    device = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda}
+    write_result(args.out, device, check.parts, table, model)
     failed = [part for part, verdict in check.parts.items() if verdict == "FAIL"]
     print(f"{PROG}: {len(check.parts) - len(failed)} of {len(check.parts)} parts passed"
           + (f"; failed: {', '.join(failed)} (their logs in {folder})" if failed else "")

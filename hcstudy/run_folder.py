@@ -28,11 +28,18 @@ import torch
 
 from hcstudy.contract import (
     CHECKPOINT_MARKER as MARKER,
+    CHECKPOINTS,
+    CONFIG_FILE,
     EXIT_BAD_CONFIG,
+    METRICS_FILE,
     MODEL_KEYS,
+    STATUS_FILE,
+    TRAIN_LOG,
     TRAINING_KEYS,
     ConfigError,
     TrainerError,
+    write_atomically,
+    write_json_atomic,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -92,23 +99,6 @@ def open_own(path: Path, mode: str):
         raise ConfigError(f"{path} is a symbolic link; a run folder's files are never written through one: "
                           "remove it") from None
     return os.fdopen(fd, mode, buffering=1 if "b" not in mode else -1)
-
-
-def write_atomically(path: Path, write) -> None:
-    """write(temp file), then rename it over `path`: readers see the old file or the new one, never half of one,
-    and a failed write (full disk, quota, read-only, permission) leaves no temp file behind."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.unlink(missing_ok=True)             # a link left under the temp name would take the write elsewhere
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
 
 class WriteFailed(TrainerError):
@@ -216,8 +206,8 @@ class RunLog:
             with contextlib.suppress(OSError), open_own(self.reserve, "wb") as reserve:
                 reserve.write(os.urandom(STATUS_RESERVE_BYTES))
             # the launcher already appends our stdout to train.log; writing it twice would double every line
-            tee = not _same_file(sys.stdout, run_dir / "train.log")
-            self.log_file = open_own(run_dir / "train.log", "a") if tee else None
+            tee = not _same_file(sys.stdout, run_dir / TRAIN_LOG)
+            self.log_file = open_own(run_dir / TRAIN_LOG, "a") if tee else None
             self.metrics_file = None
         self.folder = held_run_folder(run_dir)
 
@@ -231,7 +221,7 @@ class RunLog:
             (self.bar.write if self.bar else print)(line)
             sys.stdout.flush()
         if self.log_file:
-            with naming_the_file(self.run_dir / "train.log", "append to", INTACT):
+            with naming_the_file(self.run_dir / TRAIN_LOG, "append to", INTACT):
                 self.log_file.write(line + "\n")
 
     def open_metrics(self, keep_through_step: int) -> None:
@@ -239,7 +229,7 @@ class RunLog:
         missing up to its step (cut, deleted) cannot be recomputed from it: the gap is said and marked."""
         if not self.enabled:
             return
-        path = self.run_dir / "metrics.jsonl"
+        path = self.run_dir / METRICS_FILE
         records = _metrics_records(path) if path.exists() else []
         kept = [(step, line) for line, step in records if step is not None and step <= keep_through_step]
         unusable = sum(step is None for _, step in records)
@@ -270,7 +260,7 @@ class RunLog:
 
     def metrics(self, record: dict) -> None:
         if self.enabled:
-            with naming_the_file(self.run_dir / "metrics.jsonl", f"append step {record['step']} to",
+            with naming_the_file(self.run_dir / METRICS_FILE, f"append step {record['step']} to",
                                  "the lines before it and the checkpoints are intact"):
                 self.metrics_file.write(json.dumps(record) + "\n")
                 self.metrics_file.flush()
@@ -282,14 +272,14 @@ class RunLog:
             return
         record = {"state": state, "step": step, "exit_code": exit_code, "reason": reason, "updated": time.time(),
                   **self.live}
-        with naming_the_file(self.run_dir / "status.json", f"record the state {state} in", INTACT):
+        with naming_the_file(self.run_dir / STATUS_FILE, f"record the state {state} in", INTACT):
             try:
-                write_json_atomic(self.run_dir / "status.json", record)
+                write_json_atomic(self.run_dir / STATUS_FILE, record)
             except OSError as error:
                 if error.errno not in (errno.ENOSPC, errno.EDQUOT) or state == "running" or not self.reserve.exists():
                     raise
                 self.reserve.unlink()
-                write_json_atomic(self.run_dir / "status.json", record)
+                write_json_atomic(self.run_dir / STATUS_FILE, record)
 
     def record_failure(self, step: int, code: int, reason: str) -> str:
         """Records `failed`; returns what the printed line must add when status.json cannot take it (it keeps
@@ -303,8 +293,8 @@ class RunLog:
     def write_config(self, record: dict) -> None:
         """config.json: the run's record (train_c4.run_record)."""
         if self.enabled:
-            with naming_the_file(self.run_dir / "config.json", "write", INTACT):
-                write_json_atomic(self.run_dir / "config.json", record)
+            with naming_the_file(self.run_dir / CONFIG_FILE, "write", INTACT):
+                write_json_atomic(self.run_dir / CONFIG_FILE, record)
 
     def refuse(self, reason: str) -> ConfigError:
         """A resume that cannot go on, recorded as failed (exit 2) at the step status.json had, and returned."""
@@ -328,7 +318,7 @@ class RunLog:
 
     def previous_status(self) -> dict:
         try:
-            previous = json.loads((self.run_dir / "status.json").read_text())
+            previous = json.loads((self.run_dir / STATUS_FILE).read_text())
         except (OSError, ValueError, RecursionError):
             return {}
         return previous if isinstance(previous, dict) else {}
@@ -343,7 +333,7 @@ class RunLog:
         one whose run ended before its first checkpoint (it starts again and recomputes the same lines)."""
         if not self.enabled:
             return None
-        metrics = self.run_dir / "metrics.jsonl"
+        metrics = self.run_dir / METRICS_FILE
         steps = [step for _, step in _metrics_records(metrics) if step is not None] if metrics.is_file() else []
         saved = self.previous_status().get("last_checkpoint_step")
         if not (type(saved) is int and saved > 0 or max(steps, default=0) > self.restart_recomputes(changed)):
@@ -365,7 +355,7 @@ class RunLog:
         reserve and train.log, which this run holds open, stay."""
         if not self.enabled:
             return
-        kept = {".lock", STATUS_RESERVE, "train.log"}
+        kept = {".lock", STATUS_RESERVE, TRAIN_LOG}
         entries = [e for e in self.run_dir.iterdir() if e.name not in kept and not e.name.startswith("previous-")]
         if not entries:
             return
@@ -400,7 +390,7 @@ class RunLog:
 def recorded_config(run_dir: Path, refuse=ConfigError) -> dict | None:
     """config.json's "config" record of the run in this folder; None without one; refused (refuse(line): an
     exception to raise) when unreadable: what made the run cannot be known."""
-    path = run_dir / "config.json"
+    path = run_dir / CONFIG_FILE
     if not path.exists():
         return None
     try:
@@ -498,7 +488,7 @@ def set_rng_state(state: dict) -> None:
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """Checkpoint folders `step-N`, oldest first (temp and set-aside folders are never listed)."""
-    return step_folders(run_dir / "checkpoints")
+    return step_folders(run_dir / CHECKPOINTS)
 
 
 def step_folders(root: Path) -> list[Path]:
@@ -526,9 +516,9 @@ def checkpoints_folder(run_dir: Path, held: int):
     that reaches the folder opened whatever is renamed or linked later (/proc/self/fd/N: torch.save and DCP take
     paths). refuse_links checks the start; a link put in its place during the run is refused here (exit 2)."""
     with contextlib.suppress(FileExistsError):
-        os.mkdir("checkpoints", dir_fd=held)
+        os.mkdir(CHECKPOINTS, dir_fd=held)
     try:
-        fd = os.open("checkpoints", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=held)
+        fd = os.open(CHECKPOINTS, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=held)
     except OSError as error:
         if error.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
@@ -537,7 +527,7 @@ def checkpoints_folder(run_dir: Path, held: int):
                           "(metrics.jsonl is intact)") from None
     try:
         opened = Path(f"/proc/self/fd/{fd}")
-        yield opened if opened.is_dir() else run_dir / "checkpoints"     # no /proc (not Linux): its checked path
+        yield opened if opened.is_dir() else run_dir / CHECKPOINTS     # no /proc (not Linux): its checked path
     finally:
         os.close(fd)
 
@@ -673,8 +663,8 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sha
             # each rank hashes its own files and a share of DCP's: tens of GB at 2.5B parameters
             digests = dist.gather({name: sha256(tmp / name) for name in written})
             if dist.is_main:
-                if (run_dir / "metrics.jsonl").is_file():   # a crash may drop a file's unsynced end, and the lines up
-                    fsync_path(run_dir / "metrics.jsonl")   # to a checkpoint's step cannot be recomputed from it
+                if (run_dir / METRICS_FILE).is_file():   # a crash may drop a file's unsynced end, and the lines up
+                    fsync_path(run_dir / METRICS_FILE)   # to a checkpoint's step cannot be recomputed from it
                 marker = {"step": step, "world_size": dist.world, "format": "sharded" if sharded else "full",
                           "files": dict(sorted(item for part in digests for item in part.items()))}
                 seal(tmp, final, marker)
@@ -723,7 +713,7 @@ def verified_checkpoints(folders: list[Path], dist, log):
 
 def newest_first(run_dir: Path, dist) -> list[Path]:
     """The run's checkpoint folders as rank 0 lists them, newest first: every rank takes the same decisions."""
-    return [run_dir / "checkpoints" / name for name in dist.gather([
+    return [run_dir / CHECKPOINTS / name for name in dist.gather([
         d.name for d in checkpoint_dirs(run_dir)[::-1]])[0]]
 
 
@@ -755,7 +745,7 @@ def resume_from(run_dir: Path, dist, load, log, cfg, changed: bool) -> tuple[Pat
                     break
                 log.info(f"checkpoint {newer.name} set aside as {set_aside(newer).name}")
             if dist.is_main:
-                prune(run_dir / "checkpoints", cfg.keep_checkpoints)
+                prune(run_dir / CHECKPOINTS, cfg.keep_checkpoints)
             return folder, files, changes
         fall_back(f"checkpoint {folder.name} {problem}; falling back to the previous one")
     if problems:

@@ -3,10 +3,10 @@ hcstudy/kernels/fused.py) or triton (GPU kernels, triton_ops.py): what the flag 
 and the self-check that must agree before the triton path is taken."""
 
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
+
+from hcstudy.contract import load_check, timed_steps
 
 # the public study's variants that change the connections' maths, not only their initial values
 STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "hc_dynamic", "sinkhorn_order")
@@ -70,24 +70,12 @@ def fastest_timed(cfg, check: dict, gpu: str) -> tuple[str, float] | None:
     """(path, seconds per step) of the fastest path --check timed for this arm and mode (eager or compiled) on this
     GPU, from its result.json (`check`); None where it timed none."""
     mode = "compile" if cfg.compile else "eager"
-    try:
-        timed = {key.split("/")[0]: stats["step_s"] for key, stats in check["timings"][cfg.residual].items()
-                 if stats and key.endswith("/" + mode) and supports(cfg, key.split("/")[0])}
-    except (KeyError, TypeError, AttributeError):
-        return None
-    if check.get("gpu") != gpu or not timed:
+    timed = {path: seconds for (path, timed_mode), seconds in timed_steps(check, cfg.residual, gpu).items()
+             if timed_mode == mode and supports(cfg, path)}
+    if not timed:
         return None
     path = min(timed, key=timed.get)
     return path, timed[path]
-
-
-def load_check(out: str) -> dict:
-    """--check's result.json in this --out, {} where there is none or it cannot be read."""
-    try:
-        check = json.loads((Path(out) / "gpu_check" / "result.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return check if isinstance(check, dict) else {}
 
 
 def measured_path(cfg, device: torch.device) -> tuple[str, str] | None:

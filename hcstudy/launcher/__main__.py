@@ -1,6 +1,6 @@
 """python -m hcstudy.launcher: the decisions behind run_experiments.sh (which starts it)."""
 import sys
 
-from hcstudy.launcher.matrix_run import main
+from hcstudy.launcher.main import main
 
 sys.exit(main(sys.argv[1:]))

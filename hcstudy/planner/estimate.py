@@ -18,13 +18,14 @@ from hcstudy.planner.memory import (
     memory_plan,
     profile_key,
 )
+from hcstudy.contract import load_check
+from hcstudy.durations import duration
 from hcstudy.planner.run_time import (
     TERMS,
     device_config,
     device_rates,
     measured_rate,
     planned_path,
-    range_text,
     rates_text,
     run_time,
     step_cost,
@@ -87,7 +88,7 @@ def print_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu
         print(f"time on {where}: no estimate, its bf16 peak or bandwidth is not known (GPU_PEAK_BF16_FLOPS, "
               "GPU_BANDWIDTH)")
         return
-    check = choice.load_check(cfg.out)
+    check = load_check(cfg.out)
     path = planned_path(cfg, gpu, check)
     if gpu != "cpu":
         print(f"time on {where}: one step of {cfg.tokens_per_step:,} tokens, counted on the model, at "
@@ -98,11 +99,11 @@ def print_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu
             cost = step_cost(gpt, cfg, params, other, micro, world, rates)
             work = step_work(gpt, work_key(cfg), other)
             print(f"  {other:<10}{work.launches[0]:>9,}{work.block_bytes_per_token(cfg.width) / 1e6:>10.2f}  "
-                  + "".join(f"{range_text(cost.terms[t]):<14}" for t in TERMS) + f"{range_text(cost.seconds)}, "
+                  + "".join(f"{duration(*cost.terms[t]):<14}" for t in TERMS) + f"{duration(*cost.seconds)}, "
                   f"{cost.dominant}-bound" + ("  <- this run's path" if other == path else ""))
     estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured_rate(check, cfg, path, gpu))
     print(f"  the run on {where if gpu == 'cpu' else 'it'}, {path} path ({estimate.basis}): "
-          f"{range_text(estimate.step)} a step, {range_text(estimate.total)} for {cfg.steps:,} steps with "
+          f"{duration(*estimate.step)} a step, {duration(*estimate.total)} for {cfg.steps:,} steps with "
           "evaluation, probes, checkpoints and start-up")
 
 

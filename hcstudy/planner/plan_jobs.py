@@ -2,6 +2,7 @@
 micro-batch, kernel path, time) for the node the launcher describes."""
 from __future__ import annotations
 
+from hcstudy.contract import JobAnswer, PlanJob, plan_answer
 from hcstudy.planner.gpus import GPU_MEMORY_GIB, flops_per_token
 from hcstudy.planner.memory import DEFAULT_GPU_MEMORY_GIB, GiB, PlanError, memory_plan
 from hcstudy.planner.run_time import (
@@ -27,12 +28,12 @@ def card_bytes(cfg: Config, gpu: str, card_gib: float | None = None) -> float:
     return (card_gib or GPU_MEMORY_GIB.get(gpu, DEFAULT_GPU_MEMORY_GIB)) * GiB
 
 
-def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, card: float, job: dict) -> dict:
+def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, card: float,
+             job: PlanJob) -> JobAnswer:
     """One job as the launcher plans it: micro-batch, memory (on a GPU: the plan must fit the card, else PlanError),
     time (None where unknown). `job`: done_steps, and the launcher's calibration (tokens_per_s) or the GPU check's
     timing (check) if any."""
-    answer = {"micro": micro, "auto": cfg.micro_batch_size == "auto", "batch": cfg.batch_size, "memory": None,
-              "seconds": None, "step_seconds": None, "basis": None, "path": None}
+    memory = None
     if gpu != "cpu":
         plan = memory_plan(gpt, cfg, micro, world, card)
         if plan.total > plan.card:
@@ -40,34 +41,34 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
                             f"than the {plan.card / GiB:.0f} GiB of one {gpu}: pass a smaller -- --micro-batch-size, "
                             "-- --activation-checkpointing, or --gpus-per-run 2 or more (python train_c4.py "
                             "--estimate shows the plan)")
-        answer["memory"] = f"{plan.total / GiB:.1f} of {plan.card / GiB:.0f} GiB"
-    check, flops = job.get("check") or {}, flops_per_token(cfg, params["non_embedding"])
+        memory = f"{plan.total / GiB:.1f} of {plan.card / GiB:.0f} GiB"
+    check, flops = job.check or {}, flops_per_token(cfg, params["non_embedding"])
     path = planned_path(cfg, gpu, check)
-    if job.get("tokens_per_s"):
-        measured = {"flops_per_s": job["tokens_per_s"] * flops, "gpus": world, "basis": "calibrated just now"}
+    if job.tokens_per_s:
+        measured = {"flops_per_s": job.tokens_per_s * flops, "gpus": world, "basis": "calibrated just now"}
     else:
         measured = measured_rate(check, cfg, path, gpu)
-    estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured, job.get("done_steps") or 0)
-    answer["path"] = path
-    if estimate is not None:
-        answer.update(seconds=list(estimate.total), step_seconds=list(estimate.step), basis=estimate.basis)
-    return answer
+    estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured, job.done_steps)
+    timed = dict(seconds=list(estimate.total), step_seconds=list(estimate.step), basis=estimate.basis) \
+        if estimate is not None else {}
+    return JobAnswer(micro=micro, auto=cfg.micro_batch_size == "auto", batch=cfg.batch_size, memory=memory, path=path,
+                     **timed)
 
 
-def node_answer(gpu: str, jobs: list[dict]) -> dict:
-    """--plan-jobs' answer: the GPU planned for, the assumptions behind every time (printed by the dry run), and
-    the jobs' answers."""
-    measured = sorted({job["basis"] for job in jobs if job.get("basis") and not job["basis"].startswith("modelled")})
+def node_answer(gpu: str, jobs: list[JobAnswer]) -> dict:
+    """--plan-jobs' answer (contract.plan_answer): the GPU planned for, the assumptions behind every time (printed by
+    the dry run), and the jobs' answers."""
+    measured = sorted({job.basis for job in jobs if job.basis and not job.basis.startswith("modelled")})
     rates = gpu_rates(gpu)
     modelled = ("this CPU's rates, timed on one thread on each run's shapes and scaled to the trainer's threads at "
                 "the share of a core the other work leaves" if gpu == "cpu" else rates_text(rates) if rates
                 else f"none: the bf16 peak or bandwidth of {gpu or 'this GPU'} is not known")
     startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
-    return {"gpu": gpu, "jobs": jobs, "assumptions": [
+    return plan_answer(gpu, jobs=jobs, assumptions=[
         "Step times, modelled: each job's kernels counted on its model (every launch, the bytes each moves, the "
         f"matmuls' FLOPs) on its kernel path, at {modelled}",
         *(["Step times, measured: " + "; ".join(measured)] if measured else []),
         f"Each time includes evaluation and probes (forward passes at {FORWARD_SHARE:.2f} of a step per sequence), "
         f"checkpoint writes (fp32 weights and AdamW states at {CHECKPOINT_GBPS[1]:g}-{CHECKPOINT_GBPS[0]:g} GB/s) and "
         f"start-up ({startup[0]:.0f}-{startup[1]:.0f} s); low end: the fast assumptions together, "
-        "high end: the slow ones (docs/planning.md)"]}
+        "high end: the slow ones (docs/planning.md)"])

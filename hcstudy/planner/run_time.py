@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from hcstudy.contract import timed_steps, timed_work
 from hcstudy.kernels import choice
 from hcstudy.planner.gpus import GPU_BANDWIDTH, GPU_PEAK_BF16_FLOPS, flops_per_token
 from hcstudy.planner.memory import parameter_numels
@@ -191,14 +192,6 @@ class RunTime:
     path: str                       # the streams' kernel path it was priced for
 
 
-def range_text(values: tuple[float, float]) -> str:
-    """Seconds (low, high) in the unit that suits the high end: 0.12-0.19 s, 3.1-4.6 min, 2.6-5.1 h."""
-    high = max(values)
-    scale, unit = next((s, u) for limit, s, u in ((1e-3, 1e-6, "us"), (1, 1e-3, "ms"), (120, 1, "s"),
-                                                   (7200, 60, "min"), (float("inf"), 3600, "h")) if high < limit)
-    return "-".join(f"{v / scale:.2g}" if v / scale < 100 else f"{v / scale:.0f}" for v in values) + " " + unit
-
-
 def planned_path(cfg: Config, gpu: str, check: dict | None) -> str:
     """The streams' path a run of `cfg` will take on this device (choice.kernel_path's choice, but for its
     self-check, which only the device can run): --check's fastest timing where auto has one, else what is asked."""
@@ -245,16 +238,11 @@ def run_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
 
 
 def measured_rate(check: dict, cfg: Config, path: str, gpu: str) -> dict | None:
-    """The GPU check's timing of this arm on this path and mode ({out}/gpu_check/result.json, format in
-    docs/planning.md) as work per second, if it was measured on this GPU."""
+    """The GPU check's timing of this arm on this path and mode (its result.json, contract.timed_steps) as work per
+    second, if it was measured on this GPU."""
     method, mode = cfg.residual, "compile" if cfg.compile else "eager"
-    timing = (check.get("methods") or {}).get(method) or {}
-    try:
-        seconds = check["timings"][method][f"{path}/{mode}"]["step_s"]
-        rate = timing["tokens_per_step"] * timing["flops_per_token"] / seconds
-    except (KeyError, TypeError, ZeroDivisionError):
+    seconds, work = timed_steps(check, method, gpu).get((path, mode)), timed_work(check, method)
+    if not seconds or work is None or not work[0] > 0:
         return None
-    if check.get("gpu") != gpu or not rate > 0:
-        return None
-    return {"flops_per_s": rate, "gpus": timing.get("gpus", 1),
+    return {"flops_per_s": work[0] / seconds, "gpus": work[1],
             "basis": f"{method} on the {path} path ({mode}): measured, timed by the GPU check"}

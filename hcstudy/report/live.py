@@ -5,18 +5,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from pathlib import Path
 
-from hcstudy.report.runs import ReportError, _num, open_regular, read_json, warn
+from hcstudy.contract import JOB_STATES, MATRIX_LOG, STATUS_FILE, log_time, open_regular, read_json, read_log_line
+from hcstudy.durations import clock
+from hcstudy.report.runs import ReportError, _num, warn
 from hcstudy.report.tables import fmt_gain, fmt_loss
-
-LAUNCHER_STATES = {"LAUNCH": "running", "DONE": "done", "DIVERGED": "done", "SKIP": "done", "FAILED": "failed",
-                   "RETRY": "queued", "REQUEUE": "queued"}
 
 
 @dataclass
-class Matrix:
+class MatrixLog:
     """The launcher's last invocation in a runs folder, as matrix.log tells it."""
     started: float
     slots: int
@@ -28,39 +26,33 @@ class Matrix:
     ended: float | None = None   # when the invocation ended (its END line): the elapsed clock stops there
 
 
-def read_matrix(root, log="matrix.log"):
+def read_matrix(root, log=MATRIX_LOG):
     """The last invocation's QUEUE line and every job event after it; None without one."""
     try:
         with open_regular(root / log) as f:
-            lines = f.read().decode(errors="replace").splitlines()
+            lines = [read_log_line(line) for line in f.read().decode(errors="replace").splitlines()]
     except OSError:
         return None
-    starts = [i for i, line in enumerate(lines) if " QUEUE " in line]
+    starts = [i for i, line in enumerate(lines) if line and line.event == "QUEUE"]
     if not starts:
         return None
-    stamp, _, rest = lines[starts[-1]].split(" ", 2)
-    fields = dict(item.split("=", 1) for item in rest.split() if "=" in item)
-    runs = {name: ["queued", ""] for name in fields.get("runs", "").split(",") if name}
+    queue = lines[starts[-1]]
+    runs = {name: ["queued", ""] for name in queue.fields.get("runs", "").split(",") if name}
     ended = None
     for line in lines[starts[-1] + 1:]:
-        parts = line.split(" ")
-        if len(parts) >= 3 and parts[1] in LAUNCHER_STATES and parts[2] in runs:
-            gpus = next((p[5:] for p in parts if p.startswith("gpus=")), runs[parts[2]][1])
-            runs[parts[2]] = [LAUNCHER_STATES[parts[1]], gpus]
-        ended = parts[0] if parts[1:2] == ["END"] else ended
+        if line and line.event in JOB_STATES and line.run in runs:
+            runs[line.run] = [JOB_STATES[line.event], line.fields.get("gpus", runs[line.run][1])]
+        ended = line.stamp if line and line.event == "END" else ended
     try:
+        fields = queue.fields
         planned = {name: float(s) for name, s in (item.split(":") for item in fields.get("planned_s", "").split(",")
                                                    if item.count(":") == 1)}
-        return Matrix(log_time(stamp), int(fields.get("slots", 1)), int(fields.get("gpus_per_run", 1)),
-                      float(fields.get("price_per_gpu_hour", 0)), fields.get("gpus") == "cpu", runs, planned,
-                      ended and log_time(ended))
+        return MatrixLog(log_time(queue.stamp), int(fields.get("slots", 1)), int(fields.get("gpus_per_run", 1)),
+                         float(fields.get("price_per_gpu_hour", 0)), fields.get("gpus") == "cpu", runs, planned,
+                         ended and log_time(ended))
     except ValueError as e:
         warn(f"{root / log}: its last QUEUE line is unreadable ({e}); the matrix's progress is left out")
         return None
-
-
-def log_time(stamp):
-    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
 
 
 def job_seconds(status):
@@ -94,21 +86,16 @@ def wall_eta(matrix, statuses):
     return max(free, default=0.0)
 
 
-def fmt_clock(seconds):
-    return "–" if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) else \
-        str(timedelta(seconds=round(seconds)))
-
-
 def read_matrices(root, log=None):
     """One launcher's matrix (`log`), else the folder's: matrix.log, or the nodes' shares (matrix.node{i}.log,
     run_experiments.sh --nodes) as one matrix: their slots added up, their queues one after another."""
-    names = [log] if log else ["matrix.log"] if (root / "matrix.log").exists() else \
+    names = [log] if log else [MATRIX_LOG] if (root / MATRIX_LOG).exists() else \
         sorted(p.name for p in root.glob("matrix.node*.log"))
     shares = [m for m in (read_matrix(root, name) for name in names) if m is not None]
     if not shares:
         return None
     ends = [m.ended for m in shares]
-    return Matrix(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
+    return MatrixLog(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
                   shares[0].price, all(m.cpu for m in shares), {k: v for m in shares for k, v in m.runs.items()},
                   {k: v for m in shares for k, v in m.planned.items()}, None if None in ends else max(ends))
 
@@ -121,7 +108,7 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
     if matrix is None:
         raise ReportError(f"no matrix in {root} (no {log or 'matrix.log'} with a QUEUE line): start one with "
                           "run_experiments.sh")
-    statuses = {name: read_json(root / name / "status.json") or {} for name in matrix.runs}
+    statuses = {name: read_json(root / name / STATUS_FILE, {}, warn) for name in matrix.runs}
     counts = {state: sum(s == state for s, _ in matrix.runs.values())
               for state in ("done", "running", "queued", "failed")}
     eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run
@@ -133,7 +120,7 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
     width = max([22] + [len(name) for name, (state, _) in matrix.runs.items() if state == "running"])
     lines = [f"Matrix {root} at {time.strftime('%H:%M:%S', time.localtime(now))}: "
              + ", ".join(f"{n} {state}" for state, n in counts.items())
-             + f"; {fmt_clock(elapsed)} elapsed{'' if matrix.ended is None else ' (ended)'}, {fmt_clock(eta)} to go; "
+             + f"; {clock(elapsed)} elapsed{'' if matrix.ended is None else ' (ended)'}, {clock(eta)} to go; "
              f"{money}",
              f"{'GPU':<8} {'run':<{width}} {'step':>14} {'loss':>8} {'amax_fwd':>9} {'tok/s':>9} {'ETA':>9}"]
     for name, (state, where) in matrix.runs.items():
@@ -145,7 +132,7 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
         speed = _num(st.get("tokens_per_s"))
         lines.append(f"{where or '-':<8} {name:<{width}} {step:>14} {fmt_loss(_num(st.get('loss'))):>8} "
                      f"{fmt_gain(_num(st.get('amax_fwd'))):>9} {f'{speed:,.0f}' if math.isfinite(speed) else '–':>9} "
-                     f"{fmt_clock(st.get('eta_s')):>9}"
+                     f"{clock(st.get('eta_s')):>9}"
                      + (f"  STALE: status.json unchanged for {(now - st['updated']) / 60:.0f} min" if stale else ""))
     for group in ("done", "queued", "failed"):
         names = [name for name, (state, _) in matrix.runs.items() if state == group]

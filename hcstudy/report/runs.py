@@ -4,11 +4,9 @@ traceback), each run's arm named from its settings."""
 from __future__ import annotations
 
 import bisect
-import errno
 import json
 import math
 import os
-import stat
 import sys
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,13 +18,18 @@ import numpy as np
 from hcstudy.contract import (
     ARM_DEFAULTS,
     COEFFICIENT_SUFFIX,
+    CONFIG_FILE,
     METHODS,
+    METRICS_FILE,
     RUN_NAME,
     RUN_NAME_SUFFIX,
     SEED_STUDY_MODEL,
+    STATUS_FILE,
     STUDY_TRAIN_KEY,
     arm_settings,
     named_arm,
+    open_regular,
+    read_json,
 )
 
 CORE_METHODS = METHODS[:3]         # the verdict says when one of these is missing at a depth
@@ -166,29 +169,6 @@ def _timestamp(v):
     return _num(v)
 
 
-def open_regular(path):
-    """`path` opened for reading when it is a regular file: a FIFO would block (O_NONBLOCK: not even the open
-    waits), a device may never end."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file")
-    return os.fdopen(fd, "rb")
-
-
-def read_json(path):
-    """A JSON object from a small file, or None (missing, half-written, not an object)."""
-    try:
-        with open_regular(path) as f:
-            obj = json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, RecursionError) as e:     # RecursionError: nested too deeply to parse
-        warn(f"cannot read {path}: {type(e).__name__ if isinstance(e, RecursionError) else e}")
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 class LineProblems:
     """Malformed lines of one metrics file: each kind is warned about once, with its first line and its count."""
 
@@ -304,7 +284,7 @@ RUN_STATES = ("running", "completed", "diverged", "failed", "interrupted")
 
 def read_status(path):
     """status.json, its state dropped (with a warning) when it is none the trainer writes."""
-    status = read_json(path) or {}
+    status = read_json(path, {}, warn)
     if "state" in status and status["state"] not in RUN_STATES:
         warn(f"{path}: state {str(status['state'])[:40]!r} is none of {', '.join(RUN_STATES)}; read as unknown")
         del status["state"]
@@ -313,7 +293,7 @@ def read_status(path):
 
 def load_run(folder):
     """Read one run folder; None (with a warning) when its method or depth cannot be told."""
-    config = read_json(folder / "config.json")
+    config = read_json(folder / CONFIG_FILE, None, warn)
     ident = identify(folder, config)
     if ident is None:
         warn(f"{folder}: no residual/depth in config.json and the name is not like hc_d48_s123; skipped")
@@ -321,12 +301,12 @@ def load_run(folder):
     if ident[0] not in METHODS:
         warn(f"{folder}: residual {ident[0][:40]!r} is none of {', '.join(METHODS)}; skipped")
         return None
-    run = Run(folder.name, folder, *ident, config=config or {}, status=read_status(folder / "status.json"),
+    run = Run(folder.name, folder, *ident, config=config or {}, status=read_status(folder / STATUS_FILE),
               series={k: Series() for k in SCALAR_KEYS}, layers={k: Series() for k in LAYER_KEYS})
     run.preset, run.sinkhorn_iters, run.coefficients = arm_of(folder, config, run.method)
     clock = WallClock()
     try:
-        clock = read_metrics(folder / "metrics.jsonl", run)
+        clock = read_metrics(folder / METRICS_FILE, run)
     except FileNotFoundError:
         pass                                     # not started logging yet
     except OSError as e:

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from hcstudy import contract  # noqa: E402
-from hcstudy.launcher import matrix_run as matrix  # noqa: E402
+from hcstudy.launcher import jobs as jobs_module, options  # noqa: E402
 from hcstudy.report import aggregate  # noqa: E402
 from hcstudy.report import command  # noqa: E402
 from hcstudy.report import plots  # noqa: E402
@@ -48,8 +48,8 @@ def test_run_names_carry_only_what_differs_from_the_defaults(args, name):
 # --- the launcher's lists -------------------------------------------------------------------------
 
 def jobs_of(tmp_path, *argv):
-    opt = matrix.parse_options(["--out", str(tmp_path / "runs"), *argv])
-    return opt, matrix.matrix_jobs(opt)
+    opt = options.parse_options(["--out", str(tmp_path / "runs"), *argv])
+    return opt, jobs_module.matrix_jobs(opt)
 
 
 def flag(flags, name):
@@ -64,7 +64,7 @@ def test_lists_multiply_only_the_methods_they_apply_to(tmp_path):
                      "mhc_d32_s42_it100", "mhc_d32_s42_it100_seq",
                      "mhc-lite_d32_s42", "mhc-lite_d32_s42_seq", "identity-hc_d32_s42", "identity-hc_d32_s42_seq"]
     for job in jobs:
-        flags = matrix.trainer_flags(opt, job)
+        flags = jobs_module.trainer_flags(opt, job)
         assert flag(flags, "--run-name") == job.name and flag(flags, "--residual") == job.method
         assert flag(flags, "--sinkhorn-iters") == (str(job.sinkhorn_iters) if job.method == "mhc" else None)
         assert flag(flags, "--coefficients") == (None if job.method == "baseline" else
@@ -75,19 +75,19 @@ def test_lists_multiply_only_the_methods_they_apply_to(tmp_path):
     # without the new lists the matrix and its commands are what they were
     opt, jobs = jobs_of(tmp_path, "--depth", "32", "--seed", "42")
     assert [j.name for j in jobs] == ["baseline_d32_s42", "hc_d32_s42", "mhc_d32_s42"]
-    assert not {"--sinkhorn-iters", "--coefficients"} & set(sum((matrix.trainer_flags(opt, j) for j in jobs), []))
+    assert not {"--sinkhorn-iters", "--coefficients"} & set(sum((jobs_module.trainer_flags(opt, j) for j in jobs), []))
 
 
 def test_a_preset_after_the_separator_names_the_runs(tmp_path):
     opt, jobs = jobs_of(tmp_path, "--residual", "hc,mhc", "--depth", "32", "--", "--preset", "seed-study")
     assert {j.name for j in jobs} == {f"{m}_d32_s{s}_seed-study" for m in ("hc", "mhc") for s in (42, 123, 456)}
-    flags = matrix.trainer_flags(opt, jobs[0])
+    flags = jobs_module.trainer_flags(opt, jobs[0])
     assert flags.count("--preset") == 1 and flag(flags, "--preset") == "seed-study"
     # repeated presets reach the trainer together, in order, and name the runs as the trainer would
     opt, jobs = jobs_of(tmp_path, "--residual", "hc", "--depth", "4", "--seed", "1", "--", "--preset", "demo",
                         "--preset=seed-study")
     assert [j.name for j in jobs] == ["hc_d4_s1_seed-study"]
-    flags = matrix.trainer_flags(opt, jobs[0])
+    flags = jobs_module.trainer_flags(opt, jobs[0])
     assert flags.count("--preset") == 1 and flag(flags, "--preset") == "demo,seed-study"
 
 

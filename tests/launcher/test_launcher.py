@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import report
+from hcstudy.report import live
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "run_experiments.sh"
@@ -164,7 +164,7 @@ def test_the_first_line_comes_before_the_trainers_check_and_a_resume_is_said_at_
     said = {run: text for _, _, text in events(out, "LAUNCH") for run in [text.split()[0]]}
     assert " attempt=1 resume=step-3 micro_batch=" in said["hc_d2_s1"] and "resume=" not in said["mhc_d2_s1"]
     assert "LAUNCH hc_d2_s1 gpus=cpu attempt=1 resume=step-3 " in r.stdout
-    assert report.read_matrix(out).runs == {"hc_d2_s1": ["done", "cpu"], "mhc_d2_s1": ["done", "cpu"]}
+    assert live.read_matrix(out).runs == {"hc_d2_s1": ["done", "cpu"], "mhc_d2_s1": ["done", "cpu"]}
 
 
 def test_gpus_per_run_gives_each_job_its_gpus_and_fsdp(tmp_path):
@@ -339,7 +339,7 @@ def test_exit_code_hidden_by_torchrun_is_read_from_status_json(tmp_path):
     r = launch(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert [i["micro_batch_size"] for i in invocations(out, "hc_d2_s1")] == [8, 4]
-    assert "code=1 (trainer code 4 from status.json)" in r.stdout
+    assert "code=1 gpus=0 (trainer code 4 from status.json)" in r.stdout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -779,16 +779,16 @@ def test_a_stop_spares_the_wandb_service_a_trainer_started(tmp_path):
 
 
 def test_slurm_task_time_is_the_longest_plan_with_a_margin_at_most_the_partition_limit(tmp_path, monkeypatch):
-    from hcstudy.launcher import matrix_run as matrix
+    from hcstudy.launcher import options, slurm
     monkeypatch.setenv("RUN_EXPERIMENTS_NVIDIA_SMI", "false")
     answers = {"a": {"seconds": [1800.0, 3600.0]}, "b": {"seconds": [3600.0, 7200.0]}}
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": answers})
-    opt = matrix.parse_options(["--slurm", "--out", str(tmp_path)])
-    assert matrix.task_time(opt, [])[0] == 7200 * 1.25 + 600
-    opt = matrix.parse_options(["--slurm", "--slurm-time", "2:30:00", "--out", str(tmp_path)])
-    assert matrix.task_time(opt, [])[0] == 9000 and matrix.hms(9000) == "2:30:00"
-    monkeypatch.setattr(matrix, "plan_jobs", lambda *_: {"jobs": {"a": {"seconds": None}}})
-    assert matrix.task_time(opt, []) == (9000, "no time estimate")
+    monkeypatch.setattr(slurm, "plan_jobs", lambda *_: {"jobs": answers})
+    opt = options.parse_options(["--slurm", "--out", str(tmp_path)])
+    assert slurm.task_time(opt, [])[0] == 7200 * 1.25 + 600
+    opt = options.parse_options(["--slurm", "--slurm-time", "2:30:00", "--out", str(tmp_path)])
+    assert slurm.task_time(opt, [])[0] == 9000 and slurm.clock(9000) == "2:30:00"
+    monkeypatch.setattr(slurm, "plan_jobs", lambda *_: {"jobs": {"a": {"seconds": None}}})
+    assert slurm.task_time(opt, []) == (9000, "no time estimate")
 
 
 def test_a_dropped_ssh_session_stops_nothing(tmp_path):

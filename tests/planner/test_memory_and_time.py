@@ -2,7 +2,6 @@
 bytes autograd saves, the depth 32 / 48 plans behind the public reproduction's out-of-memory story,
 --micro-batch-size auto, and the launcher's plan: the check of every job before the first launch, the time and
 cost ranges of the documented node, the GPU check's timings."""
-import ast
 import dataclasses
 import json
 import math
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hcstudy.launcher import matrix_run as matrix
+from hcstudy.launcher import dry_run
 from hcstudy.planner import gpus
 from hcstudy.planner import memory as memory_module
 from hcstudy.planner import run_time
@@ -294,9 +293,9 @@ def test_queue_schedule_of_18_jobs_on_8_gpus_by_hand():
     # t=0: jobs 1-8 start (slots end at 3,3,3,2,2,2,3,3); t=2: jobs 9-11 on the three free slots (9 ends at 5,
     # 10-11 at 4); t=3: jobs 12-16 on the five slots freed (12 and 16 end at 5, 13-15 at 6); t=4: jobs 17-18 end
     # at 6. Wall time 6 h; the naive sum over 8 GPUs would say 45 / 8 = 5.6 h.
-    assert matrix.queue_schedule(hours, 8) == 6
-    assert matrix.queue_schedule([1.0] * 3, 8, stagger=0.25) == 1.5          # launches a quarter apart
-    assert matrix.queue_schedule([2, 1, 1, 1], 2) == 3 and matrix.queue_schedule([], 8) == 0
+    assert dry_run.queue_schedule(hours, 8) == 6
+    assert dry_run.queue_schedule([1.0] * 3, 8, stagger=0.25) == 1.5          # launches a quarter apart
+    assert dry_run.queue_schedule([2, 1, 1, 1], 2) == 3 and dry_run.queue_schedule([], 8) == 0
 
 
 def launcher(tmp_path, *args, **env):

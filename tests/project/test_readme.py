@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from hcstudy.launcher import matrix_run as matrix  # noqa: E402
+from hcstudy.launcher import options  # noqa: E402
 import train_c4  # noqa: E402
 
 README = (ROOT / "README.md").read_text()
@@ -41,7 +41,7 @@ def test_every_launcher_command_parses():
         words = shlex.split(command.split(">")[0].rstrip("&").strip())[2:]
         words = words[:words.index("--")] if "--" in words else words      # then the trainer's flags
         if words[:1] != ["--check"]:                   # --check is answered by the bash side
-            matrix.build_parser().parse_args(words)
+            options.build_parser().parse_args(words)
 
 
 def test_the_gpu_section_says_what_has_run_on_a_gpu_and_which_path_a_run_takes():

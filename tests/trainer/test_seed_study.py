@@ -141,7 +141,7 @@ def test_seed_study_preset_equals_the_studys_layer_in_fp64(residual):
 
 def test_the_memory_check_plans_the_vocabulary_the_model_builds(monkeypatch, tmp_path):
     planned = []
-    monkeypatch.setattr(T.plan, "check_memory", lambda cfg, vocab, *rest: planned.append(vocab))
+    monkeypatch.setattr(T.memory, "check_memory", lambda cfg, vocab, *rest: planned.append(vocab))
     for vocab in ("exact", "padded"):
         cfg = T.parse_config(["--preset", "tiny", "--tokenizer", "gpt2", "--vocab", vocab, "--out", str(tmp_path)])
         T.preflight(cfg, T.Dist(0, 1, torch.device("cpu")))
