@@ -47,8 +47,8 @@ from hcstudy.planner.estimate import print_estimate
 from hcstudy.planner.plan_jobs import card_bytes, job_plan, node_answer
 from hcstudy.progress import Progress
 from hcstudy.readahead import Loader, dataset_cache, hf_cache_refused, in_hf_cache
-from hcstudy.run_folder import (RunLog, batch_sizes_on, changes_text, check_resumable, check_writable_folder, dcp_load,
-                                first_cause, resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
+from hcstudy.run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
+                                history_on, resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 from hcstudy.run_record import announce, device_name, run_record
 from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
 
@@ -1283,7 +1283,7 @@ class Trainer:
     flops_per_token: float
     step: int = 0
     tokens: int = 0
-    batch_sizes: list = dataclasses.field(default_factory=list)     # [first step, batch size] per part of the run
+    history: dict = dataclasses.field(default_factory=dict)     # the batch sizes of its steps (history_on)
     wandb_run: object = None
     steady: bool = False        # past the first step: the short collective time-out applies
 
@@ -1367,7 +1367,7 @@ class Trainer:
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             sharded = {"model": model_state, "optimizer": optimizer_state}
         if self.dist.is_main:
-            files["train_state.pt"] = {"step": self.step, "tokens": self.tokens, "batch_sizes": self.batch_sizes,
+            files["train_state.pt"] = {"step": self.step, "tokens": self.tokens, **self.history,
                                        "config": dataclasses.asdict(self.cfg)}     # config.json may be rewritten
             if sharded is None:
                 files |= {"model.pt": unwrap(self.model).state_dict(), "optimizer.pt": self.optimizer.state_dict()}
@@ -1382,7 +1382,7 @@ class Trainer:
         found = resume_from(self.run_dir, self.dist, self._load, self.log, self.cfg, changed)
         state = found[1]["train_state.pt"] if found else {"step": 0, "tokens": 0, "batch_sizes": []}
         self.step, self.tokens = state["step"], state["tokens"]
-        self.batch_sizes = batch_sizes_on(state["batch_sizes"], self.step, self.cfg.batch_size)
+        self.history = history_on(state, self.step, self.cfg.batch_size)
         if found is None:
             return {}
         if self.step > self.cfg.steps:

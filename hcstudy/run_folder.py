@@ -435,10 +435,13 @@ def settings_changes(old: dict, cfg, source: str) -> dict:
     return changes
 
 
-def batch_sizes_on(history: list, step: int, batch_size: int) -> list:
-    """A run's batch sizes ([first step, batch size], ...) continued from `step` with `batch_size`: a part of its
-    own where a resume changes it (--allow-changed-settings), so that the tokens add up (trained_tokens)."""
-    return history if history and history[-1][1] == batch_size else [*history, [step, batch_size]]
+def history_on(state: dict, step: int, batch_size: int) -> dict:
+    """What a checkpoint records of the batch sizes of its steps (trained_tokens): those of the train_state.pt
+    resumed, `state`, continued from `step` with `batch_size`, a part of its own where a resume changes it
+    (--allow-changed-settings); the unverified_tokens of the steps before a history that begins past step 0."""
+    history = state["batch_sizes"]
+    continued = history if history and history[-1][1] == batch_size else [*history, [step, batch_size]]
+    return {key: state[key] for key in ["unverified_tokens"] if key in state} | {"batch_sizes": continued}
 
 
 def step_ranges(steps: list[int]) -> str:
@@ -596,31 +599,57 @@ def load_checked(folder: Path, marker: dict) -> tuple[dict, str | None]:
     nothing); a crafted or damaged pickle is a problem, not an exception."""
     try:
         files = load_verified(folder, marker)
+        if "train_state.pt" in files:
+            files["train_state.pt"] = completed_state(files["train_state.pt"], folder.parent.parent)
         return files, contents_problem(files, marker)
     except Exception as error:
         return {}, f"cannot be loaded safely ({first_cause(error)})"
 
 
+def completed_state(state, run_dir: Path):
+    """A train_state.pt written before checkpoints recorded their settings and batch sizes (it holds neither) as
+    checkpoints hold them now, from what its run folder recorded: config.json's settings (None without one:
+    nothing to compare, as then); where those held for all its steps (no settings_changes.jsonl), one batch size
+    from step 0, which its tokens must add up to; otherwise no history, its tokens taken unverified (the resume
+    says so). Any other state is returned as it is."""
+    if not (isinstance(state, dict) and "config" not in state and "batch_sizes" not in state):
+        return state
+    try:
+        recorded = recorded_config(run_dir)
+    except ConfigError:                                 # unreadable: a resume refuses it before any checkpoint
+        recorded = None
+    if recorded is not None and not (run_dir / "settings_changes.jsonl").exists():
+        return state | {"config": recorded, "batch_sizes": [[0, recorded.get("batch_size")]]}
+    return state | {"config": recorded, "batch_sizes": [], "unverified_tokens": state.get("tokens")}
+
+
 def trained_tokens(state: dict) -> int | None:
     """The tokens of a checkpoint's steps: batch size x seq_len each, at the batch size of its part of the run
     (state["batch_sizes"]: [first step, batch size] pairs, a new one where a resume changed it under
-    --allow-changed-settings); None when that history does not fit the state."""
-    history, seq_len = state.get("batch_sizes"), state["config"].get("seq_len")
-    pairs = isinstance(history, list) and all(isinstance(pair, list) and len(pair) == 2 and
-                                              all(type(n) is int and n >= 0 for n in pair) for pair in history)
-    starts = [start for start, _ in history] if pairs else []
-    if not (starts and starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] <= state["step"]
-            and type(seq_len) is int and seq_len > 0 and history[-1][1] == state["config"].get("batch_size")):
+    --allow-changed-settings), after the unverified_tokens of the steps before a history that begins past step 0
+    (a run continued from a checkpoint that recorded none: completed_state); None when that does not fit the state."""
+    history, unverified = state.get("batch_sizes"), state.get("unverified_tokens", 0)
+    if not (isinstance(history, list) and all(isinstance(pair, list) and len(pair) == 2 and
+                                              all(type(n) is int and n >= 0 for n in pair) for pair in history)):
         return None
-    return sum((end - start) * size * seq_len for (start, size), end in zip(history, starts[1:] + [state["step"]]))
+    starts, settings = [start for start, _ in history], state.get("config") or {}
+    seq_len = settings.get("seq_len")
+    sizes_fit = not history or type(seq_len) is int and seq_len > 0 and history[-1][1] == settings.get("batch_size")
+    begins_later = (starts[0] if history else state["step"]) > 0
+    if not (sizes_fit and starts == sorted(set(starts)) and max(starts, default=0) <= state["step"]
+            and begins_later == ("unverified_tokens" in state) and type(unverified) is int and unverified >= 0):
+        return None
+    return unverified + sum((end - start) * size * seq_len
+                            for (start, size), end in zip(history, starts[1:] + [state["step"]]))
 
 
 def contents_problem(files: dict, marker: dict) -> str | None:
-    """What a verified checkpoint lacks for a resume: its step, settings and tokens (as many as its steps took),
-    every rank's data state, and (unless DCP holds them) the model and optimizer; None when complete."""
+    """What a verified checkpoint lacks for a resume: its step, settings (None: unknown, completed_state) and
+    tokens (as many as its steps took), every rank's data state, and (unless DCP holds them) the model and
+    optimizer; None when complete."""
     state = files.get("train_state.pt")
     if not (isinstance(state, dict) and type(state.get("step")) is int and type(state.get("tokens")) is int
-            and state["step"] == marker["step"] and isinstance(state.get("config"), dict)):
+            and state["step"] == marker["step"] and "config" in state and isinstance(state["config"], dict | None)):
         return "holds no valid train_state.pt (its step, tokens and settings)"
     expected = trained_tokens(state)
     if expected is None:
@@ -736,9 +765,12 @@ def resume_from(run_dir: Path, dist, load, log, cfg, changed: bool) -> tuple[Pat
         log.info(line)
 
     for folder, files, marker in verified_checkpoints(newest_first(run_dir, dist), dist, fall_back):
-        changes = settings_changes(files["train_state.pt"]["config"], cfg, f"checkpoint {folder}")
+        state = files["train_state.pt"]
+        changes = {} if state["config"] is None else settings_changes(state["config"], cfg, f"checkpoint {folder}")
         problem = agreed_problem(dist, load(folder, files, marker))
         if problem is None:
+            if not state["batch_sizes"]:
+                log.info(unverified_tokens_warning(folder, state))
             dist.barrier()                                  # every rank has read what it needs of the newer ones
             for newer in checkpoint_dirs(run_dir)[::-1] if dist.is_main else []:
                 if newer == folder:
@@ -755,6 +787,13 @@ def resume_from(run_dir: Path, dist, load, log, cfg, changed: bool) -> tuple[Pat
     if lost:
         raise log.refuse(lost)
     return None
+
+
+def unverified_tokens_warning(folder: Path, state: dict) -> str:
+    """The line a resume from a checkpoint without a batch size history (completed_state) writes."""
+    why = "config.json is gone" if state["config"] is None else "settings_changes.jsonl records changed settings"
+    return (f"warning: the token count of checkpoint {folder.name} ({state['tokens']:,}) cannot be verified: it was "
+            f"written before checkpoints recorded their batch sizes, and {why}; it is taken as it is")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -614,6 +614,79 @@ def test_the_token_count_adds_up_across_a_change_of_batch_size(finished, tmp_pat
     assert code == 0 and "resumed from" in stdout and "(step 30," in stdout, stderr
 
 
+# ---- checkpoints as the earlier code wrote them: no settings or batch sizes, data states holding pending tokens
+
+PENDING_TOKENS_DATA_STATE = """
+def pending_tokens(self):       # a data stream's state as checkpoints held it before they held positions
+    return {"documents": self.documents.state_dict(), "tokens": self.tokens[self.offset:].clone(), "offset": 0}
+train_c4.TokenWindows.state_dict = pending_tokens
+"""
+# what an interrupted run and the same run uninterrupted must both have logged (the CPU's resumes are bit-exact)
+EXACT_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "amax_fwd", "amax_bwd")
+
+
+def exact_metrics(run_dir):
+    return [[record.get(key) for key in EXACT_KEYS] for record in
+            map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory):
+    """A --steps 12 --ckpt-every 4 run killed once checkpoints/step-8 exists, whose step-8 is as the earlier code
+    wrote it: train_state.pt without "config" and "batch_sizes", data states holding the pending tokens; and the
+    run folder of the same run uninterrupted. Copied afresh by each test."""
+    out, reference = tmp_path_factory.mktemp("earlier"), tmp_path_factory.mktemp("uninterrupted")
+    argv = ["--preset", "tiny", "--steps", "12", "--ckpt-every", "4", "--out", str(out)]
+    code = f"{KILL_ONCE_STEP_8_IS_SAVED}{PENDING_TOKENS_DATA_STATE}\nsys.exit(train_c4.main({argv!r}))"
+    one_thread = {"OMP_NUM_THREADS": "1"}       # as the tests' resumes run (conftest): the probe's sums are exact
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, **one_thread})
+    assert result.returncode == -9, result.stderr
+    step_8 = out / RUN / "checkpoints" / "step-8"
+    state = torch.load(step_8 / "train_state.pt", weights_only=True)
+    reseal(step_8, "train_state.pt", {"step": state["step"], "tokens": state["tokens"]})
+    assert "tokens" in torch.load(step_8 / "rank0.pt", weights_only=True)["data"]["streams"]["0"]
+    assert run(reference, "--steps", "12", "--ckpt-every", "4", env=one_thread)[0] == 0
+    return out, reference / RUN
+
+
+@pytest.mark.parametrize("case", ["as written", "config.json gone"])
+def test_a_checkpoint_of_the_earlier_format_resumes_exactly_and_consolidates(earlier, tmp_path, case):
+    """Its settings are compared with config.json's, as then; its token count is checked against config.json's
+    batch size and seq_len, or, where that cannot be done, taken with a warning; the next checkpoint records its
+    settings and the batch sizes from the step resumed."""
+    out, run_dir = copy_of(earlier[0], tmp_path)
+    step_8 = run_dir / "checkpoints" / "step-8"
+    assert str(step_8) in consolidate.consolidate(step_8, tmp_path / "w.pt", T)
+    if case == "config.json gone":
+        (run_dir / "config.json").unlink()
+    code, stdout, stderr = run(out, "--steps", "12", "--ckpt-every", "4")
+    assert code == 0 and "(step 8, 1,024 tokens)" in stdout, stderr
+    said = "warning: the token count of checkpoint step-8 (1,024) cannot be verified: it was written before " \
+           "checkpoints recorded their batch sizes, and config.json is gone; it is taken as it is"
+    assert (run_dir / "train.log").read_text().count(said) == (case == "config.json gone")
+    assert exact_metrics(run_dir) == exact_metrics(earlier[1])
+    folder, files, _ = run_folder.read_checkpoint(run_dir, ONE, print)
+    state = files["train_state.pt"]
+    assert folder.name == "step-12" and state["config"]["batch_size"] == 4 and state["tokens"] == 12 * 4 * 32
+    assert {key: state.get(key) for key in ["batch_sizes", "unverified_tokens"]} == (
+        {"batch_sizes": [[0, 4]], "unverified_tokens": None} if case == "as written" else
+        {"batch_sizes": [[8, 4]], "unverified_tokens": 1024})
+
+
+def test_the_token_count_of_an_earlier_checkpoint_is_checked_where_its_run_folder_can_check_it(earlier, tmp_path):
+    _, run_dir = copy_of(earlier[0], tmp_path)
+    step_8 = run_dir / "checkpoints" / "step-8"
+    reseal(step_8, "train_state.pt", {"step": 8, "tokens": 2048})
+    marker = run_folder.read_marker(step_8)
+    assert "holds 2,048 tokens in train_state.pt, not the 1,024 of its 8 steps" in \
+        run_folder.load_checked(step_8, marker)[1]
+    # a batch size changed since: the count cannot be checked without the history, and is taken as it is
+    (run_dir / "settings_changes.jsonl").write_text(json.dumps({"step": 8, "changes": {"batch_size": [4, 8]}}) + "\n")
+    files, problem = run_folder.load_checked(step_8, marker)
+    assert problem is None and files["train_state.pt"]["batch_sizes"] == []
+
+
 def test_a_running_state_on_a_full_disk_leaves_the_reserve_for_the_final_state(tmp_path, monkeypatch):
     log = run_folder.RunLog(tmp_path, enabled=True)
     real_write = run_folder.write_json_atomic
