@@ -7,10 +7,10 @@ UNITS = ((1e-3, 1e-6, "us"), (1, 1e-3, "ms"), (120, 1, "s"), (7200, 60, "min"), 
 
 
 def duration(*seconds: float) -> str:
-    """Seconds, or a range of them (low, high), in the unit that suits the largest, two significant digits:
-    45 s, 120-190 ms, 3.1-4.6 min, 2.6-5.1 h."""
+    """Seconds, or a range of them (low, high), in the unit that suits the largest, three significant digits below
+    100 (a node's $20 an hour makes a tenth of an hour count): 45 s, 120-190 ms, 3.12-4.6 min, 10.5-19.7 h."""
     scale, unit = next((scale, unit) for limit, scale, unit in UNITS if max(seconds) < limit)
-    return "-".join(f"{v / scale:.2g}" if v / scale < 100 else f"{v / scale:.0f}" for v in seconds) + " " + unit
+    return "-".join(f"{v / scale:.3g}" if v / scale < 100 else f"{v / scale:.0f}" for v in seconds) + " " + unit
 
 
 def clock(seconds) -> str:

@@ -15,7 +15,8 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a real multi-run scenario of 10-35 s; `-m 'not slow'` skips them")
+    config.addinivalue_line("markers", "slow: a real scenario of several runs or processes (over about 8 s on a 2-core CPU); "
+                            "`-m 'not slow'` skips them")
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from helpers import randomize_mixing, tiny_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
 def test_compiled_blocks_agree_with_eager_without_graph_breaks(residual):
     """block.compile() (what --compile does) against eager: loss and every gradient, then the instability probe.

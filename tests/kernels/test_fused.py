@@ -180,6 +180,7 @@ def test_one_block_compiles_to_one_graph_and_matches_eager(residual, kernels):
 FSDP_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")      # hcstudy/kernels/fused.py has the first two; the others run the formulas
 
 
+@pytest.mark.slow
 def test_fsdp_gives_the_same_gradients_on_every_path(tmp_path):
     """One 2-process gloo job (tests/kernels_fsdp_probe.py): FSDP2 shards the connections on their own, and the
     fused Functions and the Triton kernels (in the interpreter) see sharded-then-gathered parameters of shape (1,)

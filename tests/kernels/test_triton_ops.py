@@ -84,6 +84,7 @@ def inputs(n, width, tokens=13, seed=1):
             torch.randn(width, generator=generator).to(DEVICE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arm,n", ARMS_AND_N)
 def test_each_arm_equals_the_formulas_forward_and_every_gradient(arm, n):
     width = 40 if n < 8 else 24                          # neither a power of two; 26 tokens: no whole block
@@ -195,6 +196,7 @@ def run_cli(tmp_path, name, *flags, env=None):
             [r["loss"] for r in records if "loss" in r], [r["amax_fwd"] for r in records if "amax_fwd" in r])
 
 
+@pytest.mark.slow
 def test_a_training_run_on_the_triton_path_follows_the_formulas_run(tmp_path):
     """The CLI as a user runs it: --kernels triton in the interpreter gives the formulas' loss curve and probe, says
     which path it took and why; with triton unimportable it falls back to the formulas and warns in one line."""
@@ -213,6 +215,7 @@ def test_a_training_run_on_the_triton_path_follows_the_formulas_run(tmp_path):
     assert len(warnings) == 1, log
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_hopper_without_a_gpu(tmp_path):
     """benchmarks/triton_compile.py --smoke: each kernel of a small config through triton.compile for sm_90 and
     ptxas, here on a machine without a GPU."""

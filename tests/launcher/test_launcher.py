@@ -664,6 +664,7 @@ def test_shellcheck_is_clean(script):
 # ----------------------------------------------------------------------------------------------
 # The real trainer
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
 def test_real_trainer_tiny_matrix(tmp_path):
     """Two --preset tiny runs through train_c4.py, then a re-run that launches nothing. Two pretend
@@ -695,6 +696,7 @@ def test_real_trainer_tiny_matrix(tmp_path):
 
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "train_c4.py").exists(), reason="needs train_c4.py")
 def test_changed_settings_never_pass_for_a_finished_run(tmp_path):
     """A finished run is skipped only under the settings it was trained with: a change the trainer refuses is

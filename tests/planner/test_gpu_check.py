@@ -79,6 +79,7 @@ def test_result_json_is_read_by_the_kernel_choice_and_the_planner(tmp_path):
     assert contract.load_check(tmp_path / "elsewhere") == {}
 
 
+@pytest.mark.slow
 def test_run_as_a_script_it_finds_the_trainer_and_writes_result_json(tmp_path):
     """run_experiments.sh runs `python -m hcstudy.gpu_check` from any folder, the repository on PYTHONPATH."""
     timed_run(tmp_path / "b", 0.3)

@@ -179,6 +179,7 @@ def test_batch_plan_resolves_auto_on_cuda_from_the_plan_and_on_the_cpu_by_a_cap(
     assert T.parse_config(["--preset", "demo"]).micro_batch_size == "16"     # presets keep their numbers
 
 
+@pytest.mark.slow
 def test_auto_writes_the_resolved_micro_batch_to_config_json(tmp_path):
     command = [sys.executable, str(ROOT / "train_c4.py"), "--preset", "tiny", "--steps", "2", "--out", str(tmp_path),
                "--micro-batch-size", "auto", "--batch-size", "4"]
@@ -189,6 +190,7 @@ def test_auto_writes_the_resolved_micro_batch_to_config_json(tmp_path):
     assert config["config"]["micro_batch_size"] == 4             # an integer the launcher can halve
 
 
+@pytest.mark.slow
 def test_estimate_prints_the_plan_without_building_the_model(capsys):
     assert T.main(["--estimate", "--depth", "48", "--micro-batch-size", "8", "--gpu-memory-gb", "80"]) == 0
     out = capsys.readouterr().out
@@ -310,6 +312,7 @@ def hours(line: str) -> tuple[float, float]:
     return float(low), float(high)
 
 
+@pytest.mark.slow
 def test_dry_run_without_gpus_plans_the_documented_node_per_method_with_ranges(tmp_path):
     r = launcher(tmp_path, "--dry-run", "--methods", "baseline,mhc", "--seeds", "42,123,456",
                  "--price-per-gpu-hour", "3")
@@ -331,6 +334,7 @@ def test_dry_run_without_gpus_plans_the_documented_node_per_method_with_ranges(t
     assert "goes with --dry-run" in launcher(tmp_path, "--calibrate").stderr
 
 
+@pytest.mark.slow
 def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
     """{out}/gpu_check/result.json (docs/planning.md) replaces the model for the arm, path and GPU it timed."""
     check = tmp_path / "runs" / "gpu_check" / "result.json"
@@ -354,6 +358,7 @@ def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
     assert r.returncode == 0 and "GPU check" not in r.stdout and "reference path" in r.stdout   # not the timed path
 
 
+@pytest.mark.slow
 def test_every_job_is_refused_before_any_launch_for_bad_flags_or_memory(tmp_path):
     r = launcher(tmp_path, "--demo", "--", "--lrr", "1")
     assert r.returncode == 2, r.stdout + r.stderr

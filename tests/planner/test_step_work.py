@@ -57,6 +57,7 @@ def test_one_more_op_in_a_block_counts_its_launches_and_bytes_as_the_formula_say
     assert more.rest_bytes == pytest.approx(plain.rest_bytes)
 
 
+@pytest.mark.slow
 def test_the_fit_in_width_predicts_a_count_at_another_width():
     key = step_work.work_key(T.Config(residual="mhc", dtype="bf16"))
     fitted = step_work.step_work(T.GPT, key, "reference")

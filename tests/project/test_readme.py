@@ -79,6 +79,7 @@ def test_long_matrices_say_how_to_detach_and_come_back():
     assert "tmux attach" in section and "nohup" in section and "--summary" in section and "SIGHUP" in section
 
 
+@pytest.mark.slow
 def test_the_export_commands_work_as_printed(tmp_path):
     """--consolidate into a folder a fresh clone does not have, then the loading snippet, saved as a file in a
     folder outside the repository and run there by the printed command."""

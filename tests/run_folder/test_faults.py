@@ -81,6 +81,7 @@ def test_an_unusable_shard_is_a_clear_error_not_a_hang(tmp_path, content):
         loader([path]).next_batch()
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_the_rerun_resumes(tmp_path):
     # the second checkpoint write fails as a full disk would: ENOSPC from inside torch.save
     prelude = """
@@ -184,6 +185,7 @@ def test_a_full_disk_refusing_train_log_names_it_and_what_is_intact(tmp_path):
         log.info("step 12/20", terminal=False)
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_ends_the_run_with_one_line_and_status_failed(tmp_path):
     """A real limit (ulimit -f, in KiB): the optimizer state, the largest file of a checkpoint (2.3 MB at width 96),
     cannot be written, torch.save fails with a RuntimeError; nothing else is that large (.status-reserve: 1 MiB)."""
@@ -200,6 +202,7 @@ def test_a_file_size_limit_ends_the_run_with_one_line_and_status_failed(tmp_path
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 11         # every step logged is kept
 
 
+@pytest.mark.slow
 def test_a_checkpoint_crafted_to_run_code_is_refused(tmp_path):
     assert run(tmp_path, "--residual", "mhc", "--steps", "10")[0] == 0
     folder = tmp_path / "mhc_d2_s42" / "checkpoints" / "step-10"
@@ -276,6 +279,7 @@ EXTREME_BUT_VALID = [["--mhc-res-diag=-1e6", "--mhc-pre-bias", "1e6", "--mhc-gat
                      ["--residual", "baseline", "--lr", "1e3", "--weight-decay", "1e3"]]
 
 
+@pytest.mark.slow
 def test_extreme_but_valid_settings_never_diverge_before_the_first_update(tmp_path):
     code = f"""
 import json, sys, train_c4
@@ -287,6 +291,7 @@ print(json.dumps(codes))
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [0] * len(EXTREME_BUT_VALID), result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "emptied"])
 def test_a_damaged_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, damage):
     assert run(tmp_path, "--residual", "hc", "--steps", "20")[0] == 0
@@ -472,6 +477,7 @@ def test_a_held_out_set_too_small_for_evaluation_is_a_warning_naming_it(tmp_path
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_train_c4_has_no_fault_hooks_and_the_test_entry_installs_them(tmp_path):
     """The fault variables do nothing to a real run (no call in its step, no day-long sleep); tests/fault_trainer.py
     patches the fault in from outside."""

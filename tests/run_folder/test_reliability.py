@@ -66,6 +66,7 @@ def status_of(run_dir):
 
 # ---- the run folder's lock
 
+@pytest.mark.slow
 def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     before = (run_dir / "metrics.jsonl").read_bytes()
@@ -76,6 +77,7 @@ def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished,
     holder.close()
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_dead_process_does_not_block(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     dead = subprocess.run([sys.executable, "-c", "from hcstudy import run_folder; import pathlib, sys; "
@@ -114,6 +116,7 @@ def test_a_lock_whose_holder_the_kernel_does_not_name_says_how_to_find_it(tmp_pa
 
 # ---- damaged, symlinked or misnamed checkpoints
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     newest = run_dir / "checkpoints" / "step-20"
@@ -128,6 +131,7 @@ def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tm
     assert "checkpoints/step-20" in exported
 
 
+@pytest.mark.slow
 def test_a_symlinked_or_misnamed_checkpoint_is_not_trusted(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     root = run_dir / "checkpoints"
@@ -155,6 +159,7 @@ DAMAGE_NEWEST = {          # the newest checkpoint only: the run falls back to s
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", sorted(DAMAGE_NEWEST))
 def test_a_newest_checkpoint_whose_content_is_wrong_falls_back(finished, tmp_path, damage):
     out, run_dir = copy_of(finished, tmp_path)
@@ -166,6 +171,7 @@ def test_a_newest_checkpoint_whose_content_is_wrong_falls_back(finished, tmp_pat
     assert status_of(run_dir)["state"] == "completed" and status_of(run_dir)["step"] == 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["train_state.pt", "config [] ", "config null", "optimizer groups"])
 def test_a_run_that_cannot_resume_refuses_in_one_line_and_records_it(finished, tmp_path, damage):
     out, run_dir = copy_of(finished, tmp_path)
@@ -183,6 +189,7 @@ def test_a_run_that_cannot_resume_refuses_in_one_line_and_records_it(finished, t
     assert status["state"] == "failed" and status["exit_code"] == 2 and status["step"] == 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", ["[]", "[" * 100_000 + "]" * 100_000, '{"step": "abc"}'])
 def test_a_metrics_line_that_is_no_record_is_dropped_with_a_warning(finished, tmp_path, line):
     out, run_dir = copy_of(finished, tmp_path)
@@ -254,6 +261,7 @@ def test_consolidate_of_a_run_without_a_usable_checkpoint_is_one_line_naming_the
     assert one_line(err) and "(newest: step-20 has no valid completion marker)" in err
 
 
+@pytest.mark.slow
 def test_consolidate_creates_a_missing_output_folder(finished, tmp_path):
     """As the README's `w/mhc.pt` on a fresh clone; a folder that cannot be made is one line and exit 2
     (tests/run_folder/test_faults.py)."""
@@ -327,6 +335,7 @@ def test_the_launchers_stop_ends_every_rank_of_a_torchrun_job(gloo_job):
     wait_for(lambda: not any(map(alive, seen)), timeout=10, what="the ranks to be gone")
 
 
+@pytest.mark.slow
 def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(gloo_job):
     from launcher.test_launcher import wait_for
     proc, run_dir, seen = gloo_job
@@ -364,6 +373,7 @@ def torchrun_fsdp(out, *args):
     return result.returncode, result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -404,6 +414,7 @@ def test_report_reads_a_crafted_matrix_log_with_a_warning(tmp_path, capsys):
 
 # ---- links, history without a checkpoint, the reserve kept for the final state, a pruned resume
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [".status-reserve", ".lock", "train.log", "metrics.jsonl", "checkpoints"])
 def test_a_link_in_a_run_folder_is_refused_and_its_target_untouched(tmp_path, name):
     victim = tmp_path / "victim"
@@ -462,6 +473,7 @@ def test_a_run_folder_moved_during_the_run_keeps_its_checkpoints_off_what_is_put
     assert run_folder.read_marker(outside / "checkpoints" / "step-4")["format"] == "sharded"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("emptied", [True, False])
 def test_a_run_with_history_but_no_checkpoint_is_refused_and_resume_never_moves_it_aside(finished, tmp_path,
                                                                                          emptied):
@@ -513,6 +525,7 @@ def steps_of(run_dir):
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_changed_settings_are_refused_by_the_checkpoint_itself_when_config_json_is_gone(killed, tmp_path):
     out, run_dir = copy_of(killed, tmp_path)
     (run_dir / "config.json").unlink()
@@ -528,6 +541,7 @@ def test_changed_settings_are_refused_by_the_checkpoint_itself_when_config_json_
 
 @pytest.mark.parametrize("flags", [["--ckpt-every", "10"],
                                    ["--ckpt-every", "10", "--lr", "0.001", "--allow-changed-settings"]])
+@pytest.mark.slow
 def test_no_checkpoint_and_no_status_refuses_by_the_recorded_checkpoint_interval(killed, tmp_path, flags):
     out, run_dir = copy_of(killed, tmp_path)
     shutil.rmtree(run_dir / "checkpoints")
@@ -538,6 +552,7 @@ def test_no_checkpoint_and_no_status_refuses_by_the_recorded_checkpoint_interval
     assert (run_dir / "metrics.jsonl").read_bytes() == history and not list(run_dir.glob("previous-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["same settings", "changed settings", "no config.json"])
 def test_a_run_killed_before_its_first_checkpoint_restarts_only_where_it_recomputes_the_same_lines(killed, tmp_path,
                                                                                                   case):
@@ -556,6 +571,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_only_where_it_recompu
         assert code == 2 and one_line(stderr) and "metrics to step 3" in stderr, stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["step-8 line cut in half", "deleted", "emptied"])
 def test_metrics_lines_lost_up_to_the_checkpoint_are_said_marked_and_the_file_kept(killed, tmp_path, damage):
     out, run_dir = copy_of(killed, tmp_path)
@@ -580,6 +596,7 @@ def test_metrics_lines_lost_up_to_the_checkpoint_are_said_marked_and_the_file_ke
     assert code == 0 and "lacks the lines" not in stdout and steps_of(run_dir) == list(range(25)), stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_token_count_is_forged_falls_back(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     newest = run_dir / "checkpoints" / "step-20"
@@ -603,6 +620,7 @@ def test_a_batch_size_history_that_does_not_fit_the_checkpoint_is_damaged(finish
     assert "the batch sizes of its steps" in run_folder.contents_problem(files, marker)
 
 
+@pytest.mark.slow
 def test_the_token_count_adds_up_across_a_change_of_batch_size(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     code, _, stderr = run(out, "--steps", "30", "--batch-size", "8", "--allow-changed-settings")
@@ -770,6 +788,7 @@ def test_a_run_that_fails_while_it_is_built_records_why_and_keeps_an_earlier_rec
     assert status_of(run_dir)["state"] == "completed"
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_only_keep_checkpoints(tmp_path):
     """A kill between a seal and its prune leaves one checkpoint too many; the rerun prunes it."""
     assert run(tmp_path, "--ckpt-every", "5", "--keep-checkpoints", "3")[0] == 0

@@ -182,6 +182,7 @@ def test_a_failed_name_lookup_is_not_retried(tmp_path, monkeypatch):
     assert delays == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variable", ["HF_HOME", "HF_DATASETS_CACHE"])
 def test_local_files_are_read_without_a_writable_hugging_face_cache(variable):
     """The bundled sample needs no cache: an unwritable HF_HOME or HF_DATASETS_CACHE does not stop it."""

@@ -200,6 +200,7 @@ def exit_codes(torchrun_stderr: str) -> list[str]:
     return re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", torchrun_stderr, flags=re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_on_one_rank_stops_every_rank_as_diverged(tmp_path):
     code, _, stderr = torchrun(tmp_path, "ddp", env={"TRAIN_C4_INJECT_NAN": "loss:4:1"})
     ended = time.time()
@@ -211,6 +212,7 @@ def test_non_finite_loss_on_one_rank_stops_every_rank_as_diverged(tmp_path):
     assert ended - status["updated"] < 15, "a rank waited for the other instead of stopping"
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_ends_the_job_and_names_that_rank(tmp_path):
     code, _, stderr = torchrun(tmp_path, "fsdp", env={"TRAIN_C4_INJECT_NAN": "oom:3:1"})
     assert code != 0

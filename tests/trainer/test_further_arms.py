@@ -200,6 +200,7 @@ def test_a_run_from_before_these_flags_resumes_and_a_changed_arm_does_not(tmp_pa
         T.check_resumable(run, T.dataclasses.replace(cfg, coefficients="sequence"), log)
 
 
+@pytest.mark.slow
 def test_mhc_lite_resumes_to_the_same_losses(tmp_path):
     """A tiny mHC-lite run stopped (an injected OOM) after its step-10 checkpoint continues to the losses of an
     uninterrupted one; config.json says the formulas ran, not hcstudy/kernels/fused.py."""

@@ -116,6 +116,7 @@ def test_slurm_script_requeues_after_the_time_limit_signal_and_resumes(tmp_path,
     assert_same_losses(tmp_path / "runs" / RUN, single)
 
 
+@pytest.mark.slow
 def test_the_matrix_as_a_slurm_job_array_then_the_report(tmp_path):
     """run_experiments.sh --slurm under the fake SLURM: one array task per run not yet finished (slurm/run.sbatch
     --matrix, one node, --gpus-per-run GPUs, --time from the plan), then the report job after the array; a second

@@ -110,6 +110,7 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_75(tmp_path):
     assert "blocks.0.attn_conn.A_r_static" in state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["loss", "grad", "data"])
 def test_injected_non_finite_value_stops_the_run_as_diverged_and_the_report_says_so(tmp_path, where):
     code, _, stderr = trainer(tmp_path, "--residual", "hc", env={"TRAIN_C4_INJECT_NAN": f"{where}:7"})
@@ -142,6 +143,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", BAD_INPUTS)
 def test_bad_input_gives_one_line_and_exit_2_and_writes_nothing(tmp_path, args, message):
     code, stdout, stderr = trainer(tmp_path, *args)
@@ -173,6 +175,7 @@ LIVE_KEYS = {"state", "step", "steps", "tokens", "loss", "lr", "grad_norm", "ste
              "mem_peak_gb", "eta_s", "amax_fwd", "amax_bwd", "val_loss", "last_checkpoint_step", "restarts", "updated"}
 
 
+@pytest.mark.slow
 def test_status_json_advances_while_the_run_goes_and_the_log_line_carries_the_pace(tmp_path):
     process = trainer(tmp_path, "--residual", "mhc", "--steps", "60", "--log-every", "5", wait=False)
     status_path, seen = tmp_path / "mhc_d2_s42" / "status.json", []
@@ -211,6 +214,7 @@ def test_mhc_run_writes_the_truncation_and_converged_keys(tmp_path):
     assert config["precision"]["residual_streams"] == "fp32"
 
 
+@pytest.mark.slow
 def test_wandb_honours_the_environment_and_keeps_one_run_id_per_folder(tmp_path):
     disabled = tmp_path / "disabled"
     disabled.mkdir()
@@ -232,6 +236,7 @@ def test_wandb_honours_the_environment_and_keeps_one_run_id_per_folder(tmp_path)
     assert flat == {"loss": 2.0, "layer_gain_fwd/000": 1.0, "layer_gain_fwd/001": 1.5}
 
 
+@pytest.mark.slow
 def test_resume_with_changed_training_settings_is_refused_unless_allowed(tmp_path):
     assert trainer(tmp_path, "--residual", "hc", "--steps", "10")[0] == 0
     code, _, stderr = trainer(tmp_path, "--residual", "hc", "--steps", "15", "--lr", "0.001", "--micro-batch-size", "1")
@@ -247,6 +252,7 @@ def test_resume_with_changed_training_settings_is_refused_unless_allowed(tmp_pat
     assert [r["step"] for r in metrics(tmp_path / "hc_d2_s42")] == list(range(16))
 
 
+@pytest.mark.slow
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert trainer(tmp_path, "--residual", "mhc", "--steps", "20", "--ckpt-every", "10")[0] == 0
     run = tmp_path / "mhc_d2_s42"

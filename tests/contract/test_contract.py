@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from hcstudy import contract, durations  # noqa: E402
 from hcstudy.launcher import dry_run, jobs, options, queue  # noqa: E402
@@ -89,7 +89,7 @@ def test_json_files_read_with_an_explicit_default_and_written_whole(tmp_path):
 
 
 @pytest.mark.parametrize("seconds, text", [((45,), "45 s"), ((0.12, 0.19), "120-190 ms"), ((1800, 3600), "30-60 min"),
-                                           ((9000, 18360), "2.5-5.1 h"), ((5e-4,), "500 us")])
+                                           ((9000, 18360), "2.5-5.1 h"), ((37800, 70920), "10.5-19.7 h"), ((5e-4,), "500 us")])
 def test_durations_in_the_unit_that_suits_the_largest(seconds, text):
     assert durations.duration(*seconds) == text
 
