@@ -58,7 +58,7 @@ from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
 ROOT = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------
-# config/CLI: every setting of a run, resolved once into a frozen Config (its flags: hcstudy/config_flags.py; errors: hcstudy/contract.py)
+# config/CLI: every setting of a run, resolved once into a frozen Config (its flags: config_flags; errors: contract)
 
 PRESETS = {
     "c4": {},
@@ -147,7 +147,7 @@ class Config:
         "auto (flash when installed on CUDA with bf16)")
     kernels: str = option("auto", MODEL, ("auto", "reference", "fused", "triton"), "the residual streams' code: "
         "the papers' formulas with autograd (reference), hcstudy/kernels/fused.py's hand-written backwards (fused), "
-        "hcstudy/kernels/triton_ops.py's GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path "
+        "the Triton GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path "
         "--check timed fastest, else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
     dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
     batch_size: int = option(32, OPTIMISATION, (1, 2 ** 16), "global sequences per optimizer step, whatever the "
@@ -295,7 +295,7 @@ def embedding_rows(cfg: Config) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # model: GPT-2 body with a switchable residual path (plain, HC, mHC, mHC-lite, identity-HC) acting on n persistent
-# streams; each is its paper's formulas with autograd (docs/model.md), hcstudy/kernels/fused.py HC and mHC with hand-written backwards
+# streams; each is its paper's formulas with autograd (docs/model.md), fused.py HC and mHC with hand-written backwards
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, use_flash: bool):
@@ -393,8 +393,8 @@ def read_stream(cfg: Config, sublayer_index: int) -> torch.Tensor:
 
 
 class _StreamMixing(nn.Module):
-    """HC and mHC's family: coefficients (the subclass's), then the stream update; the kernels' path's (hcstudy/kernels/fused.py,
-    hcstudy/kernels/triton_ops.py) where `kernels` names one."""
+    """HC and mHC's family: coefficients (the subclass's), then the stream update; the kernels' path's (fused.py,
+    triton_ops.py) where `kernels` names one."""
 
     def __init__(self, cfg: Config, kernels: str):
         super().__init__()
@@ -408,10 +408,10 @@ class _StreamMixing(nn.Module):
         return x_normed if self.norm_scale is None else x_normed * self.norm_scale.to(x_normed.dtype)
 
     def forward(self, x, sublayer):
-        if self.kernels == "fused":     # hcstudy/kernels/fused.py: the coefficients stream axes first, x passed through their maths
+        if self.kernels == "fused":     # fused.py: the coefficients stream axes first, x passed through their maths
             x, H_pre, H_post, H_res, res_logits = self.fused_coefficients(x)
             x, H_res = fused.stream_update(x, H_pre, H_post, H_res, sublayer), H_res.detach().movedim((0, 1), (-2, -1))
-        elif self.kernels == "triton":  # hcstudy/kernels/triton_ops.py: coefficients and read, then write, a few kernels each
+        elif self.kernels == "triton":  # triton_ops.py: coefficients and read, then write, a few kernels each
             kernels = choice.triton_kernels()
             u, H_post, H_res, res_logits, x = getattr(kernels, self.triton_read)(self, x)
             x = kernels.write(x, H_res, H_post, sublayer(u))
@@ -1586,7 +1586,7 @@ def train(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# main: one line and an exit code for every expected failure (hcstudy/failures.py classifies; the codes: hcstudy/contract.py)
+# main: one line and an exit code for every expected failure (failures classifies; the codes: contract)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv

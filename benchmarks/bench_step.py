@@ -3,7 +3,7 @@
     python benchmarks/bench_step.py                          # CPU fp32, widths 256 and 512, depth 4, seq 256, B 8, n 4
     python benchmarks/bench_step.py --compile                # the same with torch.compile per block
     python benchmarks/bench_step.py --kernels reference,fused   # HC and mHC on both paths, each against its baseline
-    python benchmarks/bench_step.py --device cuda --dtype bf16 --width 2048 --depth 8 --seq 1024 --record
+    python benchmarks/bench_step.py --device cuda --dtype bf16 --width 2048 --depth 8 --seq 1024 --record notes.md
     python benchmarks/bench_step.py --memory                 # saved-activation bytes, with and without checkpointing
     python benchmarks/bench_step.py --smoke                  # CI: a tiny model, two steps, no timing claims
 
@@ -36,7 +36,6 @@ from hcstudy.planner import gpus  # noqa: E402
 from hcstudy.run_record import device_name  # noqa: E402
 import train_c4 as T  # noqa: E402
 
-DOC = ROOT / "docs" / "benchmarks.md"
 VARIANTS = ("baseline", "hc", "mhc")
 
 
@@ -76,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--against", metavar="LABEL=PATH", action="append", default=[],
                    help="also time the variants built by another train_c4.py (e.g. before=/tmp/old.py, from "
                    "`git show REV:train_c4.py`), interleaved with the current ones; repeatable")
-    p.add_argument("--record", action="store_true", help=f"append a row to {DOC.relative_to(ROOT)}")
+    p.add_argument("--record", type=Path, metavar="FILE", help="append the result as a markdown table row (date, "
+                   "machine, command, numbers, load) to FILE: a notebook of runs; docs/benchmarks.md keeps the "
+                   "figures that hold now, each with its command")
     p.add_argument("--note", default="", help="a word on the code state, written into the recorded row")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line as well")
     args = p.parse_args(argv)
@@ -389,7 +390,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     argv = argv if argv is not None else sys.argv[1:]
-    shown = [a for i, a in enumerate(argv) if a not in ("--record", "--note") and (i == 0 or argv[i - 1] != "--note")]
+    shown = [a for i, a in enumerate(argv)
+             if a not in ("--record", "--note") and (i == 0 or argv[i - 1] not in ("--record", "--note"))]
     command = "python benchmarks/bench_step.py " + " ".join(shown)
     for width in args.widths:
         at_width(args, width)
@@ -417,9 +419,9 @@ def run_width(args, device: torch.device, command: str) -> None:
     if args.json:
         print(json.dumps(result))
     if args.record and not args.smoke:
-        with open(DOC, "a") as f:
+        with open(args.record, "a") as f:
             f.write(record_row(args, result, device, command.strip()))
-        print(f"recorded in {DOC.relative_to(ROOT)}")
+        print(f"recorded in {args.record}")
 
 
 def memory_text(saved_mb: dict) -> str:

@@ -1,4 +1,4 @@
-"""hcstudy/config_flags.py: a frozen dataclass's fields as command-line flags, each flag's facts stated once, in its field.
+"""A frozen dataclass's fields as command-line flags, each flag's facts stated once, in its field.
 
 train_c4.Config declares every setting with option(default, group, allowed, help); here that table becomes argparse
 (--help grouped in field order), numbers parse as plain ASCII only, bounds (inclusive) and choices are checked, and

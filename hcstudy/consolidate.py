@@ -20,18 +20,8 @@ from safetensors.torch import save_file as save_safetensors
 
 from hcstudy import config_flags as flags
 from hcstudy.contract import MODEL_KEYS, ConfigError, TrainerError
-from hcstudy.run_folder import (
-    MARKER,
-    SHARDED,
-    check_writable_folder,
-    checkpoint_dirs,
-    dcp_load,
-    first_cause,
-    safe_dcp,
-    save_file,
-    verified_checkpoints,
-    write_atomically,
-)
+from hcstudy.run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause,
+                                safe_dcp, save_file, verified_checkpoints, write_atomically)
 
 
 def arguments(argv: list[str]) -> tuple[Path, Path]:

@@ -1,4 +1,4 @@
-"""hcstudy/contract.py: what the trainer, the launcher, the GPU check and the report agree on, written once.
+"""What the trainer, the launcher, the GPU check and the report agree on, written once.
 
 train_c4.py exits with these codes and names its runs this way; the launcher (behind run_experiments.sh) acts on
 the codes and builds the same names; report.py parses them. The errors below carry those codes: the trainer

@@ -1,4 +1,4 @@
-"""hcstudy/failures.py: every failure of a run as its exit code and one line (the codes: hcstudy/contract.py; what the launcher does
+"""Every failure of a run as its exit code and one line (the codes: contract.py; what the launcher does
 with each: README, "Exit codes").
 
 A rank that only lost contact with the others takes the reason of the rank that failed first, which that rank notes

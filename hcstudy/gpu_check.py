@@ -30,22 +30,9 @@ from types import SimpleNamespace
 
 from hcstudy import ROOT
 from hcstudy.config_flags import OneLineErrorParser
-from hcstudy.contract import (
-    CHECKPOINTS,
-    CONFIG_FILE,
-    METHODS,
-    METRICS_FILE,
-    PLAN_JOBS,
-    STATUS_FILE,
-    ConfigError,
-    PlanJob,
-    PlanRequest,
-    check_path,
-    check_result,
-    read_json,
-    read_plan_answer,
-    write_json_atomic,
-)
+from hcstudy.contract import (CHECKPOINTS, CONFIG_FILE, METHODS, METRICS_FILE, PLAN_JOBS, STATUS_FILE, ConfigError,
+                              PlanJob, PlanRequest, check_path, check_result, read_json, read_plan_answer,
+                              write_json_atomic)
 from hcstudy.planner import gpus
 
 PROG = "run_experiments.sh --check"

@@ -1,4 +1,4 @@
-"""hcstudy/run_folder.py: a run's folder on disk (README, "A run's folder"), whole after any crash, kill or full disk.
+"""A run's folder on disk (README, "A run's folder"), whole after any crash, kill or full disk.
 
 Beside train_c4.py, which decides what a run logs and what a checkpoint holds; here is how those files are
 written and read back: atomic writes, the folder's lock, train.log, metrics.jsonl and status.json, checkpoint
@@ -26,21 +26,9 @@ from pathlib import Path
 
 import torch
 
-from hcstudy.contract import (
-    CHECKPOINT_MARKER as MARKER,
-    CHECKPOINTS,
-    CONFIG_FILE,
-    EXIT_BAD_CONFIG,
-    METRICS_FILE,
-    MODEL_KEYS,
-    STATUS_FILE,
-    TRAIN_LOG,
-    TRAINING_KEYS,
-    ConfigError,
-    TrainerError,
-    write_atomically,
-    write_json_atomic,
-)
+from hcstudy.contract import (CHECKPOINT_MARKER as MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG, METRICS_FILE,
+                              MODEL_KEYS, STATUS_FILE, TRAIN_LOG, TRAINING_KEYS, ConfigError, TrainerError,
+                              write_atomically, write_json_atomic)
 
 # ----------------------------------------------------------------------------------------------
 # files written whole or not at all

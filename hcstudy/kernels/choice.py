@@ -1,5 +1,5 @@
 """Which path runs the streams (--kernels): reference (the formulas of train_c4.py), fused (hand-written backwards,
-hcstudy/kernels/fused.py) or triton (GPU kernels, triton_ops.py): what the flag asks, what the GPU check timed fastest on this card,
+fused.py) or triton (GPU kernels, triton_ops.py): what the flag asks, what the GPU check timed fastest on this card,
 and the self-check that must agree before the triton path is taken."""
 
 import dataclasses
@@ -20,7 +20,7 @@ def study_variants(cfg) -> list[str]:
 
 def supports(cfg, path: str = "fused") -> bool:
     """Whether a path has the run's arm. fused: HC's and mHC's per-token coefficients as the papers write them;
-    triton (hcstudy/kernels/triton_ops.py): those of every arm with streams; reference: all. Every other arm and the public
+    triton (triton_ops.py): those of every arm with streams; reference: all. Every other arm and the public
     study's variants run the formulas (config.json's "kernels"); train_c4.validate refuses an explicit
     --kernels fused or triton for the study's variants (study_variants)."""
     papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \

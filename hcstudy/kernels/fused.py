@@ -193,7 +193,8 @@ class _HCCoefficients(torch.autograd.Function):
     The norm is folded into the projection: [W; 1/C] @ x gives the raw products and the mean in one thin matmul,
     a vector norm gives mean(x^2), and z = rstd (W x - mean W 1). So the normalised copy of the state is never
     written. The variance mean(x^2) - mean^2 loses digits when a stream's mean is far above its spread
-    (relative error ~ 1e-7 (mean / spread)^2; tests/kernels/test_fused.py checks a mean 30x the spread against the formulas).
+    (relative error ~ 1e-7 (mean / spread)^2; tests/kernels/test_fused.py checks a mean 30x the spread against the
+    formulas).
     The backward is written out: with g = dz rstd, dW = g^T x - (g . mean) 1^T and
     dx = g @ (W - row means) - rstd (g . z) (x - mean) / C, accumulated in place into x's incoming gradient."""
 

@@ -1,6 +1,7 @@
 """The residual streams on the GPU: Triton kernels for every arm with per-token coefficients (hc, mhc, mhc-lite,
 identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path), proven equal to train_c4.py's
-formulas in Triton's interpreter (tests/kernels/test_triton_ops.py) and compiled for sm_90 by benchmarks/triton_compile.py.
+formulas in Triton's interpreter (tests/kernels/test_triton_ops.py) and compiled for sm_90 by
+benchmarks/triton_compile.py.
 
 One connection, per direction (the maths: docs/model.md, "The Triton path"):
   forward   the coefficients' projection (one cuBLAS matmul)
@@ -66,7 +67,7 @@ def load() -> None:
         for name in [name for name in sys.modules if name == "triton" or name.startswith("triton.") and not
                      name.startswith("triton._C")]:         # the compiled extension stays: it cannot be loaded twice
             del sys.modules[name]
-    import triton as module                             # ships with CUDA builds of torch; CPU: setup.sh --dev
+    import triton as module  # ships with CUDA builds of torch; CPU: setup.sh --dev
     import triton.language as language
     tl = language
     globals().update({name: module.jit(fn) for name, fn in _SOURCES.items()})

@@ -14,15 +14,8 @@ from pathlib import Path
 
 from hcstudy.contract import EXIT_OK, METRICS_FILE, PLAN_JOBS, PlanJob, PlanRequest, load_check, read_plan_answer
 from hcstudy.durations import duration
-from hcstudy.launcher.jobs import (
-    DOCUMENTED_NODE_GPUS,
-    nvidia_smi,
-    slot_count,
-    slot_label,
-    trainer_base,
-    trainer_flags,
-    trainer_script,
-)
+from hcstudy.launcher.jobs import (DOCUMENTED_NODE_GPUS, nvidia_smi, slot_count, slot_label, trainer_base,
+                                   trainer_flags, trainer_script)
 from hcstudy.launcher.options import RunError
 
 

@@ -9,16 +9,8 @@ import sys
 from dataclasses import dataclass, field
 
 from hcstudy import ROOT
-from hcstudy.contract import (
-    COEFFICIENT_METHODS,
-    LAUNCHER_FILE,
-    SINKHORN_METHODS,
-    STATUS_FILE,
-    launcher_settings,
-    matrix_log_name,
-    read_json,
-    run_name,
-)
+from hcstudy.contract import (COEFFICIENT_METHODS, LAUNCHER_FILE, SINKHORN_METHODS, STATUS_FILE, launcher_settings,
+                              matrix_log_name, read_json, run_name)
 from hcstudy.launcher.options import RunError, UsageError, warn
 
 

@@ -12,18 +12,8 @@ import sys
 from hcstudy import ROOT
 from hcstudy.launcher.dry_run import JobsRefused, check_before_launch, dry_run, fill_node, this_node
 from hcstudy.launcher.jobs import discover_gpus, matrix_jobs
-from hcstudy.launcher.options import (
-    EXIT_FAILED,
-    EXIT_SIGINT,
-    EXIT_USAGE,
-    PROG,
-    USAGE,
-    RunError,
-    UsageError,
-    extra_value,
-    parse_options,
-    warn,
-)
+from hcstudy.launcher.options import (EXIT_FAILED, EXIT_SIGINT, EXIT_USAGE, PROG, USAGE, RunError, UsageError,
+                                      extra_value, parse_options, warn)
 from hcstudy.launcher.queue import Bash, LauncherGone, MatrixRun
 from hcstudy.launcher.slurm import submit_slurm
 from hcstudy.launcher.summary import summary

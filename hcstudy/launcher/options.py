@@ -11,16 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hcstudy.config_flags import OneLineErrorParser
-from hcstudy.contract import (
-    EXIT_BAD_CONFIG,
-    EXIT_DATA,
-    EXIT_DEVICE,
-    EXIT_DIVERGED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_OOM,
-    METHODS,
-)
+from hcstudy.contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
+                              EXIT_OOM, METHODS)
 
 PROG = "run_experiments.sh"
 # the launcher's own exit statuses

@@ -21,25 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hcstudy.contract import (
-    CHECKPOINT_MARKER,
-    CHECKPOINTS,
-    CONFIG_FILE,
-    EXIT_BAD_CONFIG,
-    EXIT_DATA,
-    EXIT_DEVICE,
-    EXIT_DIVERGED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_OOM,
-    LAUNCHER_FILE,
-    STATUS_FILE,
-    TRAIN_LOG,
-    TRAINER_EXIT_CODES,
-    log_line,
-    read_json,
-    write_json_atomic,
-)
+from hcstudy.contract import (CHECKPOINT_MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE,
+                              EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, LAUNCHER_FILE, STATUS_FILE, TRAIN_LOG,
+                              TRAINER_EXIT_CODES, log_line, read_json, write_json_atomic)
 from hcstudy.launcher.jobs import lock_name, log_name, slot_count, trainer_base, trainer_flags
 from hcstudy.launcher.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, PROG, RunError, extra_value
 from hcstudy.launcher.summary import print_report, show_matrix

@@ -5,31 +5,14 @@ import os
 
 import torch
 
-from hcstudy.kernels import choice
-from hcstudy.planner.gpus import ASSUMED_GPU, flops_per_token
-from hcstudy.planner.memory import (
-    AUTO_MARGIN,
-    GiB,
-    MemoryPlan,
-    PlanError,
-    activation_profile,
-    auto_micro_batch,
-    check_batch_split,
-    memory_plan,
-    profile_key,
-)
 from hcstudy.contract import load_check
 from hcstudy.durations import duration
-from hcstudy.planner.run_time import (
-    TERMS,
-    device_config,
-    device_rates,
-    measured_rate,
-    planned_path,
-    rates_text,
-    run_time,
-    step_cost,
-)
+from hcstudy.kernels import choice
+from hcstudy.planner.gpus import ASSUMED_GPU, flops_per_token
+from hcstudy.planner.memory import (AUTO_MARGIN, GiB, MemoryPlan, PlanError, activation_profile, auto_micro_batch,
+                                    check_batch_split, memory_plan, profile_key)
+from hcstudy.planner.run_time import (TERMS, device_config, device_rates, measured_rate, planned_path, rates_text,
+                                      run_time, step_cost)
 from hcstudy.planner.step_work import step_work, work_key
 
 

@@ -5,16 +5,8 @@ from __future__ import annotations
 from hcstudy.contract import JobAnswer, PlanJob, plan_answer
 from hcstudy.planner.gpus import GPU_MEMORY_GIB, flops_per_token
 from hcstudy.planner.memory import DEFAULT_GPU_MEMORY_GIB, GiB, PlanError, memory_plan
-from hcstudy.planner.run_time import (
-    CHECKPOINT_GBPS,
-    FORWARD_SHARE,
-    STARTUP_S,
-    gpu_rates,
-    measured_rate,
-    planned_path,
-    rates_text,
-    run_time,
-)
+from hcstudy.planner.run_time import (CHECKPOINT_GBPS, FORWARD_SHARE, STARTUP_S, gpu_rates, measured_rate, planned_path,
+                                      rates_text, run_time)
 
 
 def card_bytes(cfg: Config, gpu: str, card_gib: float | None = None) -> float:

@@ -15,18 +15,8 @@ from hcstudy.report.live import watch_view
 from hcstudy.report.plots import PLOT_NAMES, pick_heatmap_run, write_plots
 from hcstudy.report.published import reference_block, reference_verdict
 from hcstudy.report.runs import ReportError, load_runs
-from hcstudy.report.tables import (
-    GAIN_NOTES,
-    TABLE_NOTES,
-    csv_rows,
-    gain_columns,
-    main_columns,
-    markdown,
-    run_columns,
-    run_csv_rows,
-    table_columns,
-    write_csv,
-)
+from hcstudy.report.tables import (GAIN_NOTES, TABLE_NOTES, csv_rows, gain_columns, main_columns, markdown, run_columns,
+                                   run_csv_rows, table_columns, write_csv)
 from hcstudy.report.verdict import headline, verdict
 
 

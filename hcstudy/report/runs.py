@@ -15,22 +15,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hcstudy.contract import (
-    ARM_DEFAULTS,
-    COEFFICIENT_SUFFIX,
-    CONFIG_FILE,
-    METHODS,
-    METRICS_FILE,
-    RUN_NAME,
-    RUN_NAME_SUFFIX,
-    SEED_STUDY_MODEL,
-    STATUS_FILE,
-    STUDY_TRAIN_KEY,
-    arm_settings,
-    named_arm,
-    open_regular,
-    read_json,
-)
+from hcstudy.contract import (ARM_DEFAULTS, COEFFICIENT_SUFFIX, CONFIG_FILE, METHODS, METRICS_FILE, RUN_NAME,
+                              RUN_NAME_SUFFIX, SEED_STUDY_MODEL, STATUS_FILE, STUDY_TRAIN_KEY, arm_settings, named_arm,
+                              open_regular, read_json)
 
 CORE_METHODS = METHODS[:3]         # the verdict says when one of these is missing at a depth
 METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC", "mhc-lite": "mHC-lite", "identity-hc": "identity-HC"}
