@@ -46,24 +46,31 @@ def asked_path(cfg, on_gpu: bool) -> str:
 def kernel_path(cfg, device: torch.device, make_connection) -> tuple[str, str]:
     """The streams' path a run takes and why, for config.json and train.log. --kernels reference / fused / triton
     where the path has the arm; auto: on CUDA the path --check timed fastest for this arm on this GPU (its
-    result.json in --out), else asked_path's. A triton path that fails to import, compile or agree with the
-    formulas (make_connection(path) builds one connection to compare) falls back to the formulas."""
+    result.json in --out), else asked_path's. A triton path, however chosen, that fails to import, compile or agree
+    with the formulas (make_connection(path) builds one connection to compare) falls back to the formulas."""
     if cfg.residual == "baseline" or cfg.kernels == "reference":
         return "reference", "the baseline's one stream" if cfg.residual == "baseline" else "--kernels reference"
     timed = measured_path(cfg, device) if cfg.kernels == "auto" and device.type == "cuda" else None
-    if timed:
-        return timed
-    wanted = asked_path(cfg, device.type == "cuda")
-    if not supports(cfg, wanted):
-        return "reference", f"{wanted} has no {cfg.residual} with these settings: the formulas"
-    if wanted == "fused":
-        return "fused", "--kernels fused" if cfg.kernels == "fused" else "auto on the CPU: fused, timed faster there"
+    path, why = timed or asked_reason(cfg, device)
+    if not supports(cfg, path):
+        return "reference", f"{path} has no {cfg.residual} with these settings: the formulas"
+    if path != "triton":
+        return path, why
+    # whatever chose it (the flag, auto, or --check's timing on another day and driver), triton runs only once
+    # one connection on it equals the formulas' on this device
     problem = triton_problem(device, make_connection)
     if problem:
         return "reference", f"warning: the triton kernels {problem}; the formulas instead"
+    return "triton", f"{why}; self-check passed"
+
+
+def asked_reason(cfg, device: torch.device) -> tuple[str, str]:
+    """asked_path's choice and why, before the self-check."""
+    path = asked_path(cfg, device.type == "cuda")
+    if path == "fused":
+        return path, "--kernels fused" if cfg.kernels == "fused" else "auto on the CPU: fused, timed faster there"
     how = "compiled for this GPU" if device.type == "cuda" else "in Triton's interpreter on the CPU: slow, for tests"
-    asked = "--kernels triton" if cfg.kernels == "triton" else "auto, not timed by --check on this GPU"
-    return "triton", f"{asked}; {how}; self-check passed"
+    return path, f"{'--kernels triton' if cfg.kernels == 'triton' else 'auto, not timed by --check on this GPU'}; {how}"
 
 
 def fastest_timed(cfg, check: dict, gpu: str) -> tuple[str, float] | None:

@@ -170,7 +170,13 @@ def test_the_path_a_run_takes_and_why(monkeypatch, tmp_path):
     (tmp_path / "gpu_check" / "result.json").write_text(json.dumps({"gpu": "NVIDIA H200", "timings": timings}))
     path, why = choice.kernel_path(cfg, cuda, make)
     assert path == "fused" and "--check timed it fastest" in why and "0.500 s/step" in why
-    assert choice.kernel_path(T.dataclasses.replace(cfg, compile=True), cuda, make)[0] == "triton"
+    path, why = choice.kernel_path(T.dataclasses.replace(cfg, compile=True), cuda, make)
+    assert path == "triton" and "--check timed it fastest" in why and why.endswith("self-check passed")
+    # the path --check timed fastest is self-checked too: a triton that disagrees on this node runs the formulas
+    monkeypatch.setattr(choice, "triton_problem", lambda device, make: "disagree with the formulas")
+    path, why = choice.kernel_path(T.dataclasses.replace(cfg, compile=True), cuda, make)
+    assert path == "reference" and why.startswith("warning:") and "disagree" in why
+    monkeypatch.setattr(choice, "triton_problem", lambda device, make: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert choice.kernel_path(cfg, cuda, make)[0] == "triton"           # timed on another card: not this node's
     # a triton that cannot be imported, or that disagrees: the formulas, with the reason as a warning
