@@ -94,6 +94,25 @@ def test_each_arm_equals_the_formulas_forward_and_every_gradient(arm, n):
     assert_close_to(step(fast, x, grad_out, weight), truth, step(reference, x, grad_out, weight))
 
 
+# identity-HC's gradient of a_pre at width 72 lies 1.2e-4 of its largest entry from fp64 with the real block sizes
+# too (the formulas' fp32: 6.5e-6; at width 40 it meets the bar): a precision gap of that kernel, not of the chunking
+IDENTITY_A_PRE = pytest.mark.xfail(strict=True, reason="identity-HC's a_pre gradient misses the 1e-5 bar at width 72")
+
+
+@pytest.mark.parametrize("arm,n", [("hc", 4), ("mhc", 4), ("mhc-lite", 3),
+                                   pytest.param("identity-hc", 3, marks=IDENTITY_A_PRE)])
+def test_widths_over_several_channel_chunks(arm, n, monkeypatch):
+    """Block sizes forced small (16 channels a chunk, 2 tokens a program): a width of 72 runs 5 chunks, the last one
+    part-full, so every kernel's loop over chunks (the norms' and the projections' sums across them, the write's
+    second grid axis) carries real work, which widths of at most 40 at the real block sizes never reach."""
+    real = kernels.block_sizes
+    monkeypatch.setattr(kernels, "block_sizes", lambda n, C: (2, 16, real(n, C)[2]))
+    exact, reference, fast = connections(arm, n, 72)
+    x, grad_out, weight = inputs(n, 72)
+    truth = step(exact, x, grad_out, weight, torch.float64)
+    assert_close_to(step(fast, x, grad_out, weight), truth, step(reference, x, grad_out, weight))
+
+
 @pytest.mark.parametrize("arm", ["hc", "mhc", "mhc-lite"])
 def test_non_contiguous_states_and_a_stride_zero_gradient(arm):
     """The layouts the model hands over: a stream-major view (hcstudy/kernels/fused.py's), a strided slice, and the collapse's
