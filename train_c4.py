@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hcstudy import contract
 from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, PLAN_JOBS, ConfigError, DataUnavailable,
-                              Diverged, Interrupted, JobAnswer, PlanRequest, RunFailed, TrainerError)
+                              Diverged, Interrupted, PlanRequest, RunFailed, TrainerError)
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
@@ -44,10 +44,10 @@ from hcstudy.failures import classify_failure, exit_process, failure
 from hcstudy.kernels import choice, fused
 from hcstudy.planner import gpus, memory
 from hcstudy.planner.estimate import print_estimate
-from hcstudy.planner.plan_jobs import card_bytes, job_plan, node_answer
+from hcstudy.planner.plan_jobs import answer_jobs
 from hcstudy.progress import Progress
 from hcstudy.readahead import Loader, dataset_cache, hf_cache_refused, in_hf_cache
-from hcstudy.run_folder import (RunLog, changes_text, check_resumable, check_writable_folder, dcp_load, first_cause,
+from hcstudy.run_folder import (RunLog, check_resumable, check_writable_folder, dcp_load, first_cause,
                                 history_on, resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 from hcstudy.run_record import announce, device_name, run_record
 from hcstudy.wandb_log import WANDB_MODES, start_wandb, wandb_record
@@ -1495,32 +1495,6 @@ def preflight(cfg: Config, dist: Dist) -> tuple[int, int, DataFiles]:
     return micro, accum, data
 
 
-def plan_jobs(request: PlanRequest) -> dict:
-    """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
-    job's flags judged by this trainer's own checks, then planned for the launcher's node by job_plan."""
-    gpu, world, answers = request.gpu or gpus.ASSUMED_GPU, request.world, []
-    parameters = functools.cache(count_parameters)      # one build per model shape, not one per job
-    for job in request.jobs:
-        try:
-            cfg = parse_config(job.flags)
-            # a run the launcher would skip as finished is compared as a resume would be: refused when its settings
-            # changed, or with --allow-changed-settings planned and launched, so that this trainer continues it
-            changes = check_resumable(Path(cfg.out) / cfg.run_name, cfg) if job.finished else {}
-            if job.finished and not changes:
-                answers.append(JobAnswer(finished=True))
-                continue
-            card = card_bytes(cfg, gpu, request.card_gib)
-            micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
-            if gpu == "cpu":
-                memory.check_memory(cfg, embedding_rows(cfg), micro, world, torch.device("cpu"))
-            resolve_data_files(cfg.data, cfg.val_data)
-            plan = job_plan(GPT, cfg, parameters(memory.shape_key(cfg)), micro, world, gpu, card, job)
-            answers.append(dataclasses.replace(plan, changes=changes_text(changes)))
-        except (TrainerError, memory.PlanError) as error:
-            answers.append(JobAnswer(error=str(error)))
-    return node_answer(gpu, answers)
-
-
 def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     micro, accum, data = preflight(cfg, dist)
     run_dir = Path(cfg.out) / cfg.run_name
@@ -1597,7 +1571,8 @@ def main(argv: list[str] | None = None) -> int:
             print(consolidate.consolidate(*consolidate.arguments(argv), trainer=sys.modules[__name__]))
             return EXIT_OK
         if argv == [PLAN_JOBS]:
-            print(json.dumps(plan_jobs(PlanRequest.from_json(json.load(sys.stdin)))))
+            request = PlanRequest.from_json(json.load(sys.stdin))     # the planner judges with this file's checks
+            print(json.dumps(answer_jobs(request, trainer=sys.modules[__name__])))
             return EXIT_OK
         cfg = parse_config(argv)
         if cfg.estimate:

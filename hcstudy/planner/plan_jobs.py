@@ -2,11 +2,18 @@
 micro-batch, kernel path, time) for the node the launcher describes."""
 from __future__ import annotations
 
-from hcstudy.contract import JobAnswer, PlanJob, plan_answer
-from hcstudy.planner.gpus import GPU_MEMORY_GIB, flops_per_token
-from hcstudy.planner.memory import DEFAULT_GPU_MEMORY_GIB, GiB, PlanError, memory_plan
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+
+from hcstudy.contract import JobAnswer, PlanJob, TrainerError, plan_answer
+from hcstudy.planner.gpus import ASSUMED_GPU, GPU_MEMORY_GIB, flops_per_token
+from hcstudy.planner.memory import DEFAULT_GPU_MEMORY_GIB, GiB, PlanError, check_memory, memory_plan, shape_key
 from hcstudy.planner.run_time import (CHECKPOINT_GBPS, FORWARD_SHARE, STARTUP_S, gpu_rates, measured_rate, planned_path,
                                       rates_text, run_time)
+from hcstudy.run_folder import changes_text, check_resumable
 
 
 def card_bytes(cfg: Config, gpu: str, card_gib: float | None = None) -> float:
@@ -64,3 +71,30 @@ def node_answer(gpu: str, jobs: list[JobAnswer]) -> dict:
         f"checkpoint writes (fp32 weights and AdamW states at {CHECKPOINT_GBPS[1]:g}-{CHECKPOINT_GBPS[0]:g} GB/s) and "
         f"start-up ({startup[0]:.0f}-{startup[1]:.0f} s); low end: the fast assumptions together, "
         "high end: the slow ones (docs/planning.md)"])
+
+
+def answer_jobs(request, trainer) -> dict:
+    """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
+    job's flags judged by the trainer's own checks (`trainer`: train_c4, passed in by it), then planned for the
+    launcher's node by job_plan."""
+    gpu, world, answers = request.gpu or ASSUMED_GPU, request.world, []
+    parameters = functools.cache(trainer.count_parameters)      # one build per model shape, not one per job
+    for job in request.jobs:
+        try:
+            cfg = trainer.parse_config(job.flags)
+            # a run the launcher would skip as finished is compared as a resume would be: refused when its settings
+            # changed, or with --allow-changed-settings planned and launched, so that the trainer continues it
+            changes = check_resumable(Path(cfg.out) / cfg.run_name, cfg) if job.finished else {}
+            if job.finished and not changes:
+                answers.append(JobAnswer(finished=True))
+                continue
+            card = card_bytes(cfg, gpu, request.card_gib)
+            micro, _, _ = trainer.batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
+            if gpu == "cpu":
+                check_memory(cfg, trainer.embedding_rows(cfg), micro, world, torch.device("cpu"))
+            trainer.resolve_data_files(cfg.data, cfg.val_data)
+            plan = job_plan(trainer.GPT, cfg, parameters(shape_key(cfg)), micro, world, gpu, card, job)
+            answers.append(dataclasses.replace(plan, changes=changes_text(changes)))
+        except (TrainerError, PlanError) as error:
+            answers.append(JobAnswer(error=str(error)))
+    return node_answer(gpu, answers)

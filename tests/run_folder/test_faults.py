@@ -23,6 +23,7 @@ from hcstudy import consolidate
 from hcstudy import failures
 from hcstudy import run_folder
 import train_c4 as T
+from helpers import Exploit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -351,16 +352,6 @@ train_c4.Trainer.optimizer_step = _step
     assert [[r.get(k) for k in keys] for r in resumed] == [[r.get(k) for k in keys] for r in reference]
     leftovers = [p.name for p in (tmp_path / "resumed" / "mhc_d2_s42" / "checkpoints").iterdir()]
     assert sorted(leftovers) == ["step-50", "step-60"]            # no temp folder left behind
-
-
-class Exploit:
-    """Unpickling it runs a shell command that creates `witness`: it must never happen."""
-
-    def __init__(self, witness):
-        self.witness = witness
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.witness}",))
 
 
 def sharded_checkpoint(out, step=10):

@@ -14,6 +14,7 @@ import torch
 from hcstudy import consolidate
 from hcstudy import run_folder
 import train_c4 as T
+from helpers import Exploit
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "mhc_d2_s42"
@@ -354,16 +355,6 @@ def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(
 
 
 # ---- an FSDP (DCP) checkpoint whose payload the safe loader refuses
-
-class Exploit:
-    """Unpickling it runs a shell command that creates `witness`: it must never happen."""
-
-    def __init__(self, witness):
-        self.witness = witness
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.witness}",))
-
 
 def torchrun_fsdp(out, *args):
     """A tiny mHC run under FSDP on two gloo processes (one process is not sharded)."""
