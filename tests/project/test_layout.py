@@ -1,8 +1,13 @@
 """The house as design.md draws it: the root shows what a user runs, everything else is the package hcstudy, whose
 imports form a tree that never reaches the trainer; train_c4.py reads top to bottom in design.md's sections."""
 import ast
+import os
 import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hcstudy"
@@ -86,3 +91,18 @@ def test_the_trainer_reads_in_one_sitting():
     long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 40]
     assert not long
+
+
+@pytest.mark.slow
+def test_every_test_worker_collects_the_same_tests():
+    """pytest -n hands tests to workers by name, and each worker collects on its own: a name made of the clock (a
+    gzip header's time) or of set order (the hash seed) stops the whole suite before one test runs."""
+    def collected(hash_seed: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                              cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return [line for line in done.stdout.splitlines() if "::" in line]
+
+    first = collected("1")
+    time.sleep(1.1)  # the next second: gzip headers and timestamps differ
+    assert collected("2") == first

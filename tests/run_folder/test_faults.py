@@ -73,8 +73,10 @@ def test_bad_lines_are_skipped_and_counted_and_big_documents_pass(tmp_path):
     assert all(batches.next_batch()[0].shape == (2, 32) for _ in range(20))
 
 
-@pytest.mark.parametrize("content", [b"", b"this is not gzip at all", gzip.compress(b""),
-                                     gzip.compress(b'{"text": "caf\xe9 is not UTF-8"}\n')])
+# mtime=0 and named ids: a gzip header holds the time it was made, and xdist's workers must collect the same names.
+@pytest.mark.parametrize("content", [b"", b"this is not gzip at all", gzip.compress(b"", mtime=0),
+                                     gzip.compress(b'{"text": "caf\xe9 is not UTF-8"}\n', mtime=0)],
+                         ids=["empty file", "not gzip", "empty gzip", "gzip not UTF-8"])
 def test_an_unusable_shard_is_a_clear_error_not_a_hang(tmp_path, content):
     path = tmp_path / "c4-train.00000-of-00001.json.gz"
     shard(path, [], raw=content)
