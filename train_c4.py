@@ -576,17 +576,19 @@ class Block(nn.Module):
         self.mlp_conn = connection(cfg, 2 * index + 1, kernels)
         self.activation_checkpointing = cfg.activation_checkpointing
 
-    def forward(self, x, return_mixing: bool = False):
+    def forward(self, x, return_mixing: bool = False, with_states: bool = False):
         # returned, not appended to a caller's list: torch.compile would guard on its length, a graph per block
-        mixing = []
+        mixing, states = [], []
         for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
+            if with_states:             # the probe's: what each connection reads, as n x n per token, not n x C
+                states.append(stream_gram(x))
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # the stream mixing is recomputed with the sublayer: storing it would cost n x C per token
                 x, record = checkpoint(conn, x, sublayer, use_reentrant=False)
             else:
                 x, record = conn(x, sublayer)
             mixing.append(record)
-        return (x, mixing) if return_mixing else x
+        return (x, mixing, states) if return_mixing else x
 
 
 class GPT(nn.Module):
@@ -619,7 +621,7 @@ class GPT(nn.Module):
                 elif "_conn." in name:
                     module.weight.zero_()
 
-    def forward(self, idx, targets=None, mixing_out: list | None = None):
+    def forward(self, idx, targets=None, mixing_out: list | None = None, states_out: list | None = None):
         # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
         h = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))).float()
         # expand once, the embedding copied into every stream, in the layout the blocks return (torch.compile
@@ -630,8 +632,9 @@ class GPT(nn.Module):
             if mixing_out is None:
                 x = block(x)
             else:
-                x, mixing = block(x, return_mixing=True)
+                x, mixing, states = block(x, return_mixing=True, with_states=states_out is not None)
                 mixing_out.extend(mixing)
+                states_out is None or states_out.extend(states)
         if x.requires_grad and fused_streams:
             x.register_hook(fused.stream_major)          # the collapse's gradient comes as one stride-0 view
         logits = self.lm_head(self.ln_f(x[..., 0, :] if self.collapse_first else x.sum(dim=-2)))   # collapse once
@@ -755,17 +758,70 @@ def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:
             "sinkhorn_converged_iters": iters, "sinkhorn_converged_err": stochastic_errors(converged).max().item()}
 
 
-LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd", "layer_sinkhorn_row_err", "layer_sinkhorn_col_err")
+def stream_gram(x: torch.Tensor) -> torch.Tensor:
+    """x x^T (..., n, n) of the streams x (..., n, C), in fp64 (TF32 or bf16 would blur a near-rank-one state)."""
+    with mixing_autocast(x):
+        return x.double() @ x.double().transpose(-1, -2)
+
+
+def spread(p: torch.Tensor) -> torch.Tensor:
+    """exp of the entropy of the distributions p (..., n): how many of their n entries count, from 1 to n."""
+    return torch.special.entr(p).sum(-1).exp()
+
+
+def state_metrics(G: torch.Tensor) -> torch.Tensor:
+    """(3, L) from the Gram matrices G (L, tokens, n, n) of the states at each connection's input, token means of:
+    the largest stream's share of the energy, the effective number of streams, the effective rank (docs/model.md)."""
+    energy = G.diagonal(dim1=-2, dim2=-1)
+    shares = energy / energy.sum(-1, keepdim=True).clamp_min(torch.finfo(G.dtype).tiny)
+    singular = torch.linalg.eigvalsh(G).clamp_min(0).sqrt()
+    weights = singular / singular.sum(-1, keepdim=True).clamp_min(torch.finfo(G.dtype).tiny)
+    return torch.stack([shares.amax(-1), spread(shares), spread(weights)]).mean(-1)
+
+
+def permutation_distance(M: torch.Tensor) -> torch.Tensor:
+    """sum |M - P| (...) for the permutation P nearest to each M (..., n, n): sum |M| plus, over P's n entries,
+    |M_ij - 1| - |M_ij|; linear in P, so one matmul scores all n! of them."""
+    gain = ((M - 1).abs() - M.abs()).flatten(-2) @ permutation_matrices(M.shape[-1]).to(M).flatten(1).T
+    return M.abs().sum((-2, -1)) + gain.amin(-1)
+
+
+def stream_metrics(G: torch.Tensor, H: torch.Tensor) -> dict:
+    """What the streams carry (G: their Gram matrices) and how far H_res (L, tokens, n, n) and its full-depth
+    product sit from I, J/n and a permutation: per token, then averaged (docs/model.md); n >= 2."""
+    n, H = H.shape[-1], H.double()
+    unit = 2 * (n - 1)          # sum |P - J/n| for every permutation P: J/n and a permutation are 1 apart
+    composite = composites(H)[0][-1]            # H_L ... H_1
+    dominance, streams, rank = state_metrics(G)
+    to_identity = (H - torch.eye(n, dtype=H.dtype, device=H.device)).abs().sum((-2, -1)).mean(-1) / unit
+    values = [dominance.max(), dominance.mean(), streams.mean(), streams.min(), rank.mean(), rank.min(),
+              to_identity.max(), to_identity.mean(), (composite - 1 / n).abs().sum((-2, -1)).mean() / unit]
+    if n <= MHC_LITE_MAX_EXPANSION:     # beyond, n! permutations are too many to score per token
+        values.append(permutation_distance(composite).mean() / unit)
+    layers = torch.cat([torch.stack(values), dominance, streams, rank, to_identity]).tolist()
+    return dict(zip(STREAM_KEYS, layers[:len(values)])) | {
+        key: layers[len(values) + i * len(H):len(values) + (i + 1) * len(H)] for i, key in enumerate(STREAM_LAYER_KEYS)}
+
+
+STREAM_KEYS = ("stream_dominance", "stream_dominance_mean", "effective_streams", "effective_streams_min",
+               "effective_rank", "effective_rank_min", "res_to_identity", "res_to_identity_mean",
+               "composite_to_uniform", "composite_to_permutation")
+STREAM_LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
+                     "layer_res_to_identity")
+LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
+                     "layer_res_to_identity")
+LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd", "layer_sinkhorn_row_err", "layer_sinkhorn_col_err",
+              *STREAM_LAYER_KEYS)
 
 
 @torch.no_grad()
 def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, with_layers: bool) -> dict:
     """Run the fixed probe batch and measure the gains. No RNG, no autograd state; the mode is restored."""
-    was_training, mixing = model.training, []
+    was_training, mixing, states = model.training, [], []
     model.eval()
     try:
         with autocast_ctx():
-            model(probe_idx, mixing_out=mixing)
+            model(probe_idx, mixing_out=mixing, states_out=states)
     finally:
         model.train(was_training)
     if mixing[0] is None:                          # the plain residual: H_res = 1 by definition
@@ -774,6 +830,8 @@ def instability_probe(model: nn.Module, probe_idx: torch.Tensor, autocast_ctx, w
         n = mixing[0][0].shape[-1]
         H = torch.stack([h.float().reshape(-1, n, n) for h, _ in mixing])
         metrics = gain_metrics(H)
+        if n > 1:
+            metrics |= stream_metrics(torch.stack([g.reshape(-1, n, n) for g in states]), H)
         if mixing[0][1] is not None:
             metrics |= projection_metrics(H, torch.stack([z.float().reshape(-1, n, n) for _, z in mixing]))
     if not with_layers:

@@ -326,12 +326,12 @@ def run_profile(args, device: torch.device) -> int:
 
 def run_explain(args, device: torch.device) -> int:
     """What --compile's block.compile() gets: the graphs and graph breaks of one block, for a training call
-    (grad on) and for the instability probe's call (no grad, eval, return_mixing)."""
+    (grad on) and for the instability probe's call (no grad, eval, return_mixing with the states)."""
     for name in args.variants:
         cfg = config(args, name)
         model = build_model(cfg, device).to(device)
         x = torch.randn(args.micro_batch, cfg.seq_len, model.streams, cfg.width, device=device, requires_grad=True)
-        for call, kwargs in (("training", {}), ("probe", {"return_mixing": True})):
+        for call, kwargs in (("training", {}), ("probe", {"return_mixing": True, "with_states": True})):
             torch._dynamo.reset()
             block = model.blocks[0].train(call == "training")
             with torch.set_grad_enabled(call == "training"):

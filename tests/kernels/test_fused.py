@@ -167,7 +167,7 @@ def test_one_block_compiles_to_one_graph_and_matches_eager(residual, kernels):
         randomize_mixing(block)
         run = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
         x = x0.clone().requires_grad_()
-        out, mixing = run(x, return_mixing=True)
+        out, mixing, _ = run(x, return_mixing=True)
         out.backward(grad_out)
         results.append({"output": out.detach(), "input": x.grad, **{n: p.grad for n, p in block.named_parameters()},
                         **{f"record {i}": r[0] for i, r in enumerate(mixing) if r is not None}})

@@ -79,11 +79,11 @@ def test_no_module_but_the_trainer_is_long_and_the_map_names_every_module():
 
 
 def test_the_trainer_reads_in_one_sitting():
-    """design.md's section order; train_c4.py at most 1,650 lines with no autograd.Function (the kernels' own), the
-    training loop at most 380, no function over 40."""
+    """design.md's section order; train_c4.py at most 1,700 lines (1,650 until the streams' probe metrics came) with
+    no autograd.Function (the kernels' own), the training loop at most 380, no function over 40."""
     source = (ROOT / "train_c4.py").read_text()
     lines = source.splitlines()
-    assert len(lines) <= 1650 and "autograd.Function" not in source
+    assert len(lines) <= 1700 and "autograd.Function" not in source
     assert [lines[i + 1][2:].split(":")[0] for i, line in enumerate(lines) if line.startswith("# -----")] == SECTIONS
     loop, main = (lines.index(next(line for line in lines if line.startswith(f"# {name}"))) for name in
                   ("training loop", "main:"))

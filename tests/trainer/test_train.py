@@ -25,7 +25,7 @@ PROBE_KEYS = {"amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_l0_f
               "min_row_sum", "min_col_sum"}
 # values that must be identical between an interrupted-and-resumed run and an uninterrupted one
 DETERMINISTIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "amax_fwd", "amax_bwd",
-                      "layer_gain_fwd")
+                      "layer_gain_fwd", "stream_dominance", "effective_rank", "layer_effective_rank")
 
 
 def trainer(out, *args, env=None, wait=True):
@@ -62,6 +62,8 @@ def test_a_run_writes_every_documented_file_and_key(tmp_path):
     assert all(TRAINING_KEYS <= r.keys() for r in records[1:])
     assert PROBE_KEYS | {"layer_gain_fwd", "layer_gain_bwd"} <= records[-1].keys()
     assert len(records[-1]["layer_gain_fwd"]) == 4 and "val_loss" in records[10]
+    assert {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} <= records[-1].keys() and set(T.STREAM_KEYS) <= records[5].keys()
+    assert len(records[-1]["layer_effective_rank"]) == 4 and "layer_effective_rank" not in records[5]
     assert records[-1]["loss"] < records[1]["loss"]
     assert "tokens per step: 128" in (run / "train.log").read_text()
     assert sorted(d.name for d in (run / "checkpoints").iterdir()) == ["step-10", "step-20"]
@@ -208,7 +210,7 @@ def test_mhc_run_writes_the_truncation_and_converged_keys(tmp_path):
     for key in ("sinkhorn_row_err", "sinkhorn_col_err", "sinkhorn_bwd_bound", "amax_fwd_converged",
                 "amax_bwd_converged", "amax_study", "amax_study_converged", "sinkhorn_converged_iters"):
         assert key in last, key
-    assert len(last["layer_sinkhorn_col_err"]) == 4
+    assert len(last["layer_sinkhorn_col_err"]) == 4 and {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} <= last.keys()
     assert abs(last["amax_bwd_converged"] - 1) < 1e-3 and last["amax_bwd"] <= last["sinkhorn_bwd_bound"] + 1e-9
     config = json.loads((tmp_path / "mhc_d2_s42" / "config.json").read_text())
     assert config["precision"]["residual_streams"] == "fp32"

@@ -1,0 +1,122 @@
+"""The streams' probe metrics on states and matrices whose values are known by hand: a dominated state, equal
+streams, copies of one stream; H_res at the identity, at J/n, at a permutation; HC-like composites with negative
+entries against a brute-force nearest permutation."""
+import contextlib
+import itertools
+import math
+
+import pytest
+import torch
+
+import train_c4 as T
+from helpers import tiny_config
+
+
+def gram(*streams):
+    """The Gram matrix of one token whose n streams are the given vectors: (1, 1, n, n), one connection."""
+    return T.stream_gram(torch.tensor(streams, dtype=torch.float64))[None, None]
+
+
+def readings(G):
+    dominance, streams, rank = T.state_metrics(G)[:, 0].tolist()
+    return dominance, streams, rank
+
+
+def test_a_state_held_by_one_stream_counts_one_stream_of_rank_one():
+    assert readings(gram([3.0, -4.0, 1.0], [0, 0, 0], [0, 0, 0], [0, 0, 0])) == pytest.approx((1, 1, 1))
+
+
+def test_equal_orthogonal_streams_count_n_streams_of_rank_n():
+    assert readings(gram([2.0, 0, 0, 0], [0, -2.0, 0, 0], [0, 0, 2.0, 0], [0, 0, 0, 2.0])) == pytest.approx((0.25, 4, 4))
+
+
+def test_copies_of_one_stream_share_the_energy_but_carry_rank_one():
+    """The state at initialisation: the embedding copied into every stream."""
+    assert readings(gram([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0])) == pytest.approx((1 / 3, 3, 1))
+
+
+def test_a_hand_computed_two_stream_state():
+    # energies 3 and 1 (shares 3/4, 1/4), orthogonal: singular values sqrt(3) and 1
+    shares, singular = (0.75, 0.25), (math.sqrt(3) / (math.sqrt(3) + 1), 1 / (math.sqrt(3) + 1))
+    expected = (0.75, math.exp(-sum(p * math.log(p) for p in shares)),
+                math.exp(-sum(q * math.log(q) for q in singular)))
+    assert readings(gram([math.sqrt(3), 0.0], [0.0, 1.0])) == pytest.approx(expected, rel=1e-12)
+    assert expected[1] == pytest.approx(1.7548, abs=1e-4) and expected[2] == pytest.approx(1.9286, abs=1e-4)
+
+
+def test_the_readings_are_token_means_and_their_depth_max_mean_and_min():
+    held, spread = gram([1.0, 0.0], [0.0, 0.0]), gram([1.0, 0.0], [0.0, 1.0])
+    G = torch.cat([torch.cat([held, spread], 1), torch.cat([spread, spread], 1)])       # 2 connections, 2 tokens
+    H = torch.eye(2, dtype=torch.float64).expand(2, 2, 2, 2)
+    m = T.stream_metrics(G, H)
+    assert m["layer_stream_dominance"] == pytest.approx([0.75, 0.5])
+    assert m["stream_dominance"] == pytest.approx(0.75) and m["stream_dominance_mean"] == pytest.approx(0.625)
+    assert m["layer_effective_streams"] == pytest.approx([1.5, 2]) and m["effective_streams_min"] == pytest.approx(1.5)
+    assert m["effective_streams"] == pytest.approx(1.75) and m["effective_rank"] == pytest.approx(1.75)
+
+
+def mixing(H, depth=3, n=4):
+    """stream_metrics' mixing readings for H (n, n) at every sublayer of `depth` and one token."""
+    G = torch.eye(n, dtype=torch.float64).expand(depth, 1, n, n)
+    keys = ("res_to_identity", "res_to_identity_mean", "composite_to_uniform", "composite_to_permutation")
+    m = T.stream_metrics(G, H.expand(depth, 1, n, n))
+    return tuple(m.get(key) for key in keys)
+
+
+def test_the_identity_is_kept_apart_one_from_the_average():
+    assert mixing(torch.eye(4)) == pytest.approx((0, 0, 1, 0))
+
+
+def test_the_uniform_matrix_is_one_from_the_identity_and_from_every_permutation():
+    assert mixing(torch.full((4, 4), 0.25)) == pytest.approx((1, 1, 0, 1))
+
+
+def test_a_permutation_other_than_the_identity():
+    shift = torch.eye(4).roll(1, 0)         # no fixed point: |P - I| sums to 2n, over the unit 2(n - 1)
+    assert mixing(shift) == pytest.approx((8 / 6, 8 / 6, 1, 0))
+
+
+def test_the_nearest_permutation_of_hc_like_matrices_is_found_among_all_of_them():
+    """Negative entries and entries over 1 (HC's composites): the linear scoring against a brute force."""
+    M = torch.randn(50, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    perms = [torch.eye(4, dtype=torch.float64)[list(p)] for p in itertools.permutations(range(4))]
+    brute = torch.stack([torch.stack([(m - P).abs().sum() for P in perms]).min() for m in M])
+    assert torch.allclose(T.permutation_distance(M), brute, rtol=1e-12)
+
+
+def test_per_token_distances_are_averaged_over_the_tokens():
+    H = torch.stack([torch.eye(3), torch.full((3, 3), 1 / 3)]).double().expand(2, 2, 3, 3)    # 2 sublayers
+    m = T.stream_metrics(torch.eye(3, dtype=torch.float64).expand(2, 2, 3, 3), H)
+    assert m["layer_res_to_identity"] == pytest.approx([0.5, 0.5])
+    assert m["composite_to_uniform"] == pytest.approx(0.5) and m["composite_to_permutation"] == pytest.approx(0.5)
+
+
+def test_too_many_permutations_to_score_leave_that_reading_out():
+    n = T.MHC_LITE_MAX_EXPANSION + 1
+    m = T.stream_metrics(torch.eye(n, dtype=torch.float64).expand(1, 1, n, n), torch.eye(n).expand(1, 1, n, n))
+    assert "composite_to_permutation" not in m and m["composite_to_uniform"] == pytest.approx(1)
+
+
+@pytest.mark.parametrize("residual", ["baseline", "hc", "mhc", "mhc-lite", "identity-hc"])
+def test_the_probe_logs_them_for_every_arm_with_streams(residual):
+    cfg = tiny_config(residual=residual)
+    model = T.GPT(cfg)
+    tokens = torch.randint(0, 100, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    m = T.instability_probe(model, tokens, contextlib.nullcontext, with_layers=True)
+    if residual == "baseline":
+        assert not {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} & m.keys()
+        return
+    assert {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} <= m.keys() and len(m["layer_effective_rank"]) == 2 * cfg.depth
+    # every stream starts as a copy of the embedding: shares 1/n, rank one
+    assert m["layer_stream_dominance"][0] == pytest.approx(1 / cfg.expansion)
+    assert m["layer_effective_rank"][0] == pytest.approx(1, abs=1e-5)
+    if residual in ("hc", "identity-hc"):                   # H_res = I at initialisation
+        assert (m["res_to_identity"], m["composite_to_permutation"]) == (0, 0)
+    without = T.instability_probe(model, tokens, contextlib.nullcontext, with_layers=False)
+    assert set(T.STREAM_KEYS) <= without.keys() and not set(T.STREAM_LAYER_KEYS) & without.keys()
+
+
+def test_a_learned_diagonal_reads_as_docs_model_md_says():
+    d, n = 0.96, 4              # diagonal d, the rest even: n(1 - d) / (n - 1)
+    H = torch.full((n, n), (1 - d) / (n - 1)).fill_diagonal_(d).double()
+    assert mixing(H)[0] == pytest.approx(n * (1 - d) / (n - 1)) and mixing(H)[0] == pytest.approx(0.0533, abs=1e-4)
