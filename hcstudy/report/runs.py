@@ -237,9 +237,11 @@ def _keep(rec, step, run, problems, lineno):
         v = rec.get(key)
         if isinstance(v, list) and v:
             try:
-                run.layers[key].add(step, np.asarray(v, dtype=np.float32))
+                values = np.asarray(v, dtype=np.float32)
             except (TypeError, ValueError):
-                pass
+                continue
+            if values.ndim == 1:        # a list of lists is no per-sublayer list (the heatmap failed on one)
+                run.layers[key].add(step, values)
     if "tokens" in rec:
         run.tokens = _num(rec["tokens"])
 

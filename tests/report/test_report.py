@@ -946,3 +946,11 @@ def test_depth_trend_draws_our_mean_and_band_beside_the_published_figures(tmp_pa
                                        for ln in ax.get_lines())
     assert "the public study's own reading" in figures[0].get_suptitle()
     assert "not our per-token one" in figures[0].get_suptitle()
+
+
+def test_a_list_of_lists_is_no_layer_list(tmp_path):
+    lists = {key: [[1.0, 2.0], [3.0, 4.0]] for key in ("layer_gain_fwd", "layer_gain_bwd", "layer_stream_dominance")}
+    write_run(tmp_path, "hc_d1_s1", [{**train(1, 1.0, 5.0, 0.5, 10), **probe(2.0, 2.0), **lists}])
+    assert command.main([str(tmp_path)]) == 0
+    assert not (tmp_path / "report" / "layer_gains.png").exists()
+    assert not (tmp_path / "report" / "streams.png").exists()
