@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hcstudy.contract import STUDY_TRAIN_KEY
-from hcstudy.report.runs import SCALAR_KEYS, Arm, load_runs, settings
+from hcstudy.report.runs import SCALAR_KEYS, STREAM_KEYS, Arm, load_runs, settings
 
 THRESHOLDS = (10.0, 100.0, 1000.0)      # composite gain levels whose first crossing step is reported
 FLAT = 0.05                     # the verdict calls gains within 1 ± FLAT "stayed within", else peaks
@@ -52,6 +52,22 @@ class RunSummary:
     gpu_hours: float
     has_probe: bool
     has_layers: bool
+    # the stream readings (STREAM_KEYS) at the run's last probe: how the trained model ended, not a peak
+    stream_dominance: float
+    stream_dominance_mean: float
+    effective_streams: float
+    effective_streams_min: float
+    effective_rank: float
+    effective_rank_min: float
+    res_to_identity: float
+    res_to_identity_mean: float
+    composite_to_uniform: float
+    composite_to_permutation: float
+
+    @property
+    def peak_gain(self):
+        """The larger of the peak forward and backward composite gains (NaN only when neither was logged)."""
+        return float(np.fmax(self.peak_fwd, self.peak_bwd))
 
 
 def peak_of(values):
@@ -119,7 +135,8 @@ def summarize(run):
         peak_grad_norm=peak_of(s["grad_norm"][1]),
         clip_share=float(clipped.mean()) if clipped.size else math.nan,
         tokens=run.tokens, wall_s=run.wall_s, n_gpus=n_gpus, gpu_hours=run.wall_s / 3600 * n_gpus,
-        has_probe=fwd.size > 0, has_layers=len(run.layers["layer_gain_fwd"]) > 0)
+        has_probe=fwd.size > 0, has_layers=len(run.layers["layer_gain_fwd"]) > 0,
+        **{k: _last(s[k][1]) for k in STREAM_KEYS})
 
 
 @dataclass(frozen=True)
@@ -145,7 +162,7 @@ STAT_FIELDS = {  # RunSummary field -> finite_only (losses drop a diverged run's
     "final_loss": True, "best_val": True, "final_val": True, "peak_fwd": False, "peak_bwd": False,
     "peak_l0_fwd": False, "peak_l0_bwd": False, "peak_abs": False, "peak_study": False, "peak_converged": False,
     "peak_study_train": False, "peak_col_err": False, "peak_bwd_bound": False, "peak_grad_norm": False,
-    "clip_share": True, "tokens": True}
+    "clip_share": True, "tokens": True, **dict.fromkeys(STREAM_KEYS, False)}
 
 
 @dataclass

@@ -16,7 +16,7 @@ from hcstudy.report.plots import PLOT_NAMES, pick_heatmap_run, write_plots
 from hcstudy.report.published import reference_block, reference_verdict
 from hcstudy.report.runs import ReportError, load_runs
 from hcstudy.report.tables import (GAIN_NOTES, TABLE_NOTES, csv_rows, gain_columns, main_columns, markdown, run_columns,
-                                   run_csv_rows, table_columns, write_csv)
+                                   run_csv_rows, stream_block, table_columns, write_csv)
 from hcstudy.report.verdict import headline, verdict
 
 
@@ -71,6 +71,7 @@ def results_markdown(roots, rows, summaries, verdict_lines, plots, notes):
              "## Published figures", "", *reference_block(rows), "",
              "## Verdict", "", *[f"- {v}" for v in verdict_lines], "",
              "## Amplification: three readings", "", markdown(gain_columns(), rows), "", GAIN_NOTES, "",
+             "## Streams", "", *stream_block(rows), "",
              "## Full table", "", markdown(table_columns(), rows), "", TABLE_NOTES, *matrix_notes(summaries), "",
              "## Runs", "", markdown(run_columns(), summaries), "", "## Plots", ""]
     parts += [f"![{p.stem}]({p.name})" for p in plots] + [f"- {note}" for note in notes]
@@ -96,7 +97,7 @@ def report(roots, out=None, heatmap_run=None, with_plots=True):
     out.mkdir(parents=True, exist_ok=True)
     for name in PLOT_NAMES:             # an earlier report's plot would contradict this results.md
         (out / name).unlink(missing_ok=True)
-    plots, notes = write_plots(runs, heat, out) if with_plots else ([], ["plots skipped (--no-plots)."])
+    plots, notes = write_plots(runs, summaries, heat, out) if with_plots else ([], ["plots skipped (--no-plots)."])
     (out / "results.md").write_text(results_markdown(roots, rows, summaries, verdict_lines, plots, notes))
     write_csv(out / "results.csv", csv_rows(rows))
     write_csv(out / "runs.csv", run_csv_rows(summaries))

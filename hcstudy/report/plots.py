@@ -2,6 +2,7 @@
 imported only when plotting."""
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -10,8 +11,9 @@ from typing import NamedTuple
 import numpy as np
 
 from hcstudy.contract import ARM_DEFAULTS
-from hcstudy.report.aggregate import THRESHOLDS, peak_of
-from hcstudy.report.runs import LAYER_KEYS, METHOD_LABEL, Arm, ReportError, settings
+from hcstudy.report.aggregate import THRESHOLDS, peak_of, summary_arm
+from hcstudy.report.published import PUBLISHED
+from hcstudy.report.runs import LAYER_KEYS, METHOD_LABEL, STREAM_LAYER_KEYS, Arm, ReportError, settings
 from hcstudy.report.tables import seeds_text
 
 # One line width for all, and a marker shape each at staggered points: baseline and mHC coincide at a gain of 1
@@ -120,9 +122,10 @@ def arm_looks(arms):
     return looks
 
 
-def group_runs(runs):
-    """{depth: {Look: [runs]}}, one Look per arm, in display order."""
-    looks, out = arm_looks({r.arm for r in runs}), {}
+def group_runs(runs, looks=None):
+    """{depth: {Look: [runs]}}, one Look per arm, in display order; `looks` (arm_looks of every run) keeps a subset's
+    colours those of the other figures."""
+    looks, out = looks or arm_looks({r.arm for r in runs}), {}
     for r in sorted(runs, key=lambda r: (r.depth, r.arm.sort_key(), r.seed or 0)):
         out.setdefault(r.depth, {}).setdefault(looks[r.arm], []).append(r)
     return out
@@ -143,25 +146,30 @@ def line_style(look, n_points):
 
 
 def draw_method(ax, look, runs, key, window=1, geometric=False, envelope=False):
-    """One arm's mean line on ax with its seed min–max band, or with a thin line through the
-    largest value of each bin (`envelope`, for spikes); an X where a run diverged.
-    Returns the plotted arrays (for axis scaling)."""
-    band = bin_curves([r.series[key].arrays() for r in runs], window, geometric)
+    """One arm's line of `key` over the steps (draw_curves), with an X where a run diverged."""
+    plotted = draw_curves(ax, look, [r.series[key].arrays() for r in runs], window, geometric, envelope)
+    if plotted:
+        mark_diverged(ax, look, runs, key)
+    return plotted
+
+
+def draw_curves(ax, look, curves, window=1, geometric=False, envelope=False, label=None, every_point=False):
+    """One arm's mean line over its seeds' curves ((x, values) each) with the seed min–max band, or with a thin
+    line through the largest value of each bin (`envelope`, for spikes); `every_point` marks each point, not a
+    staggered few. Returns the plotted arrays (for axis scaling)."""
+    band = bin_curves(curves, window, geometric)
     if band is None or not np.isfinite(band.line).any():
         return []
     ok = np.isfinite(band.line)
-    style = line_style(look, int(ok.sum()))
-    label = f"{look.label} ({seeds_text(len(runs))})"
-    ax.plot(band.x[ok], band.line[ok], label=label, **style)
+    style = line_style(look, int(ok.sum())) | ({"markevery": 1} if every_point else {})
+    ax.plot(band.x[ok], band.line[ok], label=label or f"{look.label} ({seeds_text(len(curves))})", **style)
     if envelope:
         ax.plot(band.x[ok], band.full_hi[ok], color=style["color"], lw=0.7, alpha=0.75, zorder=1)
-        plotted = [band.line[ok], band.full_lo[ok], band.full_hi[ok]]
-    else:
-        plotted = [band.line[ok], band.seed_lo[ok], band.seed_hi[ok]]
-        if len(runs) > 1:
-            ax.fill_between(band.x[ok], plotted[1], plotted[2], color=style["color"], alpha=0.18, lw=0,
-                            zorder=style["zorder"] - 1)
-    mark_diverged(ax, look, runs, key)
+        return [band.line[ok], band.full_lo[ok], band.full_hi[ok]]
+    plotted = [band.line[ok], band.seed_lo[ok], band.seed_hi[ok]]
+    if len(curves) > 1:
+        ax.fill_between(band.x[ok], plotted[1], plotted[2], color=style["color"], alpha=0.18, lw=0,
+                        zorder=style["zorder"] - 1)
     return plotted
 
 
@@ -187,8 +195,14 @@ def plot_panel(ax, by_method, key, title, points=PLOT_POINTS, legend_outside=Fal
     plotted = []
     for look, runs in by_method.items():
         plotted += draw_method(ax, look, runs, key, window, **kw)
-    ax.set_title(f"{title} ({window_words(window)})", fontsize=10)
-    ax.set_xlabel("step")
+    finish_panel(ax, plotted, f"{title} ({window_words(window)})", "step", legend_outside)
+    return plotted
+
+
+def finish_panel(ax, plotted, title, xlabel, legend_outside=False):
+    """Title, x label, grid and legend of a panel; 'no data' on a panel with nothing plotted."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
     ax.grid(True, which="major", alpha=0.3)
     if plotted and legend_outside:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -196,7 +210,6 @@ def plot_panel(ax, by_method, key, title, points=PLOT_POINTS, legend_outside=Fal
         ax.legend(fontsize=8, loc="best")
     else:
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="0.5")
-    return plotted
 
 
 def scale_y(ax, values, spread):
@@ -217,9 +230,13 @@ def mark_level(ax, y, text, values):
     """A dotted horizontal reference line (threshold, clip value) when it lies inside the data."""
     top = max((float(np.nanmax(v)) for v in values if v.size), default=0.0)
     if y < top:
-        ax.axhline(y, color="0.45", lw=0.8, ls=":", zorder=1)
-        ax.annotate(text, (0.005, y), xycoords=("axes fraction", "data"), fontsize=8, color="0.35",
-                    va="bottom")
+        draw_level(ax, y, text)
+
+
+def draw_level(ax, y, text, color="0.45", text_color="0.35"):
+    """A dotted horizontal line at y, named at the left edge of the axis."""
+    ax.axhline(y, color=color, lw=0.8, ls=":", zorder=1)
+    ax.annotate(text, (0.005, y), xycoords=("axes fraction", "data"), fontsize=8, color=text_color, va="bottom")
 
 
 def name_arms_at_one(ax, by_method, key):
@@ -299,6 +316,82 @@ def clip_value(by_method):
     return clips[0] if len(clips) == 1 else None
 
 
+STREAM_PANELS = (("layer_stream_dominance", "stream dominance", "largest stream's energy share (1/n to 1)"),
+                 ("layer_effective_streams", "effective streams", "exp(entropy of the shares) (1 to n)"),
+                 ("layer_effective_rank", "effective rank", "effective rank of the streams (1 to n)"),
+                 ("layer_res_to_identity", "H_res to I", "distance of H_res from I (J/n at 1)"))
+
+
+def has_lists(run, keys):
+    return any(len(run.layers[k]) for k in keys)
+
+
+def last_list(run, key):
+    """(sublayer index, value) of the run's last `key` list (its final checkpoint's), or None when it logged none."""
+    series = run.layers[key]
+    if not len(series):
+        return None
+    return np.arange(series.values[-1].size), series.values[-1].astype(np.float64)
+
+
+def plot_streams(runs, path):
+    """The stream readings per sublayer at each run's last layer-metric line: a row of panels per depth, a line per
+    arm (mean over seeds, band = seed min–max)."""
+    looks = arm_looks({r.arm for r in runs})         # the colours of the other figures, whichever runs have lists
+    groups = group_runs([r for r in runs if has_lists(r, STREAM_LAYER_KEYS)], looks)
+    fig, axes = new_figure(len(groups), len(STREAM_PANELS), width=4.8)
+    for (depth, by_method), row in zip(groups.items(), axes):
+        for ax, (key, title, ylabel) in zip(row, STREAM_PANELS):
+            plotted = []
+            for look, arm_runs in by_method.items():
+                plotted += draw_curves(ax, look, [c for r in arm_runs if (c := last_list(r, key)) is not None])
+            finish_panel(ax, plotted, f"depth {depth}: {title}", "sublayer k (even: attention, odd: MLP)")
+            ax.set_ylabel(ylabel, fontsize=9)
+    fig.suptitle("The streams per sublayer at each run's last layer-metric step: line = mean over seeds, "
+                 "band = seed min–max", fontsize=11)
+    return save(fig, path)
+
+
+# large and hollow, shapes no arm of ours draws: a published figure is never read as one of our points
+PUBLISHED_MARKERS = ("p", "*", "<", ">", "h", "8")
+
+
+def plot_depth_trend(summaries, path):
+    """Peak composite gain against model depth: per arm the mean over seeds at each depth with the seeds' min–max
+    band, beside the published figures."""
+    looks, by_arm = arm_looks({summary_arm(s) for s in summaries}), {}
+    for s in sorted((s for s in summaries if math.isfinite(s.peak_gain)), key=lambda s: s.depth):
+        by_arm.setdefault(looks[summary_arm(s)], []).append((np.array([s.depth]), np.array([s.peak_gain])))
+    fig, ((ax,),) = new_figure(1, 1, height=5.0, width=11.0)
+    plotted = []
+    for look in sorted(by_arm, key=lambda look: look.index):
+        points = by_arm[look]
+        plotted += draw_curves(ax, look, points, label=f"{look.label}, ours ({len(points)} runs)", every_point=True)
+    draw_published(ax)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({s.depth for s in summaries} | {p.depth for p in PUBLISHED if p.depth}))
+    finish_panel(ax, plotted, "ours beside the published figures", "model depth (layers)", legend_outside=True)
+    ax.set_ylabel("peak composite gain (×)")
+    fig.suptitle("Peak composite gain against model depth. Ours: per run the larger of peak amax_fwd and amax_bwd "
+                 "(per token);\nline = mean over seeds, band = seed min–max. Published (large hollow shapes): the "
+                 "public study's own reading\n(H averaged over its batch, on its own model), not our per-token one; "
+                 "dotted lines: the mHC paper's 27B model.", fontsize=10)
+    return save(fig, path)
+
+
+def draw_published(ax):
+    """The published figures: those of a depth as large hollow markers (± the spread over seeds where published),
+    the mHC paper's (27B, no depth of ours) as dotted lines named at the left edge."""
+    shapes = itertools.cycle(PUBLISHED_MARKERS)
+    for p in PUBLISHED:
+        color, label = METHOD_STYLE[p.method]["color"], f"{p.source}: {METHOD_LABEL[p.method]} {p.figure}"
+        if p.depth is None:
+            draw_level(ax, p.value, f"{label} (no depth of ours)", color, color)
+            continue
+        ax.errorbar(p.depth, p.value, yerr=p.spread or None, ls="none", marker=next(shapes), ms=11, mfc="none",
+                    mec=color, mew=1.4, ecolor=color, capsize=4, zorder=6, label=f"published: {label}")
+
+
 def pick_heatmap_run(runs, name=None):
     """The named run, else the HC run with the largest peak amax_fwd that has layer lists,
     else any run with layer lists (largest peak first); None when no run has them."""
@@ -307,7 +400,7 @@ def pick_heatmap_run(runs, name=None):
         if not match:
             raise ReportError(f"--heatmap-run {name}: no such run (have: {', '.join(r.name for r in runs)})")
         return match[0]
-    with_layers = [r for r in runs if any(len(s) for s in r.layers.values())]
+    with_layers = [r for r in runs if has_lists(r, LAYER_KEYS)]
 
     def peak(r):
         p = peak_of(r.series["amax_fwd"].arrays()[1])
@@ -377,10 +470,10 @@ def save(fig, path):
     return path
 
 
-PLOT_NAMES = ("amax.png", "loss.png", "grad_norm.png", "layer_gains.png")
+PLOT_NAMES = ("amax.png", "loss.png", "grad_norm.png", "layer_gains.png", "streams.png", "depth_trend.png")
 
 
-def write_plots(runs, heat, out):
+def write_plots(runs, summaries, heat, out):
     """Write every plot that has data; returns (written paths, notes about skipped ones)."""
     written, notes = [], []
     for name, key, plot in (("amax.png", "amax_fwd", plot_amax), ("loss.png", "loss", plot_loss),
@@ -391,8 +484,19 @@ def write_plots(runs, heat, out):
             notes.append(f"{name} not written: no run logged `{key}` yet.")
     if heat is None:
         notes.append("layer_gains.png not written: no run logged layer_gain_fwd/bwd lists yet.")
-    elif not any(len(s) for s in heat.layers.values()):
+    elif not has_lists(heat, LAYER_KEYS):
         notes.append(f"layer_gains.png not written: run {heat.name} has no layer_gain lists.")
     else:
         written.append(plot_heatmap(heat, out / "layer_gains.png"))
+    if any(has_lists(r, STREAM_LAYER_KEYS) for r in runs):
+        written.append(plot_streams(runs, out / "streams.png"))
+    else:
+        notes.append("streams.png not written: no run logged the per-sublayer stream lists (layer_stream_dominance, "
+                     "...) yet.")
+    depths = sorted({s.depth for s in summaries if math.isfinite(s.peak_gain)})
+    if len(depths) > 1:
+        written.append(plot_depth_trend(summaries, out / "depth_trend.png"))
+    else:
+        notes.append(f"depth_trend.png not written: it needs peak gains at two model depths or more; these runs have "
+                     f"them at {', '.join(f'depth {d}' for d in depths) or 'none'}.")
     return written, notes

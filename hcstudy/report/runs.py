@@ -30,11 +30,18 @@ COEFFICIENTS_OF_SUFFIX = {suffix[1:]: kind for kind, suffix in COEFFICIENT_SUFFI
 GAP_S = 900.0                   # a longer pause between two log lines is downtime, not wall time
 
 
+# how the streams share the state and how far H_res and their full-depth product lie from I, J/n and the
+# permutations: logged at each probe by the arms with streams (not the baseline), by runs since they were added
+STREAM_KEYS = ("stream_dominance", "stream_dominance_mean", "effective_streams", "effective_streams_min",
+               "effective_rank", "effective_rank_min", "res_to_identity", "res_to_identity_mean",
+               "composite_to_uniform", "composite_to_permutation")
 SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
                "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_study",
                "amax_fwd_converged", "amax_bwd_converged", "sinkhorn_converged_err", "sinkhorn_col_err",
-               "sinkhorn_bwd_bound", STUDY_TRAIN_KEY)
+               "sinkhorn_bwd_bound", STUDY_TRAIN_KEY, *STREAM_KEYS)
 LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd")
+STREAM_LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
+                     "layer_res_to_identity")
 
 
 class ReportError(Exception):
@@ -99,7 +106,7 @@ class Run:
     config: dict
     status: dict
     series: dict                 # SCALAR_KEYS -> Series of floats (NaN where null/NaN was logged)
-    layers: dict                 # LAYER_KEYS -> Series of float32 arrays, one value per sublayer
+    layers: dict                 # LAYER_KEYS + STREAM_LAYER_KEYS -> Series of float32 arrays, one value per sublayer
     preset: str = ""
     sinkhorn_iters: int | None = None      # None: the method has no Sinkhorn projection
     coefficients: str | None = None        # token|sequence; None: the method has no mixing coefficients
@@ -226,13 +233,15 @@ def _keep(rec, step, run, problems, lineno):
                 problems.add(f"step {step} logs {key} a second time; the later value is kept", lineno)
                 series.rewind(step)
             series.add(step, _num(value))
-    for key in LAYER_KEYS:
+    for key in run.layers:
         v = rec.get(key)
         if isinstance(v, list) and v:
             try:
-                run.layers[key].add(step, np.asarray(v, dtype=np.float32))
+                values = np.asarray(v, dtype=np.float32)
             except (TypeError, ValueError):
-                pass
+                continue
+            if values.ndim == 1:        # a list of lists is no per-sublayer list (the heatmap failed on one)
+                run.layers[key].add(step, values)
     if "tokens" in rec:
         run.tokens = _num(rec["tokens"])
 
@@ -289,7 +298,8 @@ def load_run(folder):
         warn(f"{folder}: residual {ident[0][:40]!r} is none of {', '.join(METHODS)}; skipped")
         return None
     run = Run(folder.name, folder, *ident, config=config or {}, status=read_status(folder / STATUS_FILE),
-              series={k: Series() for k in SCALAR_KEYS}, layers={k: Series() for k in LAYER_KEYS})
+              series={k: Series() for k in SCALAR_KEYS},
+              layers={k: Series() for k in LAYER_KEYS + STREAM_LAYER_KEYS})
     run.preset, run.sinkhorn_iters, run.coefficients = arm_of(folder, config, run.method)
     clock = WallClock()
     try:

@@ -5,11 +5,11 @@ import csv
 import math
 
 from hcstudy.report.aggregate import THRESHOLDS
-from hcstudy.report.runs import GAP_S
+from hcstudy.report.runs import GAP_S, STREAM_KEYS
 
 
 def fmt_gain(x, ref=None):
-    """Gains and gradient norms: 3,721 / 412 / 12.3 / 1.000; decimals follow `ref` when given
+    """Gains, gradient norms and the stream readings: 3,721 / 412 / 12.3 / 1.000; decimals follow `ref` when given
     (a std is printed to the decimals of its mean: 1,489 ± 57)."""
     if x is None or math.isnan(x):
         return "–"
@@ -138,6 +138,41 @@ GAIN_NOTES = """- Peaks over all probe steps of each run, mean ± sample std ove
   largest |column sum - 1| of the H_res the model used (its iterations are truncated); "truncation bound" =
   prod over sublayers of (1 + that layer's column error), the largest backward gain truncation alone can
   give. An as-used gain above 1 but under that bound, with converged gains at 1, is truncation."""
+
+
+def stream_columns():
+    """(header, cell(row) -> str) for the streams table: each run's last probe, mean ± std over seeds."""
+    def st(name):
+        return lambda row: fmt_stat(row.stats[name], fmt_gain, len(row.runs))
+    return [
+        ("method", lambda row: row.label), ("depth", lambda row: str(row.depth)),
+        ("stream dominance (max over sublayers)", st("stream_dominance")),
+        ("effective streams", st("effective_streams")), ("effective rank", st("effective_rank")),
+        ("H_res to I (max over sublayers)", st("res_to_identity")),
+        ("composite to J/n", st("composite_to_uniform")),
+        ("composite to permutation", st("composite_to_permutation")),
+    ]
+
+
+STREAM_NOTES = """- The n streams at each run's last probe (a finished run's trained model), mean ± sample std over seeds;
+  – = not logged (the baseline has no streams; runs from before the trainer logged these readings have none).
+  **Stream dominance**: the largest stream's share of the state's energy (token mean), at the sublayer where it is
+  largest: 1/n = shared evenly, 1 = one stream holds everything. **Effective streams** (exp of the entropy of those
+  shares, mean over sublayers): n = even shares, 1 = one stream. **Effective rank** (of a token's n streams, mean
+  over sublayers): n = independent streams, 1 = copies of one vector.
+- **H_res to I**: the farthest any sublayer's H_res lies from the identity, scaled so that J/n (every entry 1/n,
+  the streams averaged into one) lies at 1; 0 = the streams pass through unmixed. **Composite to J/n** and
+  **composite to permutation**: the product of every H_res over the full depth, on the same scale, where J/n and
+  the permutations lie 1 apart: near 0 to J/n, the depth averaged the streams into one; near 0 to a permutation,
+  it kept them apart (only reordered). HC's composite is not doubly stochastic: it can lie far beyond 1 of both."""
+
+
+def stream_block(rows):
+    """results.md's streams section: the table and how to read it, or one line when no run logged the readings."""
+    if not any(row.stats[key].n for row in rows for key in STREAM_KEYS):
+        return ["No run here logged the stream readings (the baseline has no streams; runs from before the trainer "
+                "logged them have none)."]
+    return [markdown(stream_columns(), rows), "", STREAM_NOTES]
 
 
 def run_columns():

@@ -793,3 +793,164 @@ def test_no_plots_leaves_no_plot_of_an_earlier_report(tmp_path):
     assert command.main([str(tmp_path), "--no-plots"]) == 0
     assert not list((tmp_path / "report").glob("*.png"))
     assert "plots skipped (--no-plots)" in (tmp_path / "report" / "results.md").read_text()
+
+
+# --- the stream readings: the streams table, streams.png, depth_trend.png ----------------------------------------
+
+def stream_readings(dominance, streams, rank, res, uniform, permutation):
+    """A probe's ten stream readings: the table's six columns, and 0.1 for the others (in results.csv only)."""
+    return {"stream_dominance": dominance, "effective_streams": streams, "effective_rank": rank,
+            "res_to_identity": res, "composite_to_uniform": uniform, "composite_to_permutation": permutation,
+            "stream_dominance_mean": 0.1, "effective_streams_min": 0.1, "effective_rank_min": 0.1,
+            "res_to_identity_mean": 0.1}
+
+
+def stream_lists(depth, value):
+    return {key: [value] * (2 * depth) for key in ("layer_gain_fwd", "layer_gain_bwd", "layer_stream_dominance",
+                                                   "layer_effective_streams", "layer_effective_rank",
+                                                   "layer_res_to_identity")}
+
+
+def stream_run(root, name, gains, final=None, dominance_list=None):
+    """Two probes: the first logs 0.9 for every reading and list, the last `final` and lists of `dominance_list`
+    (the report reads the last); `gains` = the last probe's (amax_fwd, amax_bwd). None: not logged (older runs)."""
+    depth = int(name.split("_")[1][1:])
+    first, last = {**train(1, 1.0, 5.0, 0.5, 10), **probe(1.0, 1.0)}, {**train(2, 2.0, 4.0, 0.5, 20), **probe(*gains)}
+    if final is not None:
+        first.update(stream_readings(*[0.9] * 6), **stream_lists(depth, 0.9))
+        last.update(final, **stream_lists(depth, dominance_list))
+    return write_run(root, name, [first, last])
+
+
+def stream_matrix(root, depths=(4, 8)):
+    """Baseline (no readings), HC and mHC at each depth, seeds 1 and 2; at depth 8 an older HC run (seed 3)."""
+    for depth in depths:
+        for seed in (1, 2):
+            stream_run(root, f"baseline_d{depth}_s{seed}", (1.0, 1.0))
+            stream_run(root, f"mhc_d{depth}_s{seed}", (1.0, 1.1), stream_readings(0.3, 3.9, 3.8, 0.2, 0.01, 0.99),
+                       0.25)
+    stream_run(root, "hc_d4_s1", (100.0, 300.0), stream_readings(0.5, 2.5, 1.25, 0.75, 1200.0, 1.5), 0.3)
+    stream_run(root, "hc_d4_s2", (200.0, 100.0), stream_readings(0.8, 2.0, 1.5, 0.25, 1800.0, 2.5), 0.5)
+    if 8 in depths:
+        stream_run(root, "hc_d8_s1", (2000.0, 1000.0), stream_readings(0.6, 2.0, 1.0, 1.0, 5000.0, 4.0), 0.6)
+        stream_run(root, "hc_d8_s2", (1000.0, 4000.0), stream_readings(0.7, 1.5, 1.0, 1.25, 7000.0, 6.0), 0.8)
+        stream_run(root, "hc_d8_s3", (1500.0, 10.0))
+
+
+def test_the_streams_table_gives_the_last_probe_mean_and_std_and_dashes_where_not_logged(tmp_path):
+    stream_matrix(tmp_path)
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
+    hc = table_cells(tmp_path / "report", "HC", 4, "## Streams")
+    # seeds (0.5, 0.8): mean 0.65, sample std 0.3 / sqrt(2) = 0.212; and so on column by column
+    assert hc == {"method": "HC", "depth": "4", "stream dominance (max over sublayers)": "0.650 ± 0.212",
+                  "effective streams": "2.250 ± 0.354", "effective rank": "1.375 ± 0.177",
+                  "H_res to I (max over sublayers)": "0.500 ± 0.354", "composite to J/n": "1,500 ± 424",
+                  "composite to permutation": "2.000 ± 0.707"}
+    # the older run (seed 3) logged none: two of three seeds have a value
+    assert table_cells(tmp_path / "report", "HC", 8, "## Streams")["composite to J/n"] == "6,000 ± 1,414 (n=2)"
+    baseline = table_cells(tmp_path / "report", "baseline", 4, "## Streams")
+    assert set(list(baseline.values())[2:]) == {"–"}
+    text = (tmp_path / "report" / "results.md").read_text()
+    assert "1/n = shared evenly, 1 = one stream holds everything" in text and "averaged the streams into one" in text
+    assert table_cells(tmp_path / "report", "HC", 4, "## Table").keys() == {
+        "method", "depth", "seeds done/total", "final val loss", "peak amax_fwd", "peak amax_bwd",
+        "first >10× step (per seed)", "diverged"}                # the main table stays as it was
+    rows = {(r["method"], r["depth"]): r for r in csv.DictReader(open(tmp_path / "report" / "results.csv"))}
+    assert float(rows["hc", "4"]["composite_to_permutation_mean"]) == pytest.approx(2.0)
+    assert float(rows["hc", "8"]["stream_dominance_std"]) == pytest.approx(sample_std(0.6, 0.7))
+    assert rows["baseline", "4"]["stream_dominance_n"] == "0"
+
+
+def test_runs_without_stream_readings_give_a_report_that_says_so(tmp_path):
+    stream_run(tmp_path, "hc_d4_s1", (50.0, 40.0))
+    stream_run(tmp_path, "baseline_d4_s1", (1.0, 1.0))
+    assert command.main([str(tmp_path)]) == 0
+    text = (tmp_path / "report" / "results.md").read_text()
+    assert "No run here logged the stream readings" in text
+    assert "streams.png not written: no run logged the per-sublayer stream lists" in text
+    assert "depth_trend.png not written: it needs peak gains at two model depths or more; these runs have them at " \
+           "depth 4." in text
+    assert not (tmp_path / "report" / "streams.png").exists() and not (tmp_path / "report" / "depth_trend.png").exists()
+    assert (tmp_path / "report" / "amax.png").exists()
+
+
+def test_both_figures_are_written_and_shown_in_results(tmp_path):
+    stream_matrix(tmp_path)
+    assert command.main([str(tmp_path)]) == 0
+    text = (tmp_path / "report" / "results.md").read_text()
+    for name in ("streams.png", "depth_trend.png"):
+        assert (tmp_path / "report" / name).read_bytes()[:8] == PNG_SIGNATURE
+        assert f"]({name})" in text
+    assert "| public 1.7B study, stress record | HC | 48 | 3,814 |" in text
+
+
+def test_one_depth_has_streams_but_no_depth_trend(tmp_path):
+    stream_matrix(tmp_path, depths=(4,))
+    assert command.main([str(tmp_path)]) == 0
+    assert (tmp_path / "report" / "streams.png").exists()
+    assert not (tmp_path / "report" / "depth_trend.png").exists()
+    assert "- depth_trend.png not written: it needs peak gains at two model depths or more; these runs have them " \
+           "at depth 4." in (tmp_path / "report" / "results.md").read_text()
+
+
+def band_heights(ax, color):
+    """The y values of the corners of the one seed band filled in `color` on ax."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_rgb
+    (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)
+               and np.allclose(c.get_facecolor()[0][:3], to_rgb(color))]
+    return band.get_paths()[0].vertices[:, 1]
+
+
+def test_streams_figure_draws_each_arms_last_lists_per_depth(tmp_path, monkeypatch):
+    stream_matrix(tmp_path)
+    stream_run(tmp_path, "hc_d12_s1", (5.0, 5.0))                     # an older run: no row of empty panels
+    figures = drawn_figures(monkeypatch)
+    plots.plot_streams(report_runs.load_runs(tmp_path), tmp_path / "streams.png")
+    axes = figures[0].axes
+    assert [ax.get_title() for ax in axes] == [f"depth {d}: {what}" for d in (4, 8) for what in (
+        "stream dominance", "effective streams", "effective rank", "H_res to I")]
+    lines = {ln.get_label(): ln for ln in axes[0].get_lines()}
+    assert set(lines) == {"HC (2 seeds)", "mHC (2 seeds)"}              # the baseline has no streams
+    x, y = lines["HC (2 seeds)"].get_data()
+    assert list(x) == list(range(8)) and np.allclose(y, 0.4)           # the last lists' (0.3, 0.5) mean, not 0.9
+    assert lines["HC (2 seeds)"].get_color() == "tab:red"               # the arm's colour in every figure
+    assert {round(v, 6) for v in band_heights(axes[0], "tab:red")} == {0.3, 0.5}
+    # depth 8: the older run logged no lists, two seeds draw the line
+    assert {ln.get_label() for ln in axes[4].get_lines()} == {"HC (2 seeds)", "mHC (2 seeds)"}
+
+
+def test_depth_trend_draws_our_mean_and_band_beside_the_published_figures(tmp_path, monkeypatch):
+    stream_matrix(tmp_path)
+    summaries = [aggregate.summarize(r) for r in report_runs.load_runs(tmp_path)]
+    figures = drawn_figures(monkeypatch)
+    plots.plot_depth_trend(summaries, tmp_path / "depth_trend.png")
+    (ax,) = figures[0].axes
+    assert ax.get_yscale() == "log"
+    hc = next(ln for ln in ax.get_lines() if ln.get_label().startswith("HC, ours"))
+    # per run max(amax_fwd, amax_bwd): depth 4 (300, 200); depth 8 (2,000, 4,000, 1,500: the older run has gains)
+    assert list(hc.get_xdata()) == [4, 8] and list(hc.get_ydata()) == pytest.approx([250.0, 2500.0])
+    assert hc.get_markevery() == 1 and hc.get_color() == "tab:red"
+    assert {round(v) for v in band_heights(ax, "tab:red")} == {200, 300, 1500, 4000}
+    published = {c.get_label(): c for c in ax.containers if c.get_label().startswith("published")}
+    study_32 = published["published: public 1.7B study, 3 seeds: HC 10,924 ± 3,247"]
+    assert list(study_32.lines[0].get_xydata()[0]) == [32, 10924]
+    segment = study_32.lines[2][0].get_segments()[0]
+    assert list(segment[:, 1]) == [10924 - 3247, 10924 + 3247]
+    assert {"published: public 1.7B study: HC 3,721", "published: public 1.7B study, stress record: HC 3,814",
+            "published: public 1.7B study, stress arm (3x lr): HC 14,765"} <= set(published)
+    ours = {ln.get_marker() for ln in ax.get_lines() if ", ours" in ln.get_label()}
+    assert not ours & {c.lines[0].get_marker() for c in published.values()}
+    paper = next(t for t in ax.texts if "HC up to about 3000" in t.get_text())
+    assert paper.xy[1] == 3000 and any(ln.get_linestyle() == ":" and list(ln.get_ydata()) == [3000, 3000]
+                                       for ln in ax.get_lines())
+    assert "the public study's own reading" in figures[0].get_suptitle()
+    assert "not our per-token one" in figures[0].get_suptitle()
+
+
+def test_a_list_of_lists_is_no_layer_list(tmp_path):
+    lists = {key: [[1.0, 2.0], [3.0, 4.0]] for key in ("layer_gain_fwd", "layer_gain_bwd", "layer_stream_dominance")}
+    write_run(tmp_path, "hc_d1_s1", [{**train(1, 1.0, 5.0, 0.5, 10), **probe(2.0, 2.0), **lists}])
+    assert command.main([str(tmp_path)]) == 0
+    assert not (tmp_path / "report" / "layer_gains.png").exists()
+    assert not (tmp_path / "report" / "streams.png").exists()
