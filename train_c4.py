@@ -80,7 +80,7 @@ PRESETS = {
     "stress": dict(lr=3e-4, steps=3000),
     # the public 1.7B study's own HC and mHC and its recipe (docs/model.md, "The public study's model")
     "seed-study": dict(contract.SEED_STUDY_MODEL, coefficients="sequence", batch_size=8, micro_batch_size="8",
-                       steps=5000, vocab="exact"),
+                       steps=5000, vocab="exact", shuffle_buffer=10_000),
 }
 
 # --help's groups, in its order
@@ -138,6 +138,8 @@ class Config:
         "1e-8 (columns exact; the study's)")
     mixing_precision: str = option("fp32", MODEL, ("fp32", "autocast"), "the coefficients and the stream mixing in "
         "fp32, or under the run's autocast (bf16 on CUDA; the study's)")
+    mhc_norm_order: str = option("project-first", MODEL, ("project-first", "norm-first"), "mHC divides by the "
+        "RMS of vec(x) after its projection phi (ours, as the kernels fuse it), or before it (the study's)")
     proj_init: str = option("scaled", MODEL, ("scaled", "flat"), "init std of the sublayers' output projections: "
         "0.02 / sqrt(2 depth) (GPT-2's), or 0.02 like every Linear (the study's)")
     vocab: str = option("padded", MODEL, ("padded", "exact"), "embedding rows: the tokenizer's vocabulary padded to "
@@ -157,6 +159,8 @@ class Config:
     steps: int = option(10_000, OPTIMISATION, COUNT, "optimizer steps")
     lr: float = option(1e-4, OPTIMISATION, (1e-12, 1e3), "peak learning rate")
     warmup: int = option(500, OPTIMISATION, NATURAL, "linear warm-up steps")
+    warmup_from: str = option("one-step", OPTIMISATION, ("one-step", "zero"), "step 0's warm-up lr: one step's "
+        "share, lr / warmup (lr reached at step warmup - 1), or 0 (lr * step / warmup, the study's)")
     min_lr_ratio: float = option(0.1, OPTIMISATION, (0, 1), "cosine decays to lr * this")
     weight_decay: float = option(0.1, OPTIMISATION, (0, 1e3), "AdamW weight decay (weight matrices only)")
     grad_clip: float = option(1.0, OPTIMISATION, (0, 1e300), "clip the global gradient norm to this (0 = off); the "
@@ -175,6 +179,8 @@ class Config:
         "trained on); without it and without 'validation' files, a fixed slice of the training documents, chosen by a "
         "hash of their text, is held out instead (docs/data.md)")
     tokenizer: str = option("gpt2", DATA, ("gpt2", "byte"), "gpt2 BPE (shipped in data/) or UTF-8 bytes")
+    doc_separator: str = option("eot", DATA, ("eot", "none"), "between documents, in training and held-out windows: "
+        "the tokenizer's end-of-text token (byte 0 for bytes), or nothing (the study's)")
     data_seed: int = option(1234, DATA, NATURAL, "document-order seed, independent of --seed")
     data_streams: int = option(8, DATA, (1, 4096), "disjoint virtual data streams (sequence p of every global batch "
         "comes from stream p mod this); any number of processes that divides the global batch reads the same data")
@@ -231,7 +237,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     The run's name comes from its settings, however they were asked for (contract.run_name)."""
     explicit = vars(build_parser().parse_args(argv))
     names = flags.preset_names(explicit.pop("preset", ["c4"]), PRESETS)
-    composed = Config(**{key: value for name in names for key, value in PRESETS[name].items()}, preset=",".join(names))
+    composed = Config(**flags.compose_presets(names, PRESETS, {"shuffle_buffer": "data"}), preset=",".join(names))
     try:                # what the presets alone make impossible is theirs to answer for, not the flags'
         validate(composed)
         micro = composed.micro_batch_size
@@ -476,6 +482,7 @@ class ManifoldHyperConnection(_StreamMixing):
         super().__init__(cfg, kernels)
         n, mixes = self.n, self.res_logit_count(self.n) > 0
         self.iters, self.tanh, self.rows_first = cfg.sinkhorn_iters, cfg.mhc_tanh, cfg.sinkhorn_order == "rows-first"
+        self.norm_first = cfg.mhc_norm_order == "norm-first"     # the study's: bf16 autocast keeps z, tanh(z), a z bf16
         self.phi = nn.Linear(n * cfg.width, 2 * n + self.res_logit_count(n), bias=False)    # [z_pre | z_post | z_res]
         nn.init.zeros_(self.phi.weight)
         self.a_pre, self.a_post = (nn.Parameter(torch.tensor(cfg.mhc_gate_init)) for _ in range(2))
@@ -497,8 +504,9 @@ class ManifoldHyperConnection(_StreamMixing):
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
         with mixing_autocast(x, self.autocast):
             v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
-            z = F.linear(self.scaled(v.unflatten(-1, (n, -1))).flatten(-2), self.phi.weight.to(dtype)) * torch.rsqrt(
-                v.square().mean(-1, keepdim=True) + self.eps)
+            r = torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
+            z = F.linear(self.scaled((v * r if self.norm_first else v).unflatten(-1, (n, -1))).flatten(-2),
+                         self.phi.weight.to(dtype)) * (1 if self.norm_first else r)
             if self.tanh:               # the public study's: bounded logits before the gates and biases
                 z = torch.tanh(z)
             z_pre, z_post, z_res = z.split([n, n, z.shape[-1] - 2 * n], dim=-1)
@@ -1026,13 +1034,15 @@ LEGACY_TOKENS = "pending tokens saved by an older checkpoint"
 
 
 class TokenWindows:
-    """Packs a document stream, documents separated by the end-of-text token, into seq_len + 1 windows. Its state is
-    the document stream's state before the documents whose tokens are still pending, and how many of their tokens
-    were taken: a resume encodes those documents again rather than a checkpoint holding their tokens (long documents
-    made that megabytes per stream). Packing does not depend on how many documents one encode takes."""
+    """Packs a document stream into seq_len + 1 windows, documents joined by the end-of-text token or by nothing
+    (separator "none", the study's). Its state is the document stream's state before the documents whose tokens are
+    pending, and how many of their tokens were taken: a resume encodes those documents again rather than a checkpoint
+    holding their tokens (long documents made that megabytes per stream). Packing ignores the documents per encode."""
 
-    def __init__(self, documents: DocumentStream, tokenizer, seq_len: int, docs_per_encode: int = 64):
+    def __init__(self, documents: DocumentStream, tokenizer, seq_len: int, separator: str = "eot",
+                 docs_per_encode: int = 64):
         self.documents, self.tokenizer = documents, tokenizer
+        self.separator = (tokenizer.eot,) if separator == "eot" else ()
         self.window, self.docs_per_encode = seq_len + 1, docs_per_encode
         self.tokens, self.offset = torch.zeros(0, dtype=torch.long), 0
         self.refills = []            # (the documents' state before a refill whose tokens are pending, its token count)
@@ -1043,7 +1053,7 @@ class TokenWindows:
         texts = [text for _, text in zip(range(self.docs_per_encode), self._docs)]
         if not texts:
             raise ConfigError("the data stream holds no usable document")
-        ids = [token for doc in self.tokenizer.encode_batch(texts) for token in (*doc, self.tokenizer.eot)]
+        ids = [token for doc in self.tokenizer.encode_batch(texts) for token in (*doc, *self.separator)]
         self.tokens = torch.cat([self.tokens, torch.tensor(ids, dtype=torch.long)])
         self.refills.append((before, len(ids)))
         if len(self.refills) == 1 and self.offset >= len(self.tokens):     # a saved count is always inside its refill
@@ -1098,7 +1108,8 @@ class RankBatches:
         read = sorted(set(self.owners) | set(range(rank, self.count, world)))
         held_out = False if skip_held_out else None
         self.streams = {v: TokenWindows(DocumentStream(files, v, self.count, cfg.data_seed, cfg.shuffle_buffer,
-                                                       held_out), tokenizer, cfg.seq_len) for v in read}
+                                                       held_out), tokenizer, cfg.seq_len, cfg.doc_separator)
+                        for v in read}
         self.micro, self.cursor, self.step = micro, 0, None
 
     def read_step(self, streams: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -1136,12 +1147,13 @@ def make_loader(batches: RankBatches, cfg: Config, pin_memory: bool) -> Loader:
     return Loader(batches, cfg.data_workers, cfg.data_timeout, steps_ahead, pin_memory)
 
 
-def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `count` windows of the held-out documents in file order: the same for every run and every eval.
-    One document per encode, so that the stream's epoch says whether the held-out documents ran out."""
+def fixed_sequences(data: DataFiles, tokenizer, seq_len: int, count: int, separator: str = "eot"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` windows of the held-out documents in file order, packed as training packs its documents:
+    the same for every eval. One document per encode, so that the stream's epoch says whether they ran out."""
     documents = DocumentStream(data.val, rank=0, world=1, seed=None, buffer_size=0,
                                held_out=True if data.held_out_slice else None)
-    sequences = TokenWindows(documents, tokenizer, seq_len, docs_per_encode=1).take(count)
+    sequences = TokenWindows(documents, tokenizer, seq_len, separator, docs_per_encode=1).take(count)
     if documents.epoch and int(os.environ.get("RANK", "0")) == 0:
         print(f"warning: the held-out set ({', '.join(map(os.path.basename, data.val))}"
               f"{', its held-out slice' if data.held_out_slice else ''}) is smaller than the {count} "
@@ -1286,8 +1298,8 @@ def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float 
 
 
 def lr_at(cfg: Config, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+    if step < cfg.warmup:       # the study's warm-up trains step 0 at lr 0: only Adam's moments take its gradient
+        return cfg.lr * (step + 1 if cfg.warmup_from == "one-step" else step) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
@@ -1562,7 +1574,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         dtype = compute_dtype(cfg, dist.device)
         use_flash = use_flash_attention(cfg, dist.device, dtype)
         tokenizer = make_tokenizer(cfg.tokenizer)
-        val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+        val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.doc_separator)
         torch.manual_seed(cfg.seed)
         kernels, kernels_reason = kernel_path(cfg, dist.device)
         model = GPT(cfg, use_flash, kernels).to(dist.device)

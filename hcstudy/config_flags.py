@@ -71,6 +71,16 @@ def preset_names(given: list[str], presets: dict) -> list[str]:
     return names
 
 
+def compose_presets(names: list[str], presets: dict, sized_for: dict) -> dict:
+    """The settings of the presets `names`, in order, a later preset winning; but a setting sized for another
+    (`sized_for`: {setting: the setting it is sized for}) stays that of the last preset that sets both, so that a
+    buffer sized for one preset's small data is not replaced by a later preset's, sized for other data."""
+    settings = {key: value for name in names for key, value in presets[name].items()}
+    for preset in (presets[name] for name in names):
+        settings |= {key: preset[key] for key, other in sized_for.items() if {key, other} <= preset.keys()}
+    return settings
+
+
 def presets_text(presets: dict) -> str:
     """The presets and what each one sets, for --help."""
     return "presets (applied in order: --preset demo,seed-study; explicit flags win):\n" + "\n".join(textwrap.fill(

@@ -96,27 +96,29 @@ def hub_unreachable(error) -> bool:
 # A preset that changes the recipe gets its own run names, so its runs share an out folder with the main matrix.
 RUN_NAME_SUFFIX = {"stress": "_stress", "seed-study": "_seed-study", "seed-study,stress": "_seed-study-stress"}
 
-# The public study's model (docs/model.md, "The public study's model"): a run whose settings are all these is named
-# after it however it was asked (--preset seed-study or the flags one by one). Its per-sequence coefficients are an
-# arm setting (PRESET_ARM_DEFAULTS), so that its token arm is named `_tok_seed-study`.
+# The public study's model and the choices of its recipe that are not sizes (docs/model.md, "The public study's
+# model"): a run whose settings are all these is named after it however it was asked (--preset seed-study or the
+# flags one by one). Its per-sequence coefficients are an arm setting (PRESET_ARM_DEFAULTS), so that its token arm
+# is named `_tok_seed-study`.
 SEED_STUDY_MODEL = dict(coefficient_norm="flat", read_stream="first", mhc_tanh=True, collapse="first",
                         hc_dynamic="state", hc_write_init="first", mhc_res_diag=2.0, mhc_pre_bias=2.0,
                         mhc_bias_others="zero", mhc_post_bias=2.0, dynamic_init_std=0.02, proj_init="flat",
                         sinkhorn_order="rows-first", mixing_norm="scaled", weight_decay_on="all",
-                        mixing_precision="autocast")
+                        mixing_precision="autocast", mhc_norm_order="norm-first", warmup_from="zero",
+                        doc_separator="none")
 
 # config keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
               "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse", "hc_dynamic",
               "hc_write_init", "mhc_bias_others", "mhc_post_bias", "proj_init", "sinkhorn_order", "mixing_norm",
-              "mixing_precision", "vocab")
+              "mixing_precision", "mhc_norm_order", "vocab")
 # keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
 # them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
 # batches and the maths stay the same.
-TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "min_lr_ratio", "weight_decay", "grad_clip",
+TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "warmup_from", "min_lr_ratio", "weight_decay", "grad_clip",
                  "no_mixing_decay", "weight_decay_on", "seed", "data", "val_data", "data_seed", "data_streams",
-                 "shuffle_buffer")
+                 "shuffle_buffer", "doc_separator")
 
 # The metrics.jsonl key of the study's own reading of each training batch (train_c4's Trainer.micro_steps)
 STUDY_TRAIN_KEY = "amax_study_train"
@@ -133,7 +135,8 @@ MHC_FAMILY = ("mhc", "mhc-lite", "identity-hc")
 ARMS_OF = {"sinkhorn_iters": ("mhc",), "sinkhorn_order": ("mhc",), "hc_scale_init": ("hc",),
            "coefficient_norm": ("hc",), "hc_dynamic": ("hc",), "hc_write_init": ("hc",),
            "mhc_gate_init": MHC_FAMILY, "mhc_pre_bias": MHC_FAMILY, "mhc_tanh": MHC_FAMILY,
-           "mhc_post_bias": MHC_FAMILY, "mhc_bias_others": MHC_FAMILY, "mhc_res_diag": ("mhc", "mhc-lite"),
+           "mhc_post_bias": MHC_FAMILY, "mhc_bias_others": MHC_FAMILY, "mhc_norm_order": MHC_FAMILY,
+           "mhc_res_diag": ("mhc", "mhc-lite"),
            **dict.fromkeys(("coefficients", "expansion", "read_stream", "collapse", "dynamic_init_std", "kernels",
                             "no_mixing_decay", "mixing_norm", "mixing_precision"), MIXING_METHODS)}
 ARM_DEFAULTS = {"sinkhorn_iters": 20, "coefficients": "token"}

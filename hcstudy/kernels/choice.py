@@ -9,7 +9,7 @@ import torch
 from hcstudy.contract import load_check, timed_steps
 
 # the public study's variants that change the connections' maths, not only their initial values
-STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "hc_dynamic", "sinkhorn_order")
+STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "mhc_norm_order", "hc_dynamic", "sinkhorn_order")
 
 
 def study_variants(cfg) -> list[str]:

@@ -94,6 +94,8 @@ def test_a_preset_after_the_separator_names_the_runs(tmp_path):
 @pytest.mark.parametrize("method, extra", [
     ("mhc", ["--no-mhc-tanh"]), ("mhc", ["--mhc-post-bias=0"]), ("mhc", ["--mhc-post-bias", "2"]),
     ("hc", ["--hc-write-init", "ALL"]), ("hc", ["--proj-init", "flat"]), ("hc", []),
+    ("hc", ["--warmup-from", "one-step"]), ("mhc", ["--doc-separator=eot"]),
+    ("mhc", ["--mhc-norm-order", "Project-First"]),
 ])
 def test_a_study_setting_turned_back_after_the_separator_names_the_run_as_the_trainer_does(tmp_path, method, extra):
     opt, jobs = jobs_of(tmp_path, "--residual", method, "--depth", "4", "--seed", "1", "--", "--preset",

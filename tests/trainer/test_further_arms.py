@@ -132,7 +132,7 @@ def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
         cfg = tiny_config(residual, kernels="fused")
         assert not choice.supports(cfg) and T.GPT(cfg, kernels="fused").kernels == "reference"
     for variant in (dict(coefficients="sequence"), dict(coefficient_norm="flat"), dict(mhc_tanh=True),
-                    dict(collapse="first")):
+                    dict(collapse="first"), dict(mhc_norm_order="norm-first")):
         assert not choice.supports(tiny_config("mhc", **variant), "fused"), variant
         assert not choice.supports(tiny_config("mhc", **variant), "triton"), variant
     assert choice.supports(tiny_config("mhc", read_stream="first", dynamic_init_std=0.01))

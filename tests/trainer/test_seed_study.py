@@ -183,11 +183,89 @@ def test_the_kernels_refuse_the_studys_variants_and_auto_takes_the_formulas():
         with pytest.raises(T.ConfigError, match=f"--kernels {path} has the papers' HC and mHC only"):
             study_config("mhc", "--kernels", path)
         assert not choice.supports(study_config("mhc"), path)
+        with pytest.raises(T.ConfigError, match=f"--kernels {path} has .* not the study's --mhc-norm-order"):
+            T.parse_config(["--residual", "mhc", "--kernels", path, "--mhc-norm-order", "norm-first"])
     assert T.kernel_path(study_config("hc"), torch.device("cpu"))[0] == "reference"
 
 
 def dataclasses_replace(cfg, **changes):
     return T.dataclasses.replace(cfg, **changes)
+
+
+def test_the_studys_warm_up_starts_at_lr_zero_and_reaches_lr_one_step_later():
+    lrs = {start: [T.lr_at(T.parse_config(["--lr", "8", "--warmup", "4", "--warmup-from", start]), step)
+                   for step in range(5)] for start in ("one-step", "zero")}
+    assert lrs == {"one-step": [2.0, 4.0, 6.0, 8.0, 8.0], "zero": [0.0, 2.0, 4.0, 6.0, 8.0]}
+    assert T.parse_config([]).warmup_from == "one-step"
+
+
+class Documents(list):
+    """A document stream held in memory, with what TokenWindows reads of DocumentStream's state."""
+    skipped = 0
+
+    def state_dict(self):
+        return {}
+
+
+@pytest.mark.parametrize("separator, expected", [
+    ("eot", [[104, 105, 0, 97], [98, 99, 0, 100], [0, 104, 105, 0]]),
+    ("none", [[104, 105, 97, 98], [99, 100, 104, 105], [97, 98, 99, 100]]),
+])
+def test_the_study_joins_documents_with_no_separator(separator, expected):
+    documents = Documents(["hi", "abc", "d"] * 2)                   # "hi" is bytes 104 105, "abc" 97 98 99, "d" 100
+    windows = T.TokenWindows(documents, T.ByteTokenizer(), seq_len=3, separator=separator).take(3)
+    assert windows.tolist() == expected
+    gpt2 = T.TokenWindows(Documents(["hello world", "hello"]), T.GPT2Tokenizer(), seq_len=2, separator=separator)
+    assert gpt2.take(1).tolist() == [[31373, 995, 50256] if separator == "eot" else [31373, 995, 31373]]
+
+
+def test_a_run_without_separators_trains_and_evaluates_on_joined_documents(tmp_path):
+    """The bundled documents never hold byte 0: with separator none, neither do the training or held-out windows
+    of a trainer (a few documents' worth each: about 6 kB a document)."""
+    for separator in ("eot", "none"):
+        cfg = T.parse_config(["--preset", "tiny", "--seq-len", "2048", "--doc-separator", separator, "--out",
+                              str(tmp_path), "--run-name", separator, "--wandb", "disabled"])
+        trainer = T.build_trainer(cfg, T.Dist(0, 1, torch.device("cpu")))
+        try:
+            training = torch.cat([trainer.loader.next_batch()[0] for _ in range(5)])
+        finally:
+            trainer.loader.close()
+        assert [bool((windows == 0).any()) for windows in (training, trainer.val[0])] == [separator == "eot"] * 2
+
+
+def test_under_bf16_autocast_the_studys_norm_first_order_gives_its_coefficients_to_the_bit():
+    """The study divides vec(x) by its RMS before its bf16 projections, so that z, tanh(z) and a * z stay bf16;
+    dividing the projection's output instead (ours, as the kernels fuse it) gives z in fp32 and other roundings."""
+    x = torch.randn(3, 1, N, WIDTH)
+    differences = {}
+    for order in ("project-first", "norm-first"):
+        torch.manual_seed(0)
+        ours, study = T.CONNECTIONS["mhc"](study_config("mhc", "--mhc-norm-order", order), 3), StudyConnection(True)
+        with torch.no_grad():
+            for p in study.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        copy_into(ours, study)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            H_ours = ours.coefficients(x)[:3]
+            v = study.norm(x.flatten(-2))
+            pre, post, res = (torch.tanh(theta(v)) for theta in (study.theta_pre, study.theta_post, study.theta_res))
+            H_study = (torch.sigmoid(study.alpha_pre * pre + study.b_pre),
+                       2 * torch.sigmoid(study.alpha_post * post + study.b_post),
+                       study_sinkhorn(study.alpha_res * res.unflatten(-1, (N, N)) + study.b_res))
+        differences[order] = max((mine - theirs).abs().max().item() for mine, theirs in zip(H_ours, H_study))
+    assert differences["norm-first"] == 0 and differences["project-first"] > 1e-4
+    assert study_config("mhc").mhc_norm_order == "norm-first" and T.parse_config([]).mhc_norm_order == "project-first"
+
+
+def test_the_studys_shuffle_buffer_is_set_and_a_presets_own_data_keeps_its_own():
+    """10,000 documents a stream over C4; the demo's 64 stays where the demo chose the data, in either order."""
+    buffer = {preset: T.parse_config(["--preset", preset]).shuffle_buffer
+              for preset in ("c4", "seed-study", "seed-study,stress", "demo,seed-study", "seed-study,demo", "tiny")}
+    assert buffer == {"c4": 1024, "seed-study": 10_000, "seed-study,stress": 10_000, "demo,seed-study": 64,
+                      "seed-study,demo": 64, "tiny": 64}
+    assert T.parse_config(["--preset", "demo,seed-study", "--shuffle-buffer", "10000"]).shuffle_buffer == 10_000
+    turned_back = T.parse_config(["--preset", "seed-study", "--residual", "hc", "--shuffle-buffer", "1024"])
+    assert (turned_back.shuffle_buffer, turned_back.run_name) == (1024, "hc_d32_s42_seed-study")   # a size, as --steps
 
 
 # --- presets compose, and a run is named after its settings --------------------------------------------------
@@ -229,6 +307,10 @@ def test_a_run_is_named_after_its_settings_however_they_were_asked():
         "hc_d32_s42_seq"
     assert T.parse_config(["--preset", "seed-study", "--residual", "mhc", "--no-mhc-tanh"]).run_name == \
         "mhc_d32_s42_seq"
+    for residual, back in (("hc", ["--warmup-from", "one-step"]), ("mhc", ["--doc-separator", "eot"]),
+                           ("mhc", ["--mhc-norm-order", "project-first"])):
+        assert T.parse_config(["--preset", "seed-study", "--residual", residual, *back]).run_name == \
+            f"{residual}_d32_s42_seq", back
 
 
 # --- the study's reading on its own scope: the training batch, every step, full depth ---------------------------
@@ -279,6 +361,7 @@ def test_every_training_step_logs_the_study_reading_and_the_baseline_logs_one(tm
         readings = [line[contract.STUDY_TRAIN_KEY] for line in lines if line["step"] > 0 and "loss" in line]
         assert len(readings) == 3 and all(math.isfinite(r) for r in readings)
         assert (readings == [1.0] * 3) == exactly_one
+        assert [line["lr"] for line in lines if "loss" in line][:2] == [0.0, 1.5e-3]    # the study's warm-up: 0, lr/2
 
 
 @pytest.mark.parametrize("residual", ["hc", "mhc"])

@@ -311,24 +311,27 @@ def test_gpt2_tokenizer_is_the_real_one_offline():
     assert tokenizer.eot == 50256
 
 
-def sample_batches(rank=0, world=1, data_seed=7, batch=8, micro=4, streams=4):
+def sample_batches(rank=0, world=1, data_seed=7, batch=8, micro=4, streams=4, separator="eot"):
     train_files = T.resolve_data_files("sample").train
     cfg = T.parse_config(["--preset", "tiny", "--seq-len", "64", "--data-seed", str(data_seed), "--batch-size",
-                          str(batch), "--data-streams", str(streams), "--shuffle-buffer", "16"])
+                          str(batch), "--data-streams", str(streams), "--shuffle-buffer", "16", "--doc-separator",
+                          separator])
     return T.RankBatches(train_files, T.ByteTokenizer(), cfg, rank, world, micro)
 
 
-def test_sample_corpus_streams_and_resumes_exactly():
-    reference = sample_batches()
+@pytest.mark.parametrize("separator", ["eot", "none"])
+def test_sample_corpus_streams_and_resumes_exactly(separator):
+    reference = sample_batches(separator=separator)
     expected = [reference.next_batch()[0] for _ in range(30)]
-    loader = sample_batches()
+    loader = sample_batches(separator=separator)
     seen = [loader.next_batch()[0] for _ in range(10)]
     for _ in range(2):                                       # a second and third resume must be exact too
         state = loader.state_dict()
-        loader = sample_batches()
+        loader = sample_batches(separator=separator)
         loader.load_state_dict([state])
         seen += [loader.next_batch()[0] for _ in range(10)]
     assert all(torch.equal(a, b) for a, b in zip(seen, expected))
+    assert bool((torch.cat(seen) == 0).any()) == (separator == "eot")     # a document ended in these 30 batches
 
 
 def saved_size(state) -> int:
