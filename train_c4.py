@@ -799,11 +799,15 @@ def stream_metrics(G: torch.Tensor, H: torch.Tensor) -> dict:
     product sit from I, J/n and a permutation: per token, then averaged (docs/model.md); n >= 2."""
     n, H = H.shape[-1], H.double()
     unit = 2 * (n - 1)          # sum |P - J/n| for every permutation P: J/n and a permutation are 1 apart
-    composite = composites(H)[0][-1]            # H_L ... H_1
+    composite = composites(H)[0][-1]            # H_L ... H_1, scaled as a doubly stochastic matrix is: its shape
+    composite = composite * n / composite.abs().sum((-2, -1), keepdim=True).clamp_min(torch.finfo(H.dtype).tiny)
     dominance, streams, rank = state_metrics(G)
     to_identity = (H - torch.eye(n, dtype=H.dtype, device=H.device)).abs().sum((-2, -1)).mean(-1) / unit
-    values = [dominance.max(), dominance.mean(), streams.mean(), streams.min(), rank.mean(), rank.min(),
-              to_identity.max(), to_identity.mean(), (composite - 1 / n).abs().sum((-2, -1)).mean() / unit]
+    # over depth, the connections after the first: its input is the embedding copied n times, rank 1 by construction
+    learned = [reading[1:] for reading in (dominance, streams, rank)]
+    values = [learned[0].max(), learned[0].mean(), learned[1].mean(), learned[1].min(), learned[2].mean(),
+              learned[2].min(), to_identity.max(), to_identity.mean(),
+              (composite - 1 / n).abs().sum((-2, -1)).mean() / unit]
     if n <= MHC_LITE_MAX_EXPANSION:     # beyond, n! permutations are too many to score per token
         values.append(permutation_distance(composite).mean() / unit)
     layers = torch.cat([torch.stack(values), dominance, streams, rank, to_identity]).tolist()

@@ -44,15 +44,18 @@ def test_a_hand_computed_two_stream_state():
     assert expected[1] == pytest.approx(1.7548, abs=1e-4) and expected[2] == pytest.approx(1.9286, abs=1e-4)
 
 
-def test_the_readings_are_token_means_and_their_depth_max_mean_and_min():
+def test_the_readings_are_token_means_and_their_depth_max_mean_and_min_after_the_first_connection():
+    """The first connection reads the embedding copied n times (rank 1 by construction): the depth readings leave it
+    out, so an effective_rank_min of 1 means a learned collapse, not the input."""
     held, spread = gram([1.0, 0.0], [0.0, 0.0]), gram([1.0, 0.0], [0.0, 1.0])
-    G = torch.cat([torch.cat([held, spread], 1), torch.cat([spread, spread], 1)])       # 2 connections, 2 tokens
-    H = torch.eye(2, dtype=torch.float64).expand(2, 2, 2, 2)
+    G = torch.cat([torch.cat([held, held], 1), torch.cat([held, spread], 1), torch.cat([spread, spread], 1)])
+    H = torch.eye(2, dtype=torch.float64).expand(3, 2, 2, 2)                # 3 connections, 2 tokens
     m = T.stream_metrics(G, H)
-    assert m["layer_stream_dominance"] == pytest.approx([0.75, 0.5])
+    assert m["layer_stream_dominance"] == pytest.approx([1, 0.75, 0.5])
     assert m["stream_dominance"] == pytest.approx(0.75) and m["stream_dominance_mean"] == pytest.approx(0.625)
-    assert m["layer_effective_streams"] == pytest.approx([1.5, 2]) and m["effective_streams_min"] == pytest.approx(1.5)
+    assert m["layer_effective_streams"] == pytest.approx([1, 1.5, 2]) and m["effective_streams_min"] == pytest.approx(1.5)
     assert m["effective_streams"] == pytest.approx(1.75) and m["effective_rank"] == pytest.approx(1.75)
+    assert m["effective_rank_min"] == pytest.approx(1.5)
 
 
 def mixing(H, depth=3, n=4):
@@ -76,6 +79,13 @@ def test_a_permutation_other_than_the_identity():
     assert mixing(shift) == pytest.approx((8 / 6, 8 / 6, 1, 0))
 
 
+def test_the_composite_readings_ask_about_its_shape_not_its_size():
+    """HC's composites grow: scaled to absolute entries summing to n (a doubly stochastic matrix's sum), 100 I is
+    still a permutation and 100 J/n still the average; the gains say the size."""
+    assert mixing(torch.eye(4) * 100 ** (1 / 3))[2:] == pytest.approx((1, 0))
+    assert mixing(torch.full((4, 4), 0.25) * 7)[2:] == pytest.approx((0, 1))
+
+
 def test_the_nearest_permutation_of_hc_like_matrices_is_found_among_all_of_them():
     """Negative entries and entries over 1 (HC's composites): the linear scoring against a brute force."""
     M = torch.randn(50, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
@@ -93,7 +103,7 @@ def test_per_token_distances_are_averaged_over_the_tokens():
 
 def test_too_many_permutations_to_score_leave_that_reading_out():
     n = T.MHC_LITE_MAX_EXPANSION + 1
-    m = T.stream_metrics(torch.eye(n, dtype=torch.float64).expand(1, 1, n, n), torch.eye(n).expand(1, 1, n, n))
+    m = T.stream_metrics(torch.eye(n, dtype=torch.float64).expand(2, 1, n, n), torch.eye(n).expand(2, 1, n, n))
     assert "composite_to_permutation" not in m and m["composite_to_uniform"] == pytest.approx(1)
 
 
