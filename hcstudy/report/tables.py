@@ -157,14 +157,15 @@ def stream_columns():
 STREAM_NOTES = """- The n streams at each run's last probe (a finished run's trained model), mean ± sample std over seeds;
   – = not logged (the baseline has no streams; runs from before the trainer logged these readings have none).
   **Stream dominance**: the largest stream's share of the state's energy (token mean), at the sublayer where it is
-  largest: 1/n = shared evenly, 1 = one stream holds everything. **Effective streams** (exp of the entropy of those
+  largest (every reading over sublayers leaves out the first, whose input is the embedding copied n times): 1/n = shared evenly, 1 = one stream holds everything. **Effective streams** (exp of the entropy of those
   shares, mean over sublayers): n = even shares, 1 = one stream. **Effective rank** (of a token's n streams, mean
   over sublayers): n = independent streams, 1 = copies of one vector.
 - **H_res to I**: the farthest any sublayer's H_res lies from the identity, scaled so that J/n (every entry 1/n,
   the streams averaged into one) lies at 1; 0 = the streams pass through unmixed. **Composite to J/n** and
   **composite to permutation**: the product of every H_res over the full depth, on the same scale, where J/n and
-  the permutations lie 1 apart: near 0 to J/n, the depth averaged the streams into one; near 0 to a permutation,
-  it kept them apart (only reordered). HC's composite is not doubly stochastic: it can lie far beyond 1 of both."""
+  the permutations lie 1 apart, scaled to absolute entries summing to n (its shape; the gains give its size): near 0
+  to J/n, the depth averaged the streams into one; near 0 to a permutation, it kept them apart (only reordered).
+  HC's composite, with negative entries, can lie beyond 1 of both."""
 
 
 def stream_block(rows):
