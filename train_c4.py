@@ -767,9 +767,11 @@ def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:
 
 
 def stream_gram(x: torch.Tensor) -> torch.Tensor:
-    """x x^T (..., n, n) of the streams x (..., n, C), in fp64 (TF32 or bf16 would blur a near-rank-one state)."""
+    """x x^T (..., n, n) of the streams x (..., n, C): fp32 with autocast off (bf16 would blur a near-rank-one state;
+    fp64 would copy the state, 0.7 GB a connection at the study's sizes), kept in fp64."""
     with mixing_autocast(x):
-        return x.double() @ x.double().transpose(-1, -2)
+        x = x.float()
+        return (x @ x.transpose(-1, -2)).double()
 
 
 def spread(p: torch.Tensor) -> torch.Tensor:
