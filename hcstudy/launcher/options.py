@@ -25,6 +25,8 @@ MODES = {   # methods, depths, seeds, steps, trainer preset
     # the demo preset fixes its own model; --depth 4 (its depth) is passed so the run name is exact
     "demo": ("baseline,hc,mhc", "4", "42", None, "demo"),
     "demo-all": (",".join(METHODS), "4", "42", None, "demo"),
+    # the streams' readings against depth on a CPU, under an hour on 2 cores (docs/pilot.md)
+    "pilot": ("baseline,hc,mhc,identity-hc", "2,4,8", "42,123", None, "demo"),
 }
 # The trainer flags the launcher sets for each run: the run's identity and where it lives.
 OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps", "--sinkhorn-iters",
@@ -65,7 +67,7 @@ RUN_EXPERIMENTS_DATA_BACKOFF (seconds before the first retry after exit {EXIT_DA
 RUN_EXPERIMENTS_MAX_REQUEUES (10), RUN_EXPERIMENTS_STOP_TIMEOUT (seconds jobs get to checkpoint after Ctrl-C;
 600), RUN_EXPERIMENTS_CALIBRATE_STEPS (steps of each --calibrate run, 10, at least 4)."""
 
-USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo|--demo-all] [--residual L] [--depth L] [--seed L]\n"
+USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo|--demo-all|--pilot] [--residual L] [--depth L] [--seed L]\n"
          "       [--sinkhorn-iters L] [--coefficients L] [--steps N]\n"
          "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
          "       [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--gpu-type NAME]] [--summary] [--slurm [--dry-run]]\n"
@@ -120,7 +122,9 @@ def build_parser():
             ("stress", "the stress arm: hc,mhc x depths 32,48,64 x seed 42 with --preset stress (lr 3e-4, 3000 "
                        "steps), runs named {method}_d{depth}_s{seed}_stress: it shares --out with the main matrix"),
             ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table"),
-            ("demo-all", "every residual arm (baseline,hc,mhc,mhc-lite,identity-hc) as --demo does")):
+            ("demo-all", "every residual arm (baseline,hc,mhc,mhc-lite,identity-hc) as --demo does"),
+            ("pilot", "baseline,hc,mhc,identity-hc x depths 2,4,8 x seeds 42,123 as --demo does (24 CPU runs, under "
+                      "an hour on 2 cores; docs/pilot.md), then the table and the depth trend")):
         m.add_argument(f"--{mode}", dest="mode", action="append_const", const=mode, help=help_text)
     # the trainer's names, each taking a list (the plural names are the same flags)
     m.add_argument("--residual", "--methods", dest="methods", metavar="LIST",
@@ -249,7 +253,7 @@ def parse_options(argv):
         raise UsageError("--out must not be empty")
     modes = set(args.mode or [])
     if len(modes) > 1:
-        raise UsageError("choose one of --full, --quick, --stress, --demo, --demo-all")
+        raise UsageError("choose one of --full, --quick, --stress, --demo, --demo-all, --pilot")
     mode = modes.pop() if modes else "full"
     methods, depths, seeds, steps, preset = MODES[mode]
     if not preset and extra_value(extra, "--preset"):    # -- --preset seed-study: its runs are named after it

@@ -113,6 +113,13 @@ def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):
                                        "identity-hc_d4_s42"]
 
 
+def test_the_pilot_is_the_documented_cpu_matrix(tmp_path):
+    opt, jobs = jobs_of(tmp_path, "--pilot")
+    assert opt.preset == "demo" and len(jobs) == 24
+    assert {j.name for j in jobs} == {f"{m}_d{d}_s{s}" for m in ("baseline", "hc", "mhc", "identity-hc")
+                                      for d in (2, 4, 8) for s in (42, 123)}
+
+
 @needs_bash
 @pytest.mark.parametrize("argv, message", [
     (["--sinkhorn-iters", "0"], "'0' is not a valid entry of --sinkhorn-iters"),
