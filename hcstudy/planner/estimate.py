@@ -46,8 +46,8 @@ def print_estimate(gpt: type, cfg: Config, params: dict) -> None:
     micro, auto_line = _estimate_micro_batch(gpt, cfg, world)
     strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
     print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
-          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}:")
+          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {cfg.stream_dtype} streams, {strategy}, "
+          f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}:")
     print_memory_plan(memory_plan(gpt, cfg, micro, world))
     if cfg.residual != "baseline":
         fit = activation_profile(gpt, profile_key(cfg, False))["streams"]

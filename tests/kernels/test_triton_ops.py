@@ -129,18 +129,20 @@ def test_non_contiguous_states_and_a_stride_zero_gradient(arm):
 
 
 @pytest.mark.parametrize("arm", ["hc", "mhc"])
-def test_a_bf16_sublayer_reads_bf16_and_writes_into_fp32_streams(arm):
-    """Under autocast the read hands the sublayer its input in bf16 and the write takes a bf16 output into the fp32
-    streams; the formulas read in fp32 and round at the sublayer's first matmul: one bf16 rounding apart."""
+def test_under_autocast_the_read_hands_the_sublayer_fp32_u_as_the_formulas_do(arm):
+    """One precision policy (docs/model.md, "Precision"): under autocast the read writes u in fp32, as the formulas
+    compute it, so that the sublayer's LayerNorm sees the same input; the streams stay fp32. The backward runs
+    inside the autocast here, where the read's cuBLAS matmuls round to bf16 (measured 2.3e-3 of x's gradient)."""
     _, reference, fast = connections(arm, 4, 40)
     x, grad_out, weight = inputs(4, 40)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         fast_result = step(fast, x, grad_out, weight)
         ref_result = step(reference, x, grad_out, weight)
-    assert fast_result["u dtype"] == torch.bfloat16 and fast_result["output"].dtype == torch.float32
+    assert fast_result["u dtype"] == ref_result["u dtype"] == torch.float32
+    assert fast_result["output"].dtype == torch.float32
     for name, value in ref_result.items():
         if name != "u dtype":
-            assert (fast_result[name] - value).abs().max() <= 2e-2 * value.abs().max(), name
+            assert (fast_result[name] - value).abs().max() <= 1e-2 * value.abs().max(), name
 
 
 def test_both_sinkhorn_backwards_give_the_same_gradients(monkeypatch):
