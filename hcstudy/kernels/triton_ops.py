@@ -546,21 +546,18 @@ def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_p
 
 @_jit
 def _stored(value, ptr):
-    """fp32 `value` in ptr's dtype, a bf16 one rounded to nearest-even by its bits: Triton's interpreter truncates
-    an fp32 -> bf16 cast where the GPU rounds, so that the tests would not see the GPU's rounding."""
+    """fp32 `value` in ptr's dtype, bf16 rounded to nearest-even by its bits (the interpreter's cast truncates)."""
     if ptr.dtype.element_ty == tl.bfloat16:
         bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return value.to(ptr.dtype.element_ty)
 
 
 @_jit
 def _write_forward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr, out_ptr, T, C,
                    N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y on a (BT tokens, BC) chunk: reads x (n values) and y
-    (one, in its dtype) once, sums in fp32, writes n values in the state's dtype; the n x n coefficients come from
-    L2 for every chunk."""
+    """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y on a (BT tokens, BC) chunk: reads x (n values) and y (one)
+    once, sums in fp32, writes n in the state's dtype; the n x n coefficients come from L2 for every chunk."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     s = tl.arange(0, NP)
@@ -631,9 +628,7 @@ def _launch_shape(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 _compiled_around = torch.compiler.disable
 
 
-def u_dtype(x: torch.Tensor) -> torch.dtype:
-    """u's dtype, as the formulas make it (train_c4.stream_update): fp32 for an fp32 or bf16 state, under autocast
-    too, so that the sublayer's LayerNorm sees the same input on every path (docs/model.md, "Precision")."""
+def u_dtype(x: torch.Tensor) -> torch.dtype:     # the formulas' (stream_update), under autocast too: one policy
     return torch.promote_types(x.dtype, torch.float32)
 
 
@@ -674,15 +669,8 @@ def _zeros_if_none(grad, shape, like):
     return like.new_zeros(shape, dtype=torch.float32) if grad is None else grad
 
 
-def _f32(x: torch.Tensor, *shape) -> torch.Tensor:
-    """An fp32 buffer on x's device: the coefficients and their gradients are fp32 whatever the state's dtype."""
+def _f32(x: torch.Tensor, *shape) -> torch.Tensor:       # the coefficients and their gradients: fp32 always
     return x.new_empty(shape, dtype=torch.float32)
-
-
-def _widened(grad_x: torch.Tensor, shape) -> torch.Tensor:
-    """x's incoming gradient as a contiguous fp32 (T, n, C) tensor the read's backward adds into in place: the
-    write's own for an fp32 state, an fp32 copy for a bf16 one (rounded back once, at the read's end)."""
-    return grad_x.reshape(shape).to(torch.float32).contiguous()
 
 
 class _MHCRead(torch.autograd.Function):
@@ -725,8 +713,9 @@ class _MHCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        # the write's backward made grad_x, a new tensor nothing else holds: the read adds its terms into it
-        grad_x = _widened(_zeros_if_none(grad_x, (T, n, C), x), (T, n, C))
+        # the write's backward made grad_x, a new tensor nothing else holds: the read adds its terms into it (into
+        # an fp32 copy of a bf16 state's, rounded back once at the end)
+        grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).to(torch.float32).contiguous()
         K = 2 * n + R
         gl, glz, graw = (_f32(x, T, K) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
@@ -773,7 +762,7 @@ class _HCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        grad_x = _widened(_zeros_if_none(grad_x, (T, n, C), x), (T, n, C))
+        grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).to(torch.float32).contiguous()
         gcoef, gcd, gz = (_f32(x, T, n, n + 2) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
         _hc_read_backward[(_cdiv(T, BT),)](
@@ -875,19 +864,16 @@ def res_logit_count(arm: str, n: int) -> int:
     return {"mhc": n * n, "mhc-lite": math.factorial(n), "identity-hc": 0}.get(arm, 0)
 
 
-def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20,
-            stream_bytes: int = 4) -> dict[str, int]:
-    """Device-memory bytes per token that one connection's kernels (and its projection's cuBLAS matmuls) read and
-    write, forward and backward, as their docstrings count them: the state is n C values of stream_bytes (4: fp32,
-    2: bf16), u and its gradient C fp32 values, y and its gradient C values of activation_bytes. A bf16 state is
-    widened to fp32 for cuBLAS, and x's gradient for the read's backward (rounded back at its end): a copy each,
-    counted with the matmuls. Re-reads count (the second pass over x in a read kernel), the weights do not."""
+def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20, stream_bytes: int = 4):
+    """Device-memory bytes per token one connection's kernels (and its projection's cuBLAS matmuls) move, forward
+    and backward, as their docstrings count them: the state n C values of stream_bytes, u and du C fp32 values,
+    y and dy C of activation_bytes; a bf16 state's widening copies (for cuBLAS, for the read's backward) counted
+    with the matmuls. Re-reads count (the second pass over x in a read kernel), the weights do not."""
     f, C = 4, width
     state, wide, u, vec = stream_bytes * n * C, f * n * C, f * C, activation_bytes * C
-    cast = state + wide if stream_bytes < f else 0      # one widening copy: read as stored, written in fp32
+    cast, read_backward = state + wide if stream_bytes < f else 0, 2 * state + 2 * wide + 2 * u   # x, dx, du twice
     write = {"_write_forward": 2 * state + vec + f * (n * n + n),
              "_write_backward": 3 * state + 2 * vec + 2 * f * (n * n + n)}
-    read_backward = 2 * state + 2 * wide + 2 * u       # x twice, x's fp32 gradient read and written, du twice
     if arm == "hc":
         coef = f * n * (n + 2)
         return {"projection (cuBLAS)": wide + coef + cast,
@@ -906,11 +892,9 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
             "sums over the tokens (torch)": 2 * K}
 
 
-def floor(n: int, width: int, activation_bytes: int = 2, stream_bytes: int = 4) -> dict[str, int]:
-    """The fewest bytes per token one connection must move, whatever the kernels: the sublayer splits each direction
-    in two, and on each side every tensor is read or written once. Forward: x read for the coefficients and u, u
-    written (fp32); x and y read for the write, x_next written. Backward: dx_next, x and y read, dx and dy written;
-    x and du read for dH_pre and the projection's gradient, dx read and written. The state is stream_bytes a value,
-    y activation_bytes; the coefficients (n^2 + 2n per token) are left out: under 1% at n = 4, C = 2048."""
+def floor(n: int, width: int, activation_bytes: int = 2, stream_bytes: int = 4):
+    """The fewest bytes per token one connection must move: each tensor read or written once on each side of the
+    sublayer. Forward: x read, u written (fp32); x and y read, x_next written. Backward: dx_next, x, y read, dx, dy
+    written; x and du read, dx read and written. The coefficients (n^2 + 2n a token, under 1%) are left out."""
     state, u, vec = stream_bytes * n * width, 4 * width, activation_bytes * width
     return {"forward": 3 * state + u + vec, "backward": 6 * state + u + 2 * vec}
