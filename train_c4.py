@@ -357,14 +357,13 @@ def mixing_autocast(x: torch.Tensor, autocast: bool = False):
 
 def stream_update(x, H_pre, H_post, H_res, sublayer, autocast: bool = False):
     """x_next = H_res x + H_post^T F(norm(H_pre x)) per token, x (..., n, C), H_pre and H_post (..., n), H_res
-    (..., n, n); sublayer is F(norm(.)). u and the mixing in the coefficients' dtype (fp32), the result rounded
-    once to the state's dtype (--stream-dtype)."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))      # exact: the one rounding is the last line's
+    (..., n, n); sublayer is F(norm(.)). x is the state widened (fp32, or fp64): u and the mixing in its dtype,
+    the caller rounds the result once to --stream-dtype."""
     with mixing_autocast(x, autocast):
-        u = torch.einsum("...j,...jc->...c", H_pre, wide)
-    y = sublayer(u).to(wide.dtype)
+        u = torch.einsum("...j,...jc->...c", H_pre, x)
+    y = sublayer(u).to(x.dtype)
     with mixing_autocast(x, autocast):
-        return (H_res @ wide + H_post.unsqueeze(-1) * y.unsqueeze(-2)).to(x.dtype)
+        return H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, rows_first: bool = False) -> torch.Tensor:
@@ -428,10 +427,14 @@ class _StreamMixing(nn.Module):
             u, H_post, H_res, res_logits, x = getattr(kernels, self.triton_read)(self, x)
             x = kernels.write(x, H_res, H_post, sublayer(u))
         else:
+            # a bf16 state widened once (exact), the one fp32 copy the coefficients and the update share: autograd
+            # saves it once per connection, as it saves an fp32 state itself (docs/planning.md)
+            wide = x.to(torch.promote_types(x.dtype, torch.float32))
             # per sequence: one set from the streams averaged over the positions (B, 1, n, C), broadcast to every
             # position; a later token then changes an earlier position's output (not causal, docs/model.md)
-            H_pre, H_post, H_res, res_logits = self.coefficients(x.mean(-3, keepdim=True) if self.per_sequence else x)
-            x = stream_update(x, H_pre, H_post, H_res, sublayer, self.autocast)
+            H_pre, H_post, H_res, res_logits = self.coefficients(
+                wide.mean(-3, keepdim=True) if self.per_sequence else wide)
+            x = stream_update(wide, H_pre, H_post, H_res, sublayer, self.autocast).to(x.dtype)
         return x, (H_res.detach(), None if res_logits is None else res_logits.detach())     # the probe's, detached
 
 

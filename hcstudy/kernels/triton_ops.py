@@ -713,8 +713,7 @@ class _MHCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        # the write's backward made grad_x, a new tensor nothing else holds: the read adds its terms into it (into
-        # an fp32 copy of a bf16 state's, rounded back once at the end)
+        # the write's backward made grad_x, nothing else holds it: the read adds into it (a bf16 one's fp32 copy)
         grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).to(torch.float32).contiguous()
         K = 2 * n + R
         gl, glz, graw = (_f32(x, T, K) for _ in range(3))
@@ -724,8 +723,9 @@ class _MHCRead(torch.autograd.Function):
             _or(perms, raw), h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), grad_u, grad_post, grad_res,
             grad_x, gl, glz, graw, T, C, iters,
             N=n, NP=NP, MIX=mixing, R=R, STORED=stored, BT=BT, BC=BC, BR=_chunk(R))
-        grad_x.view(T, n * C).addmm_(graw, phi)                  # the projection's term, in place (cuBLAS)
-        grad_phi = graw.t() @ xt.reshape(T, n * C).to(phi.dtype)
+        with autocast_off(x):       # a backward called under autocast would round these matmuls to bf16
+            grad_x.view(T, n * C).addmm_(graw, phi)              # the projection's term, in place (cuBLAS)
+            grad_phi = graw.t() @ xt.reshape(T, n * C).to(phi.dtype)
         bias_grad, gate_grad = torch.stack([gl, glz]).sum(1)     # sums over the tokens: torch's, deterministic
         gates = [gate_grad[:n].sum(), gate_grad[n:2 * n].sum(), gate_grad[2 * n:].sum()]
         biases = [bias_grad[:n], bias_grad[n:2 * n], bias_grad[2 * n:]]
@@ -769,8 +769,9 @@ class _HCRead(torch.autograd.Function):
             xt, *xt.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_x,
             gcoef, gcd, gz, T, C, N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
         g = gz.view(T * n, n + 2)
-        grad_x.view(T * n, C).addmm_(g, W)                       # dx's g W term, in place (cuBLAS)
-        grad_W = (g.t() @ xt.reshape(T * n, C).to(W.dtype)).sub_((g.t() @ mean.view(-1)).unsqueeze(-1))
+        with autocast_off(x):       # as in _MHCRead's backward
+            grad_x.view(T * n, C).addmm_(g, W)                   # dx's g W term, in place (cuBLAS)
+            grad_W = (g.t() @ xt.reshape(T * n, C).to(W.dtype)).sub_((g.t() @ mean.view(-1)).unsqueeze(-1))
         statics, by_scale = torch.stack([gcoef, gcd]).sum(1)       # (n, n + 2) each
         return (grad_x.view(x.shape).to(x.dtype), grad_W, statics[:, 0], statics[:, 1:n + 1], statics[:, n + 1],
                 _like(by_scale[:, :n + 1].sum(), s_a), _like(by_scale[:, n + 1].sum(), s_b), None, None)
@@ -865,10 +866,9 @@ def res_logit_count(arm: str, n: int) -> int:
 
 
 def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20, stream_bytes: int = 4):
-    """Device-memory bytes per token one connection's kernels (and its projection's cuBLAS matmuls) move, forward
-    and backward, as their docstrings count them: the state n C values of stream_bytes, u and du C fp32 values,
-    y and dy C of activation_bytes; a bf16 state's widening copies (for cuBLAS, for the read's backward) counted
-    with the matmuls. Re-reads count (the second pass over x in a read kernel), the weights do not."""
+    """Device-memory bytes per token one connection's kernels and cuBLAS matmuls move, forward and backward: the state
+    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; a bf16 state's widening copies (for
+    cuBLAS, for the read's backward) counted with the matmuls. Re-reads count (a read's second pass), weights not."""
     f, C = 4, width
     state, wide, u, vec = stream_bytes * n * C, f * n * C, f * C, activation_bytes * C
     cast, read_backward = state + wide if stream_bytes < f else 0, 2 * state + 2 * wide + 2 * u   # x, dx, du twice

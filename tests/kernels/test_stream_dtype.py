@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_fused import block_step, state  # noqa: E402
 
 U = 2.0 ** -8
-STREAM_UPDATE = T.stream_update             # the formulas' own, before a test replaces it
 ARMS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc")
 PATHS = {"reference": ARMS, "fused": ("hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}
 CASES = [(arm, path) for path, arms in PATHS.items() for arm in arms]
@@ -72,24 +71,16 @@ def test_one_connection_rounds_the_state_once(arm, path):
 
 
 def rounding_twice(x, H_pre, H_post, H_res, sublayer, autocast=False):
-    """The mutation: the mixing H_res x stored in bf16 before H_post y is added and the sum stored again."""
-    wide = x.float()
-    y = sublayer(torch.einsum("...j,...jc->...c", H_pre, wide)).float()
-    mixed = (H_res @ wide).to(x.dtype).float()
-    return (mixed + H_post.unsqueeze(-1) * y.unsqueeze(-2)).to(x.dtype)
+    """The mutation: the mixing H_res x rounded to bf16 before H_post y is added (the connection rounds the sum)."""
+    y = sublayer(torch.einsum("...j,...jc->...c", H_pre, x)).to(x.dtype)
+    return (H_res @ x).bfloat16().to(x.dtype) + H_post.unsqueeze(-1) * y.unsqueeze(-2)
 
 
-def storing_fp32(x, H_pre, H_post, H_res, sublayer, autocast=False):
-    """The mutation: the state kept in fp32 although bf16 was asked for."""
-    return STREAM_UPDATE(x.float(), H_pre, H_post, H_res, sublayer, autocast)
-
-
-@pytest.mark.parametrize("mutation", [rounding_twice, storing_fp32])
-def test_rounding_twice_or_storing_fp32_is_caught(monkeypatch, mutation):
+def test_rounding_twice_is_caught(monkeypatch):
     conn, sublayer = connection("mhc", "reference")
     x = bf16_state("mhc")
     exact = exact_output(conn, sublayer, x)
-    monkeypatch.setattr(T, "stream_update", mutation)
+    monkeypatch.setattr(T, "stream_update", rounding_twice)
     assert not rounded_once(conn(x, sublayer)[0], exact)
 
 
