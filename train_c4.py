@@ -395,7 +395,8 @@ class PlainResidual(nn.Module):
 
     def forward(self, x, sublayer):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (wide + sublayer(wide.squeeze(-2)).unsqueeze(-2).to(wide.dtype)).to(x.dtype), None
+        # the add promotes a bf16 sublayer output itself: no cast kernel of its own, the same sum
+        return (wide + sublayer(wide.squeeze(-2)).unsqueeze(-2)).to(x.dtype), None
 
 
 def read_stream(cfg: Config, sublayer_index: int) -> torch.Tensor:
