@@ -37,10 +37,10 @@ K.load()                                      # the kernels as triton.jit made t
 ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"},
                     "_mhc_read_forward": {"u_ptr"}, "_mhc_read_backward": {"gu_ptr"},
                     "_hc_read_forward": {"u_ptr"}, "_hc_read_backward": {"gu_ptr"}}
-# the pointers to the state or its gradient in --stream-dtype (the read's backward adds into an fp32 copy of dx)
+# the pointers to the state or its gradient in --stream-dtype (the read's backward writes dx in fp32: gxo_ptr)
 STATE_TYPES = {"_write_forward": {"x_ptr", "out_ptr"}, "_write_backward": {"x_ptr", "g_ptr", "gx_ptr"},
-               "_mhc_read_forward": {"x_ptr"}, "_mhc_read_backward": {"x_ptr"},
-               "_hc_read_forward": {"x_ptr"}, "_hc_read_backward": {"x_ptr"}}
+               "_mhc_read_forward": {"x_ptr"}, "_mhc_read_backward": {"x_ptr", "gx_ptr"},
+               "_hc_read_forward": {"x_ptr"}, "_hc_read_backward": {"x_ptr", "gx_ptr"}}
 STREAM_DTYPES = {"fp32": ("*fp32", 4), "bf16": ("*bf16", 2)}        # pointer type, bytes of a state value
 UNIT_STRIDES = {"sxc", "syc", "sgc"}
 CARDS = {"H100 SXM": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}

@@ -1,27 +1,25 @@
 """The residual streams on the GPU: Triton kernels for every arm with per-token coefficients (hc, mhc, mhc-lite,
 identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path), proven equal to train_c4.py's
-formulas in Triton's interpreter (tests/kernels/test_triton_ops.py) and compiled for sm_90 by
-benchmarks/triton_compile.py.
+formulas in the interpreter (tests/kernels/test_triton_ops.py), compiled for sm_90 by benchmarks/triton_compile.py.
 
 One connection, per direction (the maths: docs/model.md, "The Triton path"):
   forward   the coefficients' projection (one cuBLAS matmul)
             -> coefficients and read (one kernel: RMS or per-stream norm, gates, Sinkhorn / permutation mix, u)
             -> the sublayer -> write (one kernel: x_next = H_res x + H_post y)
   backward  the write's backward (one kernel) -> the sublayer
-            -> the read's and the coefficients' backward (one kernel, adding into x's gradient in place)
+            -> the read's and the coefficients' backward (one kernel, adding into x's gradient: in place in fp32)
             -> the projection's backward (two cuBLAS matmuls, one accumulating into x's gradient in place)
 where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way).
 
 The state x is (tokens, n, C) in fp32 or bf16 (--stream-dtype: loaded into fp32, rounded once where stored) with
-any strides; the coefficients are fp32, kept tokens-first and contiguous: H_pre, H_post (tokens, n), H_res
-(tokens, n, n) with H_res[t, i, j] the weight of stream j in stream i; u is fp32 as on the formulas' path. Every
-reduction over the tokens (the weights' gradients) is a cuBLAS matmul or a torch sum, and every program owns its
-tokens, so there are no atomics: two runs with the same seed give the same bits.
+any strides; the coefficients are fp32, tokens-first and contiguous: H_pre, H_post (tokens, n), H_res (tokens, n, n)
+with H_res[t, i, j] the weight of stream j in stream i; u is fp32 as on the formulas' path. Every reduction over the
+tokens (the weights' gradients) is a cuBLAS matmul or a torch sum and every program owns its tokens: no atomics, so
+two runs with the same seed give the same bits.
 
-Triton is imported at the first launch (load), not with the module: the planner runs this path on the CPU with
-each kernel replaced by its byte count (traffic, plan.counting), and the runtime-only install (setup.sh without
---dev: the CPU torch has no triton) plans it too. On a machine without CUDA the kernels run in Triton's interpreter
-(TRITON_INTERPRET=1, set before triton is imported): slow, for tests and demos only.
+Triton is imported at the first launch (load): the planner runs this path on the CPU with each kernel replaced by
+its byte count (traffic, plan.counting), also where setup.sh without --dev installed no triton. Without CUDA the
+kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the import): slow, for tests and demos only.
 """
 from __future__ import annotations
 
@@ -362,10 +360,10 @@ def _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N: tl.constexpr, C, BC: tl
 
 
 @_jit
-def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, shift, t, s, T, N: tl.constexpr, C,
-                   BC: tl.constexpr):
-    """dx[j] += H_pre[j] du + scale[j] x[j] + shift[j], in place in the contiguous (T, n, C) gradient: the read's
-    term and the norm's (the RMS's for mHC, the per-stream norm's for HC)."""
+def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, scale, shift, t, s, T, N: tl.constexpr,
+                   C, BC: tl.constexpr):
+    """dx[j] = gx[j] + H_pre[j] du + scale[j] x[j] + shift[j] into the contiguous (T, n, C) fp32 gxo: the write's
+    gradient gx (the state's dtype; gxo itself if fp32), the read's term, the norm's (mHC's RMS, HC's per stream)."""
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         mask = _tile_mask(t, s, c, T, N, C)
@@ -373,15 +371,15 @@ def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, shift, t,
         gu = tl.load(gu_ptr + t[:, None] * C + c[None, :], mask=(t < T)[:, None] & (c < C)[None, :],
                      other=0.0).to(tl.float32)
         offsets = t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :]
-        gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0)
+        gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         gx += h_pre[:, :, None] * gu[:, None, :] + scale[:, :, None] * x + shift[:, :, None]
-        tl.store(gx_ptr + offsets, gx, mask=mask)
+        tl.store(gxo_ptr + offsets, gx, mask=mask)
 
 
 @_jit
 def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr,
                        b_post_ptr, b_res_ptr, perm_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, sums_ptr,
-                       gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gl_ptr, glz_ptr, graw_ptr,
+                       gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gxo_ptr, gl_ptr, glz_ptr, graw_ptr,
                        T, C, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, R: tl.constexpr,
                        STORED: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
     """The read's and the coefficients' backward for BT tokens. Pass 1 over x and du: dH_pre. Then per token in
@@ -429,8 +427,8 @@ def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_
                                tmask, s, K, gl_ptr, glz_ptr, graw_ptr, R, N, BR)
     # z = raw / rms: d(1/rms)/dx = -x / (nC rms^3), so x's gradient gains -(sum dz z) / (nC rms^2) x
     scale = tl.where(m2, (-zdot * inv_rms * inv_rms / (N * C))[:, None] + tl.zeros((BT, NP), tl.float32), 0.0)
-    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, tl.zeros((BT, NP), tl.float32), t, s, T, N,
-                   C, BC)
+    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, scale, tl.zeros((BT, NP), tl.float32), t,
+                   s, T, N, C, BC)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -505,7 +503,7 @@ def _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N: tl.constexpr):
 
 @_jit
 def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_ptr, s_a_ptr, s_b_ptr, h_pre_ptr,
-                      gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gcoef_ptr, gcd_ptr, gz_ptr, T, C,
+                      gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gxo_ptr, gcoef_ptr, gcd_ptr, gz_ptr, T, C,
                       N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """HC's read and coefficients backward for BT tokens. Pass 1: dH_pre. In registers: dc (the coefficients'
     gradient), written with dc tanh(z) for the statics' and scales' sums, and g = dc scale (1 - tanh^2) rstd for
@@ -537,7 +535,8 @@ def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_p
     w_mean = tl.load(w_sum_ptr + k, mask=k < KH, other=0.0)[None, None, :] / C
     shift = tl.where(m2, -a * mean - tl.sum(g * w_mean, axis=2), 0.0)
     h_pre = tl.load(h_pre_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, tl.where(m2, a, 0.0), shift, t, s, T, N, C, BC)
+    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, tl.where(m2, a, 0.0), shift, t, s, T, N, C,
+                   BC)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -674,10 +673,9 @@ def _f32(x: torch.Tensor, *shape) -> torch.Tensor:       # the coefficients and 
 
 
 class _MHCRead(torch.autograd.Function):
-    """(u, H_post, H_res, logits, x) from the state x (..., n, C): the projection raw = vec(x) phi^T (cuBLAS), then
-    _mhc_read_forward. Kept for the backward: x (the input, no copy), the raw logits, 1/rms, the coefficients and,
-    for mhc, the logits and (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 +
-    4n(iters - 1)) floats per token, against the n C of a stored normalised copy."""
+    """(u, H_post, H_res, logits, x) from x (..., n, C): raw = vec(x) phi^T (cuBLAS), then _mhc_read_forward. Kept
+    for the backward: x (the input, no copy), the raw logits, 1/rms, the coefficients and, for mhc, the logits and
+    (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 + 4n(iters - 1)) floats a token."""
 
     @staticmethod
     def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, spec):
@@ -713,15 +711,16 @@ class _MHCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        # the write's backward made grad_x, nothing else holds it: the read adds into it (a bf16 one's fp32 copy)
-        grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).to(torch.float32).contiguous()
+        # the write's gradient of x (nothing else holds it); the read's backward writes dx in fp32: in place if fp32
+        grad_in = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()
+        grad_x = grad_in if grad_in.dtype == torch.float32 else torch.empty_like(grad_in, dtype=torch.float32)
         K = 2 * n + R
         gl, glz, graw = (_f32(x, T, K) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
         _mhc_read_backward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, inv_rms, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw),
             _or(perms, raw), h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), grad_u, grad_post, grad_res,
-            grad_x, gl, glz, graw, T, C, iters,
+            grad_in, grad_x, gl, glz, graw, T, C, iters,
             N=n, NP=NP, MIX=mixing, R=R, STORED=stored, BT=BT, BC=BC, BR=_chunk(R))
         with autocast_off(x):       # a backward called under autocast would round these matmuls to bf16
             grad_x.view(T, n * C).addmm_(graw, phi)              # the projection's term, in place (cuBLAS)
@@ -762,11 +761,12 @@ class _HCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).to(torch.float32).contiguous()
+        grad_in = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()         # as in _MHCRead
+        grad_x = grad_in if grad_in.dtype == torch.float32 else torch.empty_like(grad_in, dtype=torch.float32)
         gcoef, gcd, gz = (_f32(x, T, n, n + 2) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
         _hc_read_backward[(_cdiv(T, BT),)](
-            xt, *xt.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_x,
+            xt, *xt.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_in, grad_x,
             gcoef, gcd, gz, T, C, N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
         g = gz.view(T * n, n + 2)
         with autocast_off(x):       # as in _MHCRead's backward
@@ -825,10 +825,9 @@ def _like(grad, param):
 
 
 def self_check(make_connection, device: torch.device, tokens: int = 37, tolerance: float = 1e-4) -> str | None:
-    """None when one connection on this path equals the formulas' (make_connection("reference")) on `device`, in
-    the output and every gradient, to `tolerance` of each tensor's largest entry (fp32; the GPU's reduction order
-    differs from the CPU's); else what differs. The global RNG is left as it was: the model's init must not depend
-    on the path."""
+    """None when one connection on this path equals the formulas' (make_connection("reference")) on `device`, in the
+    output and every gradient, to `tolerance` of each tensor's largest entry (fp32; the GPU sums in another order);
+    else what differs. The global RNG is left as it was: the model's init must not depend on the path."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
@@ -867,11 +866,12 @@ def res_logit_count(arm: str, n: int) -> int:
 
 def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20, stream_bytes: int = 4):
     """Device-memory bytes per token one connection's kernels and cuBLAS matmuls move, forward and backward: the state
-    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; a bf16 state's widening copies (for
-    cuBLAS, for the read's backward) counted with the matmuls. Re-reads count (a read's second pass), weights not."""
+    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; a bf16 state's copies (x widened for
+    cuBLAS each way, dx rounded back) with the matmuls. Re-reads count (a read's second pass: x and du; its dx is
+    read in the state's dtype, written in fp32), the weights do not."""
     f, C = 4, width
     state, wide, u, vec = stream_bytes * n * C, f * n * C, f * C, activation_bytes * C
-    cast, read_backward = state + wide if stream_bytes < f else 0, 2 * state + 2 * wide + 2 * u   # x, dx, du twice
+    cast, read_backward = state + wide if stream_bytes < f else 0, 3 * state + wide + 2 * u
     write = {"_write_forward": 2 * state + vec + f * (n * n + n),
              "_write_backward": 3 * state + 2 * vec + 2 * f * (n * n + n)}
     if arm == "hc":
@@ -880,7 +880,7 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
                 "_hc_read_forward": 2 * state + coef + u + f * (4 * n + n * n),
                 **write,
                 "_hc_read_backward": read_backward + coef + f * (4 * n + n * n) + 3 * coef,
-                "projection backward (cuBLAS)": 3 * wide + 2 * coef + 3 * cast,
+                "projection backward (cuBLAS)": 3 * wide + 2 * coef + 2 * cast,
                 "sums over the tokens (torch)": 2 * coef}
     K = f * (2 * n + res_logit_count(arm, n))
     sinkhorn = f * (n * n + 2 * n * (iters - 1) * (SINKHORN_BACKWARD == "stored")) if arm == "mhc" else 0
@@ -888,7 +888,7 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
             "_mhc_read_forward": 2 * state + K + u + f * (2 * n + n * n + 1) + sinkhorn,
             **write,
             "_mhc_read_backward": read_backward + K + f * (3 * n + 2 * n * n + 1) + sinkhorn + 3 * K,
-            "projection backward (cuBLAS)": 3 * wide + 2 * K + 3 * cast,
+            "projection backward (cuBLAS)": 3 * wide + 2 * K + 2 * cast,
             "sums over the tokens (torch)": 2 * K}
 
 
