@@ -429,7 +429,7 @@ class _StreamMixing(nn.Module):
             x = kernels.write(x, H_res, H_post, sublayer(u))
         else:
             # a bf16 state widened once (exact), the one fp32 copy the coefficients and the update share: autograd
-            # saves it once per connection, as it saves an fp32 state itself (docs/planning.md)
+            # saves it once per connection, as it saves an fp32 state itself (docs/model.md, "Precision")
             wide = x.to(torch.promote_types(x.dtype, torch.float32))
             # per sequence: one set from the streams averaged over the positions (B, 1, n, C), broadcast to every
             # position; a later token then changes an earlier position's output (not causal, docs/model.md)
