@@ -152,6 +152,8 @@ class Config:
         "the Triton GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path "
         "--check timed fastest, else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
     dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    stream_dtype: str = option("fp32", MODEL, ("fp32", "bf16"), "dtype of the residual state stored between "
+        "sublayers, every arm (the baseline's too); coefficients, mixing and gradients of parameters stay fp32")
     batch_size: int = option(32, OPTIMISATION, (1, 2 ** 16), "global sequences per optimizer step, whatever the "
         "number of processes")
     micro_batch_size: str = option("auto", OPTIMISATION, None, "sequences per device per forward ('auto' picks from "
@@ -355,12 +357,13 @@ def mixing_autocast(x: torch.Tensor, autocast: bool = False):
 
 def stream_update(x, H_pre, H_post, H_res, sublayer, autocast: bool = False):
     """x_next = H_res x + H_post^T F(norm(H_pre x)) per token, x (..., n, C), H_pre and H_post (..., n), H_res
-    (..., n, n); sublayer is F(norm(.)). The streams keep their dtype (fp32) under either precision."""
+    (..., n, n); sublayer is F(norm(.)). x is the state widened (fp32, or fp64): u and the mixing in its dtype,
+    the caller rounds the result once to --stream-dtype."""
     with mixing_autocast(x, autocast):
         u = torch.einsum("...j,...jc->...c", H_pre, x)
     y = sublayer(u).to(x.dtype)
     with mixing_autocast(x, autocast):
-        return (H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)).to(x.dtype)
+        return H_res @ x + H_post.unsqueeze(-1) * y.unsqueeze(-2)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, rows_first: bool = False) -> torch.Tensor:
@@ -387,10 +390,13 @@ def balance(P: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 class PlainResidual(nn.Module):
-    """Baseline: x + F(norm(x)) on one stream; its mixing record (H_res, logits or None for HC) is None: gain 1."""
+    """Baseline: x + F(norm(x)) on one stream; its mixing record (H_res, logits or None for HC) is None: gain 1.
+    u and the add in fp32 (or wider) as for the streams, the sum rounded once to the state's dtype."""
 
     def forward(self, x, sublayer):
-        return x + sublayer(x.squeeze(-2)).unsqueeze(-2), None
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        # the add promotes a bf16 sublayer output itself: no cast kernel of its own, the same sum
+        return (wide + sublayer(wide.squeeze(-2)).unsqueeze(-2)).to(x.dtype), None
 
 
 def read_stream(cfg: Config, sublayer_index: int) -> torch.Tensor:
@@ -422,10 +428,14 @@ class _StreamMixing(nn.Module):
             u, H_post, H_res, res_logits, x = getattr(kernels, self.triton_read)(self, x)
             x = kernels.write(x, H_res, H_post, sublayer(u))
         else:
+            # a bf16 state widened once (exact), the one fp32 copy the coefficients and the update share: autograd
+            # saves it once per connection, as it saves an fp32 state itself (docs/model.md, "Precision")
+            wide = x.to(torch.promote_types(x.dtype, torch.float32))
             # per sequence: one set from the streams averaged over the positions (B, 1, n, C), broadcast to every
             # position; a later token then changes an earlier position's output (not causal, docs/model.md)
-            H_pre, H_post, H_res, res_logits = self.coefficients(x.mean(-3, keepdim=True) if self.per_sequence else x)
-            x = stream_update(x, H_pre, H_post, H_res, sublayer, self.autocast)
+            H_pre, H_post, H_res, res_logits = self.coefficients(
+                wide.mean(-3, keepdim=True) if self.per_sequence else wide)
+            x = stream_update(wide, H_pre, H_post, H_res, sublayer, self.autocast).to(x.dtype)
         return x, (H_res.detach(), None if res_logits is None else res_logits.detach())     # the probe's, detached
 
 
@@ -563,6 +573,7 @@ class IdentityHC(ManifoldHyperConnection):
         return torch.eye(self.n, dtype=z_res.dtype, device=z_res.device).expand(*z_res.shape[:-1], self.n, self.n), None
 
 
+STREAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONNECTIONS = {"baseline": lambda *_: PlainResidual(), "hc": HyperConnection, "mhc": ManifoldHyperConnection,
                "mhc-lite": MHCLite, "identity-hc": IdentityHC}
 
@@ -605,6 +616,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: Config, use_flash: bool = False, kernels: str = "reference"):
         super().__init__()
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
+        self.stream_dtype = STREAM_DTYPES[cfg.stream_dtype]
         self.kernels = kernels if choice.supports(cfg, kernels) else "reference"
         self.collapse_first = cfg.collapse == "first"
         self.wte = nn.Embedding(embedding_rows(cfg), cfg.width)
@@ -630,8 +642,8 @@ class GPT(nn.Module):
                     module.weight.zero_()
 
     def forward(self, idx, targets=None, mixing_out: list | None = None, states_out: list | None = None):
-        # the residual streams are fp32 in every mode (precision_policy): under FSDP the embeddings are bf16
-        h = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))).float()
+        # the state in --stream-dtype in every mode (precision_policy): under FSDP the embeddings are bf16
+        h = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))).to(self.stream_dtype)
         # expand once, the embedding copied into every stream, in the layout the blocks return (torch.compile
         # specialises on strides): hcstudy/kernels/fused.py's is stream-major
         fused_streams = self.kernels == "fused" and self.streams > 1
@@ -645,6 +657,7 @@ class GPT(nn.Module):
                 states_out is None or states_out.extend(states)
         if x.requires_grad and fused_streams:
             x.register_hook(fused.stream_major)          # the collapse's gradient comes as one stride-0 view
+        x = x.float()                                   # the collapse and the final norm in fp32, as for u
         logits = self.lm_head(self.ln_f(x[..., 0, :] if self.collapse_first else x.sum(dim=-2)))   # collapse once
         if targets is None:
             return logits

@@ -5,6 +5,7 @@ the step ratio over the baseline that the floor and the kernels' traffic imply o
     python benchmarks/triton_compile.py                      # width 2048, n 4, bf16 sublayers: docs/benchmarks.md
     python benchmarks/triton_compile.py --width 1024 --expansion 8
     python benchmarks/triton_compile.py --smoke --json out.json    # tests: n 3, width 96
+    python benchmarks/triton_compile.py --stream-dtype bf16       # the state stored in bf16 (--stream-dtype)
 
 The kernels are compiled as the JIT compiles them at a real launch: block sizes from triton_kernels.block_sizes,
 unit strides specialised to 1, pointers and multiples of 16 marked divisible by 16, 4 warps.
@@ -36,6 +37,11 @@ K.load()                                      # the kernels as triton.jit made t
 ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"},
                     "_mhc_read_forward": {"u_ptr"}, "_mhc_read_backward": {"gu_ptr"},
                     "_hc_read_forward": {"u_ptr"}, "_hc_read_backward": {"gu_ptr"}}
+# the pointers to the state or its gradient in --stream-dtype (the read's backward writes dx in fp32: gxo_ptr)
+STATE_TYPES = {"_write_forward": {"x_ptr", "out_ptr"}, "_write_backward": {"x_ptr", "g_ptr", "gx_ptr"},
+               "_mhc_read_forward": {"x_ptr"}, "_mhc_read_backward": {"x_ptr", "gx_ptr"},
+               "_hc_read_forward": {"x_ptr"}, "_hc_read_backward": {"x_ptr", "gx_ptr"}}
+STREAM_DTYPES = {"fp32": ("*fp32", 4), "bf16": ("*bf16", 2)}        # pointer type, bytes of a state value
 UNIT_STRIDES = {"sxc", "syc", "sgc"}
 CARDS = {"H100 SXM": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
 BANDWIDTH = {card: gpus.GPU_BANDWIDTH[name] for card, name in CARDS.items()}       # bytes/s, the datasheets'
@@ -61,8 +67,8 @@ def variants(n: int, width: int):
     yield K._write_backward, "every arm", blocks, "mhc"
 
 
-def compile_for_hopper(kernel, constexprs: dict, width: int):
-    """triton.compile of one kernel for sm_90 with the signature a real launch gives it."""
+def compile_for_hopper(kernel, constexprs: dict, width: int, stream_dtype: str = "fp32"):
+    """triton.compile of one kernel for sm_90 with the signature a real launch gives it (the state in stream_dtype)."""
     name = kernel.fn.__name__
     constants = {**constexprs, **{arg: 1 for arg in kernel.arg_names if arg in UNIT_STRIDES}}
     signature, attrs = {}, {}
@@ -70,7 +76,8 @@ def compile_for_hopper(kernel, constexprs: dict, width: int):
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
-            signature[arg] = ("*bf16" if arg in ACTIVATION_TYPES[name] else "*i32" if arg == "perm_ptr" else "*fp32")
+            signature[arg] = ("*bf16" if arg in ACTIVATION_TYPES[name] else "*i32" if arg == "perm_ptr"
+                              else STREAM_DTYPES[stream_dtype][0] if arg in STATE_TYPES[name] else "*fp32")
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg == "eps":
             signature[arg] = "fp32"
@@ -98,14 +105,14 @@ def ptxas_report(ptx: str) -> dict:
             "stack": number(r"(\d+) bytes stack frame")}
 
 
-def kernel_rows(n: int, width: int) -> list[dict]:
-    rows = []
+def kernel_rows(n: int, width: int, stream_dtype: str = "fp32") -> list[dict]:
+    rows, stream_bytes = [], STREAM_DTYPES[stream_dtype][1]
     for kernel, label, constexprs, arm in variants(n, width):
-        compiled = compile_for_hopper(kernel, constexprs, width)
+        compiled = compile_for_hopper(kernel, constexprs, width, stream_dtype)
         name = kernel.fn.__name__
         rows.append({"kernel": name, "variant": label, **ptxas_report(compiled.asm["ptx"]),
                      "shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"]),
-                     "bytes_per_token": K.traffic(arm, n, width)[name],
+                     "bytes_per_token": K.traffic(arm, n, width, stream_bytes=stream_bytes)[name],
                      "blocks": {k: v for k, v in constexprs.items() if k in ("BT", "BC", "BR")}})
         print(f"  {name:<20} {label:<14} {rows[-1]['registers']:>4} regs  spills {rows[-1]['spill_stores']}/"
               f"{rows[-1]['spill_loads']} B  stack {rows[-1]['stack']} B  smem {rows[-1]['shared']:>6} B  "
@@ -113,16 +120,17 @@ def kernel_rows(n: int, width: int) -> list[dict]:
     return rows
 
 
-def step_ratios(n: int, width: int, depth: int) -> list[dict]:
-    """Step time over the baseline's, from the bytes the streams move beyond the baseline's residual (x + y: 4C
-    read and written forward, and the same backward) at the card's bandwidth, over the baseline's FLOPs at the
+def step_ratios(n: int, width: int, depth: int, stream_bytes: int = 4) -> list[dict]:
+    """Step time over the baseline's, from the bytes the streams move beyond the baseline's residual (x + y, its
+    state of stream_bytes a value as well, read and written both ways) at the card's bandwidth, over its FLOPs at the
     planner's share of the card's bf16 peak for matmuls (run_time.GEMM_SHARE). The 1.7B/2.5B models: width 2048, depth 32/48."""
     non_embedding = 12 * depth * width * width
     flops = 6 * non_embedding + 12 * depth * width * 1024
-    baseline = 2 * (2 * 4 * width + 2 * width) + (3 * 4 * width + 2 * 2 * width)     # residual add, both ways
+    s = stream_bytes
+    baseline = 2 * (2 * s * width + 2 * width) + (3 * s * width + 2 * 2 * width)     # residual add, both ways
     rows = []
-    for what, per_connection in (("floor", sum(K.floor(n, width).values())),
-                                 ("triton kernels", sum(K.traffic("mhc", n, width).values()))):
+    for what, per_connection in (("floor", sum(K.floor(n, width, stream_bytes=s).values())),
+                                 ("triton kernels", sum(K.traffic("mhc", n, width, stream_bytes=s).values()))):
         extra = 2 * depth * (per_connection - baseline)
         for card, bandwidth in BANDWIDTH.items():
             ratios = [1 + extra / bandwidth / (flops / (share * PEAK[card])) for share in run_time.GEMM_SHARE]
@@ -139,18 +147,21 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--expansion", type=int, default=4)
     p.add_argument("--depth", type=int, default=32, help="for the step ratio (the 1.7B model: 32)")
+    p.add_argument("--stream-dtype", choices=tuple(STREAM_DTYPES), default="fp32", help="the state's dtype")
     p.add_argument("--smoke", action="store_true", help="n 3, width 96: what the tests compile")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     n, width = (3, 96) if args.smoke else (args.expansion, args.width)
     BT, BC, NP = K.block_sizes(n, width)
-    print(f"triton {triton.__version__}, sm_90, n {n}, width {width}: {BT} tokens x {BC} channels per program, "
-          f"4 warps")
-    rows = kernel_rows(n, width)
-    print(f"bandwidth floor and step ratio (mHC, n {n}, width {width}, depth {args.depth}):")
-    ratios = step_ratios(n, width, args.depth)
+    print(f"triton {triton.__version__}, sm_90, n {n}, width {width}, {args.stream_dtype} streams: {BT} tokens x "
+          f"{BC} channels per program, 4 warps")
+    rows = kernel_rows(n, width, args.stream_dtype)
+    print(f"bandwidth floor and step ratio (mHC, n {n}, width {width}, depth {args.depth}, {args.stream_dtype} "
+          "streams):")
+    ratios = step_ratios(n, width, args.depth, STREAM_DTYPES[args.stream_dtype][1])
     if args.json:
         Path(args.json).write_text(json.dumps({"triton": triton.__version__, "n": n, "width": width,
+                                               "stream_dtype": args.stream_dtype,
                                                "kernels": rows, "ratios": ratios}, indent=1))
 
 

@@ -112,7 +112,7 @@ MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "to
               "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
               "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse", "hc_dynamic",
               "hc_write_init", "mhc_bias_others", "mhc_post_bias", "proj_init", "sinkhorn_order", "mixing_norm",
-              "mixing_precision", "mhc_norm_order", "vocab")
+              "mixing_precision", "mhc_norm_order", "vocab", "stream_dtype")
 # keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
 # them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
 # batches and the maths stay the same.

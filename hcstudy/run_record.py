@@ -35,11 +35,11 @@ def announce(trainer, params: dict, record: dict, held_out: str, warning_lines: 
         log.info(f"warning: {line}")
 
 
-def precision_policy(dtype: torch.dtype) -> dict:
-    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice:
-    fp32, so that a gain is never a bf16 rounding artefact). Recorded in config.json; the report marks a table
-    whose runs differ in it."""
-    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": "fp32",
+def precision_policy(dtype: torch.dtype, stream_dtype: str = "fp32") -> dict:
+    """What runs in which precision: the same under one process, DDP and FSDP (the streams' dtype is a choice,
+    --stream-dtype: fp32 by default, so that a gain is never a bf16 rounding artefact; docs/model.md's table).
+    Recorded in config.json; the report marks a table whose runs differ in it."""
+    return {"matmuls": "bf16" if dtype == torch.bfloat16 else "fp32", "residual_streams": stream_dtype,
             "mixing_parameters": "fp32", "coefficients": "fp32", "probe": "fp32 H_res, fp64 products"}
 
 
@@ -63,7 +63,7 @@ def run_record(cfg, micro: int, dist, dtype: torch.dtype, use_flash: bool, kerne
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
             "device_name": device_name(dist.device),
-            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype),
+            "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype, cfg.stream_dtype),
             "attention": "flash" if use_flash else "sdpa", "kernels": kernels[0],
             "kernels_reason": kernels[1],
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -58,13 +58,14 @@ def stream_update(x, H_pre, H_post, H_res, sublayer):
     """x_next = H_res @ x + H_post^T * F(norm(H_pre @ x)) for every token; x is (..., n, C), stored stream-major
     (expand). The coefficients come with their stream (and matrix) axes first, as the connections compute
     them: H_pre and H_post (n, ...), H_res (n, n, ...) with H_res[i, j] the weight of stream j in stream i."""
-    # Autocast is off: the streams are mixed in their own dtype, never rounded to bf16 on the way. The Functions
-    # take x as n slabs of (..., C)
+    # Autocast is off: u and the mixing in the coefficients' dtype (fp32, or fp64 for an fp64 state) whatever the
+    # state's, which only the write's result is rounded to. The Functions take x as n slabs of (..., C)
+    wide = torch.promote_types(x.dtype, torch.float32)
     with autocast_off(x):
-        u, streams = _StreamRead.apply(H_pre.to(x.dtype), x.movedim(-2, 0))
+        u, streams = _StreamRead.apply(H_pre.to(wide), x.movedim(-2, 0))
     y = sublayer(u)
     with autocast_off(x):
-        return _StreamWrite.apply(H_res.to(x.dtype), streams, H_post.to(x.dtype), y.to(x.dtype))
+        return _StreamWrite.apply(H_res.to(wide), streams, H_post.to(wide), y.to(wide))
 
 
 def _token_dots(a, b):
@@ -72,6 +73,8 @@ def _token_dots(a, b):
     One batched matmul over the tokens, (p x C) @ (C x q) each, read straight from the stream-major slabs."""
     p, q, C = a.shape[0], b.shape[0], a.shape[-1]
     tokens = a.shape[1:-1]
+    # a bf16 state or gradient widened (a copy), so that the coefficients' gradients are summed in fp32
+    a, b = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (a, b))
     return torch.bmm(a.reshape(p, -1, C).transpose(0, 1), b.reshape(q, -1, C).permute(1, 2, 0)).view(*tokens, p, q)
 
 
@@ -90,7 +93,8 @@ def _mixed_slabs(H, slabs):
 
 
 class _StreamRead(torch.autograd.Function):
-    """u = sum_j H_pre[j] x[j] per token, for H_pre (n, ...) and the stream slabs x (n, ..., C); x is passed through
+    """u = sum_j H_pre[j] x[j] per token (in H_pre's dtype), for H_pre (n, ...) and the stream slabs x (n, ..., C);
+    x is passed through
     as a second output for _StreamWrite to read. The backward is written out so that this term of x's gradient is
     added in place into the one the write created, where autograd would add the two into a new n x C tensor
     per token (benchmarks.md)."""
@@ -120,8 +124,10 @@ class _StreamWrite(torch.autograd.Function):
     def forward(ctx, H_res, streams, H_post, y):
         ctx.save_for_backward(H_res, streams, H_post, y)
         # returned as a detached alias of the stream-major slabs, not as a view of them: FSDP2 warns of every view
-        # a wrapped module returns (an in-place op on it would skip its all-gather), and nothing else holds them
-        return _mixed_slabs(H_res, streams).addcmul_(H_post.unsqueeze(-1), y).movedim(0, -2).detach()
+        # a wrapped module returns (an in-place op on it would skip its all-gather), and nothing else holds them.
+        # Mixed in H_res's dtype, rounded once to the state's
+        out = _mixed_slabs(H_res, streams).addcmul_(H_post.unsqueeze(-1), y).to(streams.dtype)
+        return out.movedim(0, -2).detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -129,7 +135,7 @@ class _StreamWrite(torch.autograd.Function):
         grad = grad.movedim(-2, 0)          # the slabs: stream-major as the next connection's backward made it
         # x's gradient (n slabs) and y's (one more) in one pass over grad; the slabs do not overlap
         grad_x_y = _mixed_slabs(torch.cat([H_res.transpose(0, 1), H_post.unsqueeze(0)]), grad)
-        return (_token_dots(grad, streams).movedim((-2, -1), (0, 1)), grad_x_y[:-1],
+        return (_token_dots(grad, streams).movedim((-2, -1), (0, 1)), grad_x_y[:-1].to(streams.dtype),
                 _token_dots(grad, y.unsqueeze(0)).squeeze(-1).movedim(-1, 0), grad_x_y[-1])
 
 
@@ -202,7 +208,8 @@ class _HCCoefficients(torch.autograd.Function):
     def forward(ctx, x, W, A_m_static, A_r_static, B_static, s_a, s_b, eps):
         n, C = x.shape[-2:]
         tokens = x.shape[:-2]
-        xs = x.movedim(-2, 0).to(W.dtype).reshape(-1, C)                      # (n tokens, C), a view in the model
+        stored = x.movedim(-2, 0).reshape(-1, C)            # (n tokens, C), a view in the model, kept as stored
+        xs = stored.to(W.dtype)
         raw = torch.cat([W, W.new_full((1, C), 1 / C)]) @ xs.t()               # (k + 1, n tokens)
         mean = raw[-1]
         var = (torch.linalg.vector_norm(xs, dim=-1).square_().div_(C) - mean.square()).clamp_min_(0)
@@ -212,15 +219,15 @@ class _HCCoefficients(torch.autograd.Function):
         scale = torch.cat([s_a.expand(n + 1), s_b.view(1)]).unsqueeze(-1)       # (k, 1)
         statics = torch.cat([A_m_static.view(1, n), A_r_static.t(), B_static.view(1, n)]).unsqueeze(-1)
         coef = torch.addcmul(statics, d.view(n + 2, n, -1), scale.unsqueeze(-1))    # (k, n, tokens)
-        ctx.save_for_backward(xs, W, mean, rstd, z, d, scale)
+        ctx.save_for_backward(stored, W, mean, rstd, z, d, scale)
         ctx.x_shape, ctx.scale_shapes = x.shape, (s_a.shape, s_b.shape)     # () or, under FSDP, (1,)
         return (coef[0].view(n, *tokens), coef[n + 1].view(n, *tokens), coef[1:n + 1].view(n, n, *tokens),
                 x.detach())
 
     @staticmethod
     def backward(ctx, grad_pre, grad_post, grad_res, grad_x):
-        xs, W, mean, rstd, z, d, scale = ctx.saved_tensors
-        n, C = ctx.x_shape[-2:]
+        stored, W, mean, rstd, z, d, scale = ctx.saved_tensors
+        n, C, xs = *ctx.x_shape[-2:], stored.to(W.dtype)
         # the gradients arrive in whatever layout their consumers made: cat copies them into one k-major tensor
         grad_coef = torch.cat([grad_pre.unsqueeze(0), grad_res, grad_post.unsqueeze(0)]).view(n + 2, -1)
         grad_statics = grad_coef.view(n + 2, n, -1).sum(-1)                       # (k, n)
@@ -249,18 +256,19 @@ class _RMSScaledProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, eps):
         n, C = x.shape[-2:]
-        xs = x.movedim(-2, 0).to(phi.dtype)     # fp32 in the model (the weight is cast to it)
+        stored = x.movedim(-2, 0)
+        xs = stored.to(phi.dtype)               # fp32 in the model (the weight is cast to it): a bf16 state widened
         phis = phi.view(-1, n, C).transpose(0, 1)                               # (n, k, C): stream j's columns
         raw = torch.bmm(xs.reshape(n, -1, C), phis.transpose(1, 2)).sum(0).view(*x.shape[:-2], -1)
         # norms, not vecdot(x, x): that multiplies into an nC-sized temporary first
         inv_rms = torch.rsqrt(torch.linalg.vector_norm(xs, dim=-1).square().sum(0).unsqueeze(-1) / (n * C) + eps)
-        ctx.save_for_backward(xs, phi, raw, inv_rms)
+        ctx.save_for_backward(stored, phi, raw, inv_rms)     # the state as stored: bf16 streams keep bf16
         return raw * inv_rms, x.detach()        # passed through as in _StreamRead
 
     @staticmethod
     def backward(ctx, grad, grad_x):
-        xs, phi, raw, inv_rms = ctx.saved_tensors
-        n, C = xs.shape[0], xs.shape[-1]
+        stored, phi, raw, inv_rms = ctx.saved_tensors
+        xs, n, C = stored.to(phi.dtype), stored.shape[0], stored.shape[-1]
         grad_raw = (grad * inv_rms).reshape(-1, phi.shape[0])                   # (tokens, k)
         # d inv_rms / dv = -inv_rms^3 v / N
         coef = (grad * raw).sum(-1, keepdim=True) * inv_rms.pow(3) / -(n * C)

@@ -1,26 +1,25 @@
 """The residual streams on the GPU: Triton kernels for every arm with per-token coefficients (hc, mhc, mhc-lite,
 identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path), proven equal to train_c4.py's
-formulas in Triton's interpreter (tests/kernels/test_triton_ops.py) and compiled for sm_90 by
-benchmarks/triton_compile.py.
+formulas in the interpreter (tests/kernels/test_triton_ops.py), compiled for sm_90 by benchmarks/triton_compile.py.
 
 One connection, per direction (the maths: docs/model.md, "The Triton path"):
   forward   the coefficients' projection (one cuBLAS matmul)
             -> coefficients and read (one kernel: RMS or per-stream norm, gates, Sinkhorn / permutation mix, u)
             -> the sublayer -> write (one kernel: x_next = H_res x + H_post y)
   backward  the write's backward (one kernel) -> the sublayer
-            -> the read's and the coefficients' backward (one kernel, adding into x's gradient in place)
+            -> the read's and the coefficients' backward (one kernel, adding into x's gradient: in place in fp32)
             -> the projection's backward (two cuBLAS matmuls, one accumulating into x's gradient in place)
 where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way).
 
-The state x is (tokens, n, C) in fp32 with any strides; the coefficients are kept tokens-first and contiguous:
-H_pre, H_post (tokens, n), H_res (tokens, n, n) with H_res[t, i, j] the weight of stream j in stream i. Every
-reduction over the tokens (the weights' gradients) is a cuBLAS matmul or a torch sum, and every program owns its
-tokens, so there are no atomics: two runs with the same seed give the same bits.
+The state x is (tokens, n, C) in fp32 or bf16 (--stream-dtype: loaded into fp32, rounded once where stored) with
+any strides; the coefficients are fp32, tokens-first and contiguous: H_pre, H_post (tokens, n), H_res (tokens, n, n)
+with H_res[t, i, j] the weight of stream j in stream i; u is fp32 as on the formulas' path. Every reduction over the
+tokens (the weights' gradients) is a cuBLAS matmul or a torch sum and every program owns its tokens: no atomics, so
+two runs with the same seed give the same bits.
 
-Triton is imported at the first launch (load), not with the module: the planner runs this path on the CPU with
-each kernel replaced by its byte count (traffic, plan.counting), and the runtime-only install (setup.sh without
---dev: the CPU torch has no triton) plans it too. On a machine without CUDA the kernels run in Triton's interpreter
-(TRITON_INTERPRET=1, set before triton is imported): slow, for tests and demos only.
+Triton is imported at the first launch (load): the planner runs this path on the CPU with each kernel replaced by
+its byte count (traffic, plan.counting), also where setup.sh without --dev installed no triton. Without CUDA the
+kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the import): slow, for tests and demos only.
 """
 from __future__ import annotations
 
@@ -296,7 +295,7 @@ def _mhc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, a_pre_ptr, a_post_ptr, a_re
                       T, C, eps, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, R: tl.constexpr,
                       STORE_SUMS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
     """mHC's coefficients and read for BT tokens. Reads x twice (the RMS, then u = H_pre x: the second pass mostly
-    from L2), the projection's raw logits (2n + R per token) once; writes u in the sublayer's dtype, H_pre, H_post,
+    from L2), the projection's raw logits (2n + R per token) once; writes u (fp32), H_pre, H_post,
     H_res, 1/rms and, for mhc, the logits and the Sinkhorn sums. Everything per token stays in registers between."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
     s = tl.arange(0, NP)
@@ -338,7 +337,7 @@ def _mhc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, a_pre_ptr, a_post_ptr, a_re
 
 @_jit
 def _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N: tl.constexpr, C, BC: tl.constexpr):
-    """u = sum_j H_pre[j] x[j] over C in chunks, stored in u's dtype (the sublayer's)."""
+    """u = sum_j H_pre[j] x[j] over C in chunks, stored in u's dtype (fp32, as the formulas')."""
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, _tile_mask(t, s, c, T, N, C))
@@ -361,10 +360,10 @@ def _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N: tl.constexpr, C, BC: tl
 
 
 @_jit
-def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, shift, t, s, T, N: tl.constexpr, C,
-                   BC: tl.constexpr):
-    """dx[j] += H_pre[j] du + scale[j] x[j] + shift[j], in place in the contiguous (T, n, C) gradient: the read's
-    term and the norm's (the RMS's for mHC, the per-stream norm's for HC)."""
+def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, scale, shift, t, s, T, N: tl.constexpr,
+                   C, BC: tl.constexpr):
+    """dx[j] = gx[j] + H_pre[j] du + scale[j] x[j] + shift[j] into the contiguous (T, n, C) fp32 gxo: the write's
+    gradient gx (the state's dtype; gxo itself if fp32), the read's term, the norm's (mHC's RMS, HC's per stream)."""
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         mask = _tile_mask(t, s, c, T, N, C)
@@ -372,15 +371,15 @@ def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, shift, t,
         gu = tl.load(gu_ptr + t[:, None] * C + c[None, :], mask=(t < T)[:, None] & (c < C)[None, :],
                      other=0.0).to(tl.float32)
         offsets = t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :]
-        gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0)
+        gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         gx += h_pre[:, :, None] * gu[:, None, :] + scale[:, :, None] * x + shift[:, :, None]
-        tl.store(gx_ptr + offsets, gx, mask=mask)
+        tl.store(gxo_ptr + offsets, gx, mask=mask)
 
 
 @_jit
 def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr,
                        b_post_ptr, b_res_ptr, perm_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, sums_ptr,
-                       gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gl_ptr, glz_ptr, graw_ptr,
+                       gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gxo_ptr, gl_ptr, glz_ptr, graw_ptr,
                        T, C, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, R: tl.constexpr,
                        STORED: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
     """The read's and the coefficients' backward for BT tokens. Pass 1 over x and du: dH_pre. Then per token in
@@ -428,8 +427,8 @@ def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_
                                tmask, s, K, gl_ptr, glz_ptr, graw_ptr, R, N, BR)
     # z = raw / rms: d(1/rms)/dx = -x / (nC rms^3), so x's gradient gains -(sum dz z) / (nC rms^2) x
     scale = tl.where(m2, (-zdot * inv_rms * inv_rms / (N * C))[:, None] + tl.zeros((BT, NP), tl.float32), 0.0)
-    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, scale, tl.zeros((BT, NP), tl.float32), t, s, T, N,
-                   C, BC)
+    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, scale, tl.zeros((BT, NP), tl.float32), t,
+                   s, T, N, C, BC)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -504,7 +503,7 @@ def _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N: tl.constexpr):
 
 @_jit
 def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_ptr, s_a_ptr, s_b_ptr, h_pre_ptr,
-                      gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gcoef_ptr, gcd_ptr, gz_ptr, T, C,
+                      gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gxo_ptr, gcoef_ptr, gcd_ptr, gz_ptr, T, C,
                       N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """HC's read and coefficients backward for BT tokens. Pass 1: dH_pre. In registers: dc (the coefficients'
     gradient), written with dc tanh(z) for the statics' and scales' sums, and g = dc scale (1 - tanh^2) rstd for
@@ -536,7 +535,8 @@ def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_p
     w_mean = tl.load(w_sum_ptr + k, mask=k < KH, other=0.0)[None, None, :] / C
     shift = tl.where(m2, -a * mean - tl.sum(g * w_mean, axis=2), 0.0)
     h_pre = tl.load(h_pre_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre, tl.where(m2, a, 0.0), shift, t, s, T, N, C, BC)
+    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, tl.where(m2, a, 0.0), shift, t, s, T, N, C,
+                   BC)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -544,10 +544,19 @@ def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_p
 
 
 @_jit
+def _stored(value, ptr):
+    """fp32 `value` in ptr's dtype, bf16 rounded to nearest-even by its bits (the interpreter's cast truncates)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return value.to(ptr.dtype.element_ty)
+
+
+@_jit
 def _write_forward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr, out_ptr, T, C,
                    N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y on a (BT tokens, BC) chunk: reads x (n values) and y
-    (one, in its dtype) once, writes n fp32 values; the n x n coefficients come from L2 for every chunk."""
+    """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y on a (BT tokens, BC) chunk: reads x (n values) and y (one)
+    once, sums in fp32, writes n in the state's dtype; the n x n coefficients come from L2 for every chunk."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     s = tl.arange(0, NP)
@@ -559,18 +568,19 @@ def _write_forward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr,
     out = h_post[:, :, None] * y[:, None, :]
     for j in tl.static_range(N):
         x = tl.load(x_ptr + t[:, None] * sxt + j * sxn + c[None, :] * sxc, mask=tmask[:, None] & cmask[None, :],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         h = tl.load(h_res_ptr + t[:, None] * N * N + s[None, :] * N + j, mask=m2, other=0.0)     # column j
         out += h[:, :, None] * x[:, None, :]
     mask = _tile_mask(t, s, c, T, N, C)
-    tl.store(out_ptr + t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :], out, mask=mask)
+    tl.store(out_ptr + t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :],
+             _stored(out, out_ptr), mask=mask)             # rounded once to the state's dtype
 
 
 @_jit
 def _write_backward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr, g_ptr, sgt, sgn, sgc,
                     gx_ptr, gy_ptr, g_res_ptr, g_post_ptr, T, C,
                     N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """The write's backward for BT tokens over all of C: dx[j] = sum_i H_res[i, j] dout[i] (written, fp32),
+    """The write's backward for BT tokens over all of C: dx[j] = sum_i H_res[i, j] dout[i] (the state's dtype),
     dy = sum_i H_post[i] dout[i] (y's dtype), and the per-token sums dH_res[i, j] = dout[i] . x[j],
     dH_post[i] = dout[i] . y accumulated in registers. Reads dout (n values, any strides: the collapse's gradient
     arrives as one stride-0 view), x (n) and y (one) once; writes n + 1."""
@@ -590,9 +600,10 @@ def _write_backward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr
             gy_ptr.dtype.element_ty), mask=m2c)
         g_post += tl.sum(g * y[:, None, :], axis=2)
         for j in tl.static_range(N):
-            x = tl.load(x_ptr + t[:, None] * sxt + j * sxn + c[None, :] * sxc, mask=m2c, other=0.0)
+            x = tl.load(x_ptr + t[:, None] * sxt + j * sxn + c[None, :] * sxc, mask=m2c, other=0.0).to(tl.float32)
             h = tl.load(h_res_ptr + t[:, None] * N * N + s[None, :] * N + j, mask=m2, other=0.0)   # column j
-            tl.store(gx_ptr + t[:, None] * (N * C) + j * C + c[None, :], tl.sum(h[:, :, None] * g, axis=1), mask=m2c)
+            tl.store(gx_ptr + t[:, None] * (N * C) + j * C + c[None, :],
+                     _stored(tl.sum(h[:, :, None] * g, axis=1), gx_ptr), mask=m2c)
             column = tl.sum(g * x[:, None, :], axis=2)                                    # dH_res[:, j]
             g_res = tl.where((s == j)[None, None, :], g_res + column[:, :, None], g_res)
     i3, j3 = s[None, :, None], s[None, None, :]
@@ -616,10 +627,8 @@ def _launch_shape(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 _compiled_around = torch.compiler.disable
 
 
-def sublayer_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the sublayer computes in: autocast's where it is on, else the state's."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+def u_dtype(x: torch.Tensor) -> torch.dtype:     # the formulas' (stream_update), under autocast too: one policy
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 @_compiled_around
@@ -627,58 +636,59 @@ def mhc_read(conn, x: torch.Tensor):
     """An mHC-family connection's (train_c4.ManifoldHyperConnection and subclasses) read: (u, H_post, H_res, the
     logits Sinkhorn projected or None, x passed through for `write`)."""
     n, mixing = conn.n, MIXING[conn.arm]
-    u_dtype = sublayer_dtype(x)
     f32 = torch.float32
     with autocast_off(x):
         a_res, b_res = (conn.a_res.to(f32), conn.b_res.to(f32)) if mixing else (None, None)
         perms = conn.permutations.argmax(-1).int() if mixing == 2 else None
         u, h_post, h_res, logits, x = _MHCRead.apply(
             x, conn.phi.weight.to(f32), conn.a_pre.to(f32), conn.a_post.to(f32), a_res, conn.b_pre.to(f32),
-            conn.b_post.to(f32), b_res, perms, (n, mixing, conn.iters, conn.eps, u_dtype))
+            conn.b_post.to(f32), b_res, perms, (n, mixing, conn.iters, conn.eps, u_dtype(x)))
     return u, h_post, h_res, logits, x
 
 
 @_compiled_around
 def hc_read(conn, x: torch.Tensor):
     """HC's (train_c4.HyperConnection) read, as mhc_read (HC has no logits)."""
-    u_dtype, f32 = sublayer_dtype(x), torch.float32
+    f32 = torch.float32
     with autocast_off(x):
         u, h_post, h_res, x = _HCRead.apply(x, conn.dynamic.weight.to(f32), conn.A_m_static.to(f32),
                                             conn.A_r_static.to(f32), conn.B_static.to(f32), conn.s_a.to(f32),
-                                            conn.s_b.to(f32), conn.eps, u_dtype)
+                                            conn.s_b.to(f32), conn.eps, u_dtype(x))
     return u, h_post, h_res, None, x
 
 
 @_compiled_around
 def write(x: torch.Tensor, H_res: torch.Tensor, H_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x_next = H_res x + H_post^T y per token, the state (..., n, C) in fp32 (y in the sublayer's dtype)."""
+    """x_next = H_res x + H_post^T y per token, the state (..., n, C) in its dtype (y in the sublayer's)."""
     with autocast_off(x):
         return _Write.apply(H_res, x, H_post, y)
 
 
 def _zeros_if_none(grad, shape, like):
-    return like.new_zeros(shape) if grad is None else grad
+    return like.new_zeros(shape, dtype=torch.float32) if grad is None else grad
+
+
+def _f32(x: torch.Tensor, *shape) -> torch.Tensor:       # the coefficients and their gradients: fp32 always
+    return x.new_empty(shape, dtype=torch.float32)
 
 
 class _MHCRead(torch.autograd.Function):
-    """(u, H_post, H_res, logits, x) from the state x (..., n, C): the projection raw = vec(x) phi^T (cuBLAS), then
-    _mhc_read_forward. Kept for the backward: x (the input, no copy), the raw logits, 1/rms, the coefficients and,
-    for mhc, the logits and (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 +
-    4n(iters - 1)) floats per token, against the n C of a stored normalised copy."""
+    """(u, H_post, H_res, logits, x) from x (..., n, C): raw = vec(x) phi^T (cuBLAS), then _mhc_read_forward. Kept
+    for the backward: x (the input, no copy), the raw logits, 1/rms, the coefficients and, for mhc, the logits and
+    (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 + 4n(iters - 1)) floats a token."""
 
     @staticmethod
     def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, spec):
         n, mixing, iters, eps, u_dtype = spec
         xt, T, _, C = _launch_shape(x)
-        raw = xt.reshape(T, n * C) @ phi.t()                # (T, 2n + R); a copy only for an unusual layout
+        raw = xt.reshape(T, n * C).to(phi.dtype) @ phi.t()  # (T, 2n + R); a copy for an unusual layout or bf16
         R = raw.shape[1] - 2 * n
         BT, BC, NP = block_sizes(n, C)
         stored = mixing == 1 and SINKHORN_BACKWARD == "stored"
         u = x.new_empty((T, C), dtype=u_dtype)
-        h_pre, h_post, inv_rms = x.new_empty((T, n)), x.new_empty((T, n)), x.new_empty((T,))
-        h_res = x.new_empty((T, n, n))
-        logits = x.new_empty((T, n, n)) if mixing == 1 else None
-        sums = x.new_empty((T, max(iters - 1, 0), 2, n)) if stored else None
+        h_pre, h_post, inv_rms, h_res = _f32(x, T, n), _f32(x, T, n), _f32(x, T), _f32(x, T, n, n)
+        logits = _f32(x, T, n, n) if mixing == 1 else None
+        sums = _f32(x, T, max(iters - 1, 0), 2, n) if stored else None
         _mhc_read_forward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw), _or(perms, raw),
             u, h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), inv_rms, T, C, eps, iters,
@@ -701,24 +711,26 @@ class _MHCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        # the write's backward made grad_x, a new tensor nothing else holds: the read adds its terms into it
-        grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()
+        # the write's gradient of x (nothing else holds it); the read's backward writes dx in fp32: in place if fp32
+        grad_in = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()
+        grad_x = grad_in if grad_in.dtype == torch.float32 else torch.empty_like(grad_in, dtype=torch.float32)
         K = 2 * n + R
-        gl, glz, graw = (x.new_empty((T, K)) for _ in range(3))
+        gl, glz, graw = (_f32(x, T, K) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
         _mhc_read_backward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, inv_rms, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw),
             _or(perms, raw), h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), grad_u, grad_post, grad_res,
-            grad_x, gl, glz, graw, T, C, iters,
+            grad_in, grad_x, gl, glz, graw, T, C, iters,
             N=n, NP=NP, MIX=mixing, R=R, STORED=stored, BT=BT, BC=BC, BR=_chunk(R))
-        grad_x.view(T, n * C).addmm_(graw, phi)                  # the projection's term, in place (cuBLAS)
-        grad_phi = graw.t() @ xt.reshape(T, n * C)
+        with autocast_off(x):       # a backward called under autocast would round these matmuls to bf16
+            grad_x.view(T, n * C).addmm_(graw, phi)              # the projection's term, in place (cuBLAS)
+            grad_phi = graw.t() @ xt.reshape(T, n * C).to(phi.dtype)
         bias_grad, gate_grad = torch.stack([gl, glz]).sum(1)     # sums over the tokens: torch's, deterministic
         gates = [gate_grad[:n].sum(), gate_grad[n:2 * n].sum(), gate_grad[2 * n:].sum()]
         biases = [bias_grad[:n], bias_grad[n:2 * n], bias_grad[2 * n:]]
         grads = [_like(g, p) for g, p in zip(gates + biases, (a_pre, a_post, a_res, b_pre, b_post, b_res))]
-        return (grad_x.view(x.shape), grad_phi, grads[0], grads[1], grads[2], grads[3], grads[4], grads[5],
-                None, None)
+        return (grad_x.view(x.shape).to(x.dtype), grad_phi, grads[0], grads[1], grads[2], grads[3], grads[4],
+                grads[5], None, None)
 
 
 class _HCRead(torch.autograd.Function):
@@ -728,12 +740,12 @@ class _HCRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, W, A_m, A_r, B, s_a, s_b, eps, u_dtype):
         xt, T, n, C = _launch_shape(x)
-        raw = xt.reshape(T * n, C) @ W.t()                    # (T n, n + 2)
+        raw = xt.reshape(T * n, C).to(W.dtype) @ W.t()        # (T n, n + 2)
         w_sum = W.sum(-1)
         BT, BC, NP = block_sizes(n, C)
         u = x.new_empty((T, C), dtype=u_dtype)
-        h_pre, h_post, mean, rstd = (x.new_empty((T, n)) for _ in range(4))
-        h_res = x.new_empty((T, n, n))
+        h_pre, h_post, mean, rstd = (_f32(x, T, n) for _ in range(4))
+        h_res = _f32(x, T, n, n)
         _hc_read_forward[(_cdiv(T, BT),)](
             xt, *xt.stride(), raw, w_sum, A_m, A_r, B, s_a, s_b, u, h_pre, h_post, h_res, mean, rstd, T, C, eps,
             N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
@@ -749,17 +761,19 @@ class _HCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()
-        gcoef, gcd, gz = (x.new_empty((T, n, n + 2)) for _ in range(3))
+        grad_in = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()         # as in _MHCRead
+        grad_x = grad_in if grad_in.dtype == torch.float32 else torch.empty_like(grad_in, dtype=torch.float32)
+        gcoef, gcd, gz = (_f32(x, T, n, n + 2) for _ in range(3))
         BT, BC, NP = block_sizes(n, C)
         _hc_read_backward[(_cdiv(T, BT),)](
-            xt, *xt.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_x,
+            xt, *xt.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_in, grad_x,
             gcoef, gcd, gz, T, C, N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
         g = gz.view(T * n, n + 2)
-        grad_x.view(T * n, C).addmm_(g, W)                       # dx's g W term, in place (cuBLAS)
-        grad_W = (g.t() @ xt.reshape(T * n, C)).sub_((g.t() @ mean.view(-1)).unsqueeze(-1))
+        with autocast_off(x):       # as in _MHCRead's backward
+            grad_x.view(T * n, C).addmm_(g, W)                   # dx's g W term, in place (cuBLAS)
+            grad_W = (g.t() @ xt.reshape(T * n, C).to(W.dtype)).sub_((g.t() @ mean.view(-1)).unsqueeze(-1))
         statics, by_scale = torch.stack([gcoef, gcd]).sum(1)       # (n, n + 2) each
-        return (grad_x.view(x.shape), grad_W, statics[:, 0], statics[:, 1:n + 1], statics[:, n + 1],
+        return (grad_x.view(x.shape).to(x.dtype), grad_W, statics[:, 0], statics[:, 1:n + 1], statics[:, n + 1],
                 _like(by_scale[:, :n + 1].sum(), s_a), _like(by_scale[:, n + 1].sum(), s_b), None, None)
 
 
@@ -786,7 +800,7 @@ class _Write(torch.autograd.Function):
         yt, gt = y.reshape(T, C), grad.reshape(T, n, C)       # the collapse's gradient: a stride-0 view, read as is
         BT, BC, NP = block_sizes(n, C)
         grad_x, grad_y = x.new_empty((T, n, C)), y.new_empty((T, C))
-        grad_res, grad_post = x.new_empty((T, n, n)), x.new_empty((T, n))
+        grad_res, grad_post = _f32(x, T, n, n), _f32(x, T, n)
         _write_backward[(_cdiv(T, BT),)](
             xt, *xt.stride(), yt, *yt.stride(), H_res.reshape(T, n, n).contiguous(),
             H_post.reshape(T, n).contiguous(), gt, *gt.stride(), grad_x, grad_y, grad_res, grad_post, T, C,
@@ -811,10 +825,9 @@ def _like(grad, param):
 
 
 def self_check(make_connection, device: torch.device, tokens: int = 37, tolerance: float = 1e-4) -> str | None:
-    """None when one connection on this path equals the formulas' (make_connection("reference")) on `device`, in
-    the output and every gradient, to `tolerance` of each tensor's largest entry (fp32; the GPU's reduction order
-    differs from the CPU's); else what differs. The global RNG is left as it was: the model's init must not depend
-    on the path."""
+    """None when one connection on this path equals the formulas' (make_connection("reference")) on `device`, in the
+    output and every gradient, to `tolerance` of each tensor's largest entry (fp32; the GPU sums in another order);
+    else what differs. The global RNG is left as it was: the model's init must not depend on the path."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
@@ -851,38 +864,37 @@ def res_logit_count(arm: str, n: int) -> int:
     return {"mhc": n * n, "mhc-lite": math.factorial(n), "identity-hc": 0}.get(arm, 0)
 
 
-def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20) -> dict[str, int]:
-    """Device-memory bytes per token that one connection's kernels (and its projection's cuBLAS matmuls) read and
-    write, forward and backward, as their docstrings count them: the fp32 state is n C values, u, y and their
-    gradients C values of activation_bytes. Re-reads count (the second pass over x in a read kernel), the weights
-    do not (per step, not per token)."""
-    f, a, C = 4, activation_bytes, width
-    state, vec = f * n * C, a * C
+def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20, stream_bytes: int = 4):
+    """Device-memory bytes per token one connection's kernels and cuBLAS matmuls move, forward and backward: the state
+    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; a bf16 state's copies (x widened for
+    cuBLAS each way, dx rounded back) with the matmuls. Re-reads count (a read's second pass: x and du; its dx is
+    read in the state's dtype, written in fp32), the weights do not."""
+    f, C = 4, width
+    state, wide, u, vec = stream_bytes * n * C, f * n * C, f * C, activation_bytes * C
+    cast, read_backward = state + wide if stream_bytes < f else 0, 3 * state + wide + 2 * u
     write = {"_write_forward": 2 * state + vec + f * (n * n + n),
              "_write_backward": 3 * state + 2 * vec + 2 * f * (n * n + n)}
     if arm == "hc":
         coef = f * n * (n + 2)
-        return {"projection (cuBLAS)": state + coef,
-                "_hc_read_forward": 2 * state + coef + vec + f * (4 * n + n * n),
+        return {"projection (cuBLAS)": wide + coef + cast,
+                "_hc_read_forward": 2 * state + coef + u + f * (4 * n + n * n),
                 **write,
-                "_hc_read_backward": 4 * state + 2 * vec + coef + f * (4 * n + n * n) + 3 * coef,
-                "projection backward (cuBLAS)": 3 * state + 2 * coef,
+                "_hc_read_backward": read_backward + coef + f * (4 * n + n * n) + 3 * coef,
+                "projection backward (cuBLAS)": 3 * wide + 2 * coef + 2 * cast,
                 "sums over the tokens (torch)": 2 * coef}
     K = f * (2 * n + res_logit_count(arm, n))
     sinkhorn = f * (n * n + 2 * n * (iters - 1) * (SINKHORN_BACKWARD == "stored")) if arm == "mhc" else 0
-    return {"projection (cuBLAS)": state + K,
-            "_mhc_read_forward": 2 * state + K + vec + f * (2 * n + n * n + 1) + sinkhorn,
+    return {"projection (cuBLAS)": wide + K + cast,
+            "_mhc_read_forward": 2 * state + K + u + f * (2 * n + n * n + 1) + sinkhorn,
             **write,
-            "_mhc_read_backward": 4 * state + 2 * vec + K + f * (3 * n + 2 * n * n + 1) + sinkhorn + 3 * K,
-            "projection backward (cuBLAS)": 3 * state + 2 * K,
+            "_mhc_read_backward": read_backward + K + f * (3 * n + 2 * n * n + 1) + sinkhorn + 3 * K,
+            "projection backward (cuBLAS)": 3 * wide + 2 * K + 2 * cast,
             "sums over the tokens (torch)": 2 * K}
 
 
-def floor(n: int, width: int, activation_bytes: int = 2) -> dict[str, int]:
-    """The fewest bytes per token one connection must move, whatever the kernels: the sublayer splits each direction
-    in two, and on each side every tensor is read or written once. Forward: x read for the coefficients and u, u
-    written; x and y read for the write, x_next written. Backward: dx_next, x and y read, dx and dy written; x and
-    du read for dH_pre and the projection's gradient, dx read and written. The coefficients (n^2 + 2n per token) are
-    left out: under 1% at n = 4, C = 2048."""
-    state, vec = 4 * n * width, activation_bytes * width
-    return {"forward": 3 * state + 2 * vec, "backward": 6 * state + 3 * vec}
+def floor(n: int, width: int, activation_bytes: int = 2, stream_bytes: int = 4):
+    """The fewest bytes per token one connection must move: each tensor read or written once on each side of the
+    sublayer. Forward: x read, u written (fp32); x and y read, x_next written. Backward: dx_next, x, y read, dx, dy
+    written; x and du read, dx read and written. The coefficients (n^2 + 2n a token, under 1%) are left out."""
+    state, u, vec = stream_bytes * n * width, 4 * width, activation_bytes * width
+    return {"forward": 3 * state + u + vec, "backward": 6 * state + u + 2 * vec}

@@ -46,14 +46,18 @@ def print_estimate(gpt: type, cfg: Config, params: dict) -> None:
     micro, auto_line = _estimate_micro_batch(gpt, cfg, world)
     strategy = f"{world} processes, {cfg.parallel.upper()}" if world > 1 else "1 process"
     print(f"memory of one GPU at micro-batch {micro} ({cfg.batch_size // (micro * world)} accumulation steps), "
-          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {strategy}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}:")
+          f"{'fp32' if cfg.dtype == 'fp32' else 'bf16 autocast'}, {cfg.stream_dtype} streams, {strategy}, "
+          f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}:")
     print_memory_plan(memory_plan(gpt, cfg, micro, world))
     if cfg.residual != "baseline":
         fit = activation_profile(gpt, profile_key(cfg, False))["streams"]
         streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
         print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
               f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
+    if cfg.stream_dtype == "bf16":
+        print("bf16 streams: activations measured on the formulas, which save one fp32 copy of the state a "
+              "connection as fp32 streams do; less only where checkpointing holds the blocks' bf16 inputs (the kernels "
+              "keep the bf16 state: an upper bound there, docs/model.md)")
     print(auto_line)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     print_time(gpt, cfg, params, micro, world, name or ASSUMED_GPU,

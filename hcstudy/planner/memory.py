@@ -29,6 +29,7 @@ DEFAULT_GPU_MEMORY_GIB = 80.0   # the card planned for when no CUDA device is vi
 # peak: a few per cent when every step repeats the same shapes
 CUDA_CONTEXT_BYTES, NCCL_BYTES, FRAGMENTATION = 1.0 * GiB, 1.0 * GiB, 0.05
 AUTO_MARGIN = 0.05      # auto fills at most 95% of the card by the plan: a model of the memory, not a measurement
+STATE_BYTES = {"fp32": 4, "bf16": 2}    # a residual state value at --stream-dtype
 CPU_AUTO_MICRO = 8      # auto on the CPU, where there is no device memory to plan against
 # grad_fn nodes that only view or cast: followed from a saved tensor, they lead to the parameter that
 # autocast copied to bf16 (memory per model, not per token)
@@ -136,7 +137,7 @@ def profile_key(cfg: Config, checkpointing: bool) -> Config:
     depth, width, batch and seed (type(cfg) is train_c4.Config, so this file needs no import of it)."""
     return type(cfg)(residual=cfg.residual, expansion=cfg.expansion, heads=cfg.heads, tokenizer=cfg.tokenizer,
                      sinkhorn_iters=cfg.sinkhorn_iters, dtype="fp32" if cfg.dtype == "fp32" else "bf16",
-                     activation_checkpointing=checkpointing)
+                     activation_checkpointing=checkpointing, stream_dtype=cfg.stream_dtype)
 
 
 @functools.cache
@@ -289,13 +290,14 @@ def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict
 
 def memory_floor(cfg: Config, vocab: int, micro: int, world: int) -> float:
     """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
-    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state and a sublayer
-    output per block and the fp32 log-probabilities with their two backward buffers, and the validation token ids.
+    body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state (at
+    --stream-dtype) and an fp32 sublayer output per block and the fp32 log-probabilities with their two backward
+    buffers, and the validation token ids.
     The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
     C = cfg.width
     parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
     shards = world if world > 1 and cfg.parallel == "fsdp" else 1
-    activations = micro * cfg.seq_len * 4 * (2 * cfg.depth * C + 3 * vocab)
+    activations = micro * cfg.seq_len * ((STATE_BYTES[cfg.stream_dtype] + 4) * cfg.depth * C + 12 * vocab)
     return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hcstudy.planner.memory import count_parameter_numels, cuda_autocast
+from hcstudy.planner.memory import STATE_BYTES, count_parameter_numels, cuda_autocast
 
 # aten ops that launch no kernel: allocations, metadata, dtype promotion (views: OpOverload.is_view)
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
@@ -71,13 +71,13 @@ class KernelCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def counting(width: int, triton: tuple[str, int, int] | None = None):
-    """A KernelCounter over the code run inside. triton (arm, n, tokens): triton_kernels' kernels replaced by launches
-    of the bytes they move (their own count, triton_kernels.traffic), so that the triton path runs on the CPU for
-    counting: its cuBLAS and torch calls are counted as they run."""
+def counting(width: int, triton: tuple[str, int, int, int] | None = None):
+    """A KernelCounter over the code run inside. triton (arm, n, tokens, bytes of a state value): triton_kernels'
+    kernels replaced by launches of the bytes they move (their own count, triton_kernels.traffic), so that the triton
+    path runs on the CPU for counting: its cuBLAS and torch calls are counted as they run."""
     counter = KernelCounter(width)
     module = importlib.import_module("hcstudy.kernels.triton_ops") if triton else None
-    per_token = module.traffic(triton[0], triton[1], width) if triton else {}
+    per_token = module.traffic(triton[0], triton[1], width, stream_bytes=triton[3]) if triton else {}
     saved = {name: getattr(module, name) for name in per_token if name.startswith("_")}
 
     class Stub:
@@ -122,7 +122,8 @@ def count_steps(gpt: type, cfg: Config, path: str, width: int, depth: int) -> di
         torch.manual_seed(0)
         for sequences in (1, 2):
             idx = torch.randint(0, model.wte.num_embeddings, (sequences, COUNT_SEQ))
-            with counting(width, (cfg.residual, cfg.expansion, idx.numel()) if path == "triton" else None) as counter:
+            triton = (cfg.residual, cfg.expansion, idx.numel(), STATE_BYTES[cfg.stream_dtype])
+            with counting(width, triton if path == "triton" else None) as counter:
                 with cuda_autocast(bf16):
                     _, loss = model(idx, idx)
                 loss.backward()

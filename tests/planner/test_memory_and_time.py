@@ -70,6 +70,20 @@ def test_weight_gradient_optimizer_and_cast_terms_equal_the_real_tensors(residua
     assert memory_module.memory_plan(T.GPT, cfg, 2, world=2).terms["ddp buckets"] == 4 * P
 
 
+@pytest.mark.parametrize("residual", ["baseline", "mhc"])
+def test_bf16_streams_plan_no_more_memory_than_fp32_and_less_under_checkpointing(residual):
+    """The formulas widen a bf16 state once a connection (the profile's path): the fp32 copy autograd keeps weighs
+    what an fp32 state does. Checkpointing holds the blocks' inputs in the stored dtype: half of fp32's."""
+    def plan(dtype, *flags):
+        cfg = T.parse_config(["--depth", "32", "--residual", residual, "--stream-dtype", dtype, *flags])
+        return memory_module.memory_plan(T.GPT, cfg, micro=4)
+
+    assert plan("bf16").allocated <= plan("fp32").allocated
+    fp32, bf16 = (plan(dtype, "--activation-checkpointing") for dtype in ("fp32", "bf16"))
+    held = "act: checkpointed inputs"
+    assert bf16.terms[held] == fp32.terms[held] / 2 and bf16.allocated < fp32.allocated
+
+
 def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
     """Ground truth, counted independently of the planner: every storage one forward saves for the backward,
     once, less the parameters and autocast's bf16 copies of them (2-D tensors shaped like a weight); with

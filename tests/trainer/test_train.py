@@ -161,6 +161,18 @@ def test_resume_over_a_different_model_is_refused(tmp_path):
     assert code == 2 and "width=16" in stderr and "width=32" in stderr
 
 
+def test_a_bf16_stream_run_records_its_precision_and_refuses_a_resume_in_fp32(tmp_path):
+    """--stream-dtype is a model setting: config.json records it, and a resume under the other dtype is refused as
+    a different model, whatever --allow-changed-settings says."""
+    code, _, stderr = trainer(tmp_path, "--residual", "mhc", "--stream-dtype", "bf16", "--steps", "4")
+    assert code == 0, stderr
+    config = json.loads((tmp_path / "mhc_d2_s42" / "config.json").read_text())
+    assert config["precision"]["residual_streams"] == "bf16" and config["config"]["stream_dtype"] == "bf16"
+    code, _, stderr = trainer(tmp_path, "--residual", "mhc", "--stream-dtype", "fp32", "--steps", "4",
+                              "--allow-changed-settings")
+    assert code == 2 and "stream_dtype='bf16'" in stderr and "stream_dtype='fp32'" in stderr, stderr
+
+
 def test_help_groups_every_flag_and_lists_the_presets():
     text = T.build_parser().format_help()
     sections = {block.split(":\n", 1)[0]: block for block in text.split("\n\n")}
