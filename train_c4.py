@@ -780,11 +780,15 @@ def projection_metrics(H: torch.Tensor, logits: torch.Tensor) -> dict:
 
 
 def stream_gram(x: torch.Tensor) -> torch.Tensor:
-    """x x^T (..., n, n) of the streams x (..., n, C): fp32 with autocast off (bf16 would blur a near-rank-one state;
-    fp64 would copy the state, 0.7 GB a connection at the study's sizes), kept in fp64."""
+    """x x^T (B, T, n, n) of the streams x (B, T, n, C), in fp64 a sequence at a time: its eigenvalues are squared
+    singular values, so fp32 would put a near-rank-one state's small ones at sqrt(eps), 3e-4 of the largest; a copy
+    of the whole state in fp64 would be 0.7 GB a connection at the study's sizes."""
+    grams = []
     with mixing_autocast(x):
-        x = x.float()
-        return (x @ x.transpose(-1, -2)).double()
+        for sequence in x.split(1):
+            sequence = sequence.double()
+            grams.append(sequence @ sequence.transpose(-1, -2))
+    return torch.cat(grams)
 
 
 def spread(p: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from helpers import tiny_config
 
 def gram(*streams):
     """The Gram matrix of one token whose n streams are the given vectors: (1, 1, n, n), one connection."""
-    return T.stream_gram(torch.tensor(streams, dtype=torch.float64))[None, None]
+    return T.stream_gram(torch.tensor(streams, dtype=torch.float64)[None, None])
 
 
 def readings(G):
@@ -40,7 +40,7 @@ def test_a_hand_computed_two_stream_state():
     shares, singular = (0.75, 0.25), (math.sqrt(3) / (math.sqrt(3) + 1), 1 / (math.sqrt(3) + 1))
     expected = (0.75, math.exp(-sum(p * math.log(p) for p in shares)),
                 math.exp(-sum(q * math.log(q) for q in singular)))
-    assert readings(gram([math.sqrt(3), 0.0], [0.0, 1.0])) == pytest.approx(expected, rel=1e-6)    # an fp32 Gram
+    assert readings(gram([math.sqrt(3), 0.0], [0.0, 1.0])) == pytest.approx(expected, rel=1e-12)
     assert expected[1] == pytest.approx(1.7548, abs=1e-4) and expected[2] == pytest.approx(1.9286, abs=1e-4)
 
 
