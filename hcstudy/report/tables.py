@@ -258,6 +258,6 @@ def seeds_text(n):
     return f"{n} seed{'s' if n != 1 else ''}"
 
 
-def fmt_dev(x):
-    """A small deviation from 1 with two significant digits: 0.0012, 3.4e-07, 0."""
+def fmt_dev(x, ref=None):
+    """A small deviation from 1 with two significant digits: 0.0012, 3.4e-07, 0 (a std too: fmt_stat's `ref`)."""
     return "0" if x == 0 else f"{x:.2g}"

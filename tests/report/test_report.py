@@ -188,6 +188,15 @@ def mhc_probe(used_bwd, converged_bwd, col_err, bound):
             "amax_bwd_converged": converged_bwd, "sinkhorn_col_err": col_err, "sinkhorn_bwd_bound": bound}
 
 
+def test_mhc_over_two_seeds_gives_its_sinkhorn_errors_with_their_spread(tmp_path):
+    """Every table's cells over seeds, the truncation columns too (a std was passed to a one-argument format)."""
+    for seed, col_err in ((1, 0.031), (2, 0.045)):
+        write_run(tmp_path, f"mhc_d4_s{seed}", [{**train(1, 0.0, 4.0, 0.5, 10), **mhc_probe(1.1, 1.0, col_err, 1.2)}])
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
+    cells = table_cells(tmp_path / "report", "mHC", 4, "## Amplification: three readings")
+    assert cells["mHC Sinkhorn column error"] == "0.038 ± 0.0099"
+
+
 def test_threshold_must_be_exceeded_not_reached(tmp_path):
     write_run(tmp_path, "hc_d4_s1", [
         {**train(1, 0.0, 4.0, 0.5, 10), **probe(10.0, 9.0)},
