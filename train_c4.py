@@ -20,8 +20,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from hcstudy import contract
-from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, PLAN_JOBS, ConfigError, DataUnavailable,
-                              Diverged, Interrupted, PlanRequest, RunFailed, TrainerError)
+from hcstudy.contract import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, PLAN_JOBS, STREAM_KEYS, STREAM_LAYER_KEYS,
+                              ConfigError, DataUnavailable, Diverged, Interrupted, PlanRequest, RunFailed,
+                              TrainerError)
 
 if __name__ == "__main__":  # a stop while torch loads (a second or more) is a stop before any step: 75, not 143
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_INTERRUPTED))
@@ -834,13 +835,6 @@ def stream_metrics(G: torch.Tensor, H: torch.Tensor) -> dict:
         key: layers[len(values) + i * len(H):len(values) + (i + 1) * len(H)] for i, key in enumerate(STREAM_LAYER_KEYS)}
 
 
-STREAM_KEYS = ("stream_dominance", "stream_dominance_mean", "effective_streams", "effective_streams_min",
-               "effective_rank", "effective_rank_min", "res_to_identity", "res_to_identity_mean",
-               "composite_to_uniform", "composite_to_permutation")
-STREAM_LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
-                     "layer_res_to_identity")
-LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
-                     "layer_res_to_identity")
 LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd", "layer_sinkhorn_row_err", "layer_sinkhorn_col_err",
               *STREAM_LAYER_KEYS)
 

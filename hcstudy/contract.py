@@ -122,6 +122,14 @@ TRAINING_KEYS = ("lr", "steps", "batch_size", "warmup", "warmup_from", "min_lr_r
 
 # The metrics.jsonl key of the study's own reading of each training batch (train_c4's Trainer.micro_steps)
 STUDY_TRAIN_KEY = "amax_study_train"
+# how the streams share the state and how far H_res and their full-depth product lie from I, J/n and the
+# permutations: logged at each probe by the arms with streams (not the baseline); the lists per sublayer at
+# --layer-metrics-every (train_c4.stream_metrics, docs/model.md)
+STREAM_KEYS = ("stream_dominance", "stream_dominance_mean", "effective_streams", "effective_streams_min",
+               "effective_rank", "effective_rank_min", "res_to_identity", "res_to_identity_mean",
+               "composite_to_uniform", "composite_to_permutation")
+STREAM_LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
+                     "layer_res_to_identity")
 
 # The residual arms and the two settings only some of them have: the launcher multiplies a setting's list only for
 # the methods that have it (no duplicate jobs), and a run name carries a setting only where it differs from its

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from hcstudy.contract import (ARM_DEFAULTS, COEFFICIENT_SUFFIX, CONFIG_FILE, METHODS, METRICS_FILE, RUN_NAME,
-                              RUN_NAME_SUFFIX, SEED_STUDY_MODEL, STATUS_FILE, STUDY_TRAIN_KEY, arm_settings, named_arm,
-                              open_regular, read_json)
+                              RUN_NAME_SUFFIX, SEED_STUDY_MODEL, STATUS_FILE, STREAM_KEYS, STREAM_LAYER_KEYS,
+                              STUDY_TRAIN_KEY, arm_settings, named_arm, open_regular, read_json)
 
 CORE_METHODS = METHODS[:3]         # the verdict says when one of these is missing at a depth
 METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC", "mhc-lite": "mHC-lite", "identity-hc": "identity-HC"}
@@ -30,18 +30,11 @@ COEFFICIENTS_OF_SUFFIX = {suffix[1:]: kind for kind, suffix in COEFFICIENT_SUFFI
 GAP_S = 900.0                   # a longer pause between two log lines is downtime, not wall time
 
 
-# how the streams share the state and how far H_res and their full-depth product lie from I, J/n and the
-# permutations: logged at each probe by the arms with streams (not the baseline), by runs since they were added
-STREAM_KEYS = ("stream_dominance", "stream_dominance_mean", "effective_streams", "effective_streams_min",
-               "effective_rank", "effective_rank_min", "res_to_identity", "res_to_identity_mean",
-               "composite_to_uniform", "composite_to_permutation")
 SCALAR_KEYS = ("loss", "grad_norm", "clipped", "val_loss",
                "amax_fwd", "amax_bwd", "amax_l0_fwd", "amax_l0_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_study",
                "amax_fwd_converged", "amax_bwd_converged", "sinkhorn_converged_err", "sinkhorn_col_err",
                "sinkhorn_bwd_bound", STUDY_TRAIN_KEY, *STREAM_KEYS)
 LAYER_KEYS = ("layer_gain_fwd", "layer_gain_bwd")
-STREAM_LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
-                     "layer_res_to_identity")
 
 
 class ReportError(Exception):
