@@ -78,7 +78,8 @@ def plot(fp32_dir, bf16_dir, path):
             ax.set_title(f"{label}: {key}", fontsize=10)
             ax.set_xlabel("step")
             ax.legend(fontsize=7)
-            if key != "loss" and label != "Baseline":
+            low, high = ax.get_ylim()
+            if key != "loss" and low > 0 and high / low > 10:   # HC's gains span decades; mHC's and the baseline's not
                 ax.set_yscale("log")
     fig.suptitle("fp32 (solid) against bf16 (dashed) residual streams, every seed", fontsize=11)
     fig.tight_layout()
