@@ -42,7 +42,7 @@ from tqdm import tqdm
 from hcstudy import config_flags as flags
 from hcstudy.config_flags import COUNT, NATURAL, option
 from hcstudy.failures import classify_failure, exit_process, failure
-from hcstudy.kernels import choice, fused
+from hcstudy.kernels import choice, cross_entropy, fused
 from hcstudy.planner import gpus, memory
 from hcstudy.planner.estimate import print_estimate
 from hcstudy.planner.plan_jobs import answer_jobs
@@ -152,6 +152,9 @@ class Config:
         "the papers' formulas with autograd (reference), hcstudy/kernels/fused.py's hand-written backwards (fused), "
         "the Triton GPU kernels (triton; the interpreter on a CPU, for tests), or auto: on CUDA the path "
         "--check timed fastest, else triton once it passes a self-check; fused on the CPU (docs/benchmarks.md)")
+    cross_entropy: str = option("auto", MODEL, ("auto", *cross_entropy.PATHS), "the loss: the logits and "
+        "F.cross_entropy in fp32 (plain), or torch's chunked linear cross-entropy, without the (tokens x vocabulary) "
+        "logits (fused); auto: the one --check timed faster on this GPU, else plain (docs/model.md)")
     dtype: str = option("auto", MODEL, ("auto", "bf16", "fp32"), "autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
     stream_dtype: str = option("fp32", MODEL, ("fp32", "bf16"), "dtype of the residual state stored between "
         "sublayers, every arm (the baseline's too); coefficients, mixing and gradients of parameters stay fp32")
@@ -173,7 +176,9 @@ class Config:
     weight_decay_on: str = option("matrices", OPTIMISATION, ("matrices", "all"), "weight decay on the weights of "
         "linears and embeddings, or on every parameter: norms, biases, scales and gates too (the study's)")
     seed: int = option(42, OPTIMISATION, NATURAL, "model initialisation seed")
-    compile: bool = option(False, OPTIMISATION, None, "torch.compile each transformer block")
+    compile: bool = option(False, OPTIMISATION, None, "torch.compile the model (--compile-scope)")
+    compile_scope: str = option("blocks", OPTIMISATION, ("blocks", "model"), "with --compile: each transformer block "
+        "(one graph serves them all), or the whole model: embedding, blocks, final norm and loss")
     activation_checkpointing: bool = option(False, OPTIMISATION, None, "recompute each sublayer (and its stream "
         "mixing) in the backward pass")
     data: str = option("c4", DATA, None, "'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob of C4-format "
@@ -269,6 +274,8 @@ def validate(cfg: Config) -> None:
     if cfg.kernels in ("fused", "triton") and cfg.residual != "baseline" and choice.study_variants(cfg):
         raise ConfigError(f"--kernels {cfg.kernels} has the papers' HC and mHC only, not the study's "
                           f"--{choice.study_variants(cfg)[0].replace('_', '-')}; use --kernels auto or reference")
+    if cfg.compile_scope != "blocks" and not cfg.compile:
+        raise ConfigError(f"--compile-scope {cfg.compile_scope} says what --compile compiles: add --compile")
     if cfg.width % cfg.heads:
         raise ConfigError(f"--width {cfg.width} is not divisible by --heads {cfg.heads}")
     micro = cfg.micro_batch_size
@@ -612,10 +619,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """kernels: the streams' path, where it has the arm (choice.supports; choice.kernel_path decides it for a run)."""
+    """kernels: the streams' path, where it has the arm (choice.supports; choice.kernel_path decides it for a run);
+    loss: the cross-entropy's (cross_entropy.choose decides it)."""
 
-    def __init__(self, cfg: Config, use_flash: bool = False, kernels: str = "reference"):
+    def __init__(self, cfg: Config, use_flash: bool = False, kernels: str = "reference", loss: str = "plain"):
         super().__init__()
+        self.fused_loss = loss == "fused"
         self.streams = 1 if cfg.residual == "baseline" else cfg.expansion
         self.stream_dtype = STREAM_DTYPES[cfg.stream_dtype]
         self.kernels = kernels if choice.supports(cfg, kernels) else "reference"
@@ -659,7 +668,10 @@ class GPT(nn.Module):
         if x.requires_grad and fused_streams:
             x.register_hook(fused.stream_major)          # the collapse's gradient comes as one stride-0 view
         x = x.float()                                   # the collapse and the final norm in fp32, as for u
-        logits = self.lm_head(self.ln_f(x[..., 0, :] if self.collapse_first else x.sum(dim=-2)))   # collapse once
+        x = self.ln_f(x[..., 0, :] if self.collapse_first else x.sum(dim=-2))    # collapse once
+        if targets is not None and self.fused_loss:    # the loss without the logits; the probe's forward keeps them
+            return None, cross_entropy.fused_cross_entropy(x, self.lm_head.weight, targets)
+        logits = self.lm_head(x)
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
@@ -1244,11 +1256,11 @@ def end_distributed() -> None:
 
 
 def wrap_model(model: GPT, cfg: Config, dist: Dist, dtype: torch.dtype) -> nn.Module:
-    """Activation checkpointing lives in the blocks; then compile per block; then DDP or FSDP2.
+    """Activation checkpointing lives in the blocks; then compile per block (or the whole model); then DDP or FSDP2.
     Build the optimizer after this: FSDP2 replaces every parameter by its sharded DTensor."""
     if cfg.compile:
-        for block in model.blocks:
-            block.compile()
+        for module in [model] if cfg.compile_scope == "model" else model.blocks:
+            module.compile()
     if dist.world == 1:
         return model
     if cfg.parallel == "ddp":
@@ -1325,19 +1337,6 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
-
-
-def use_flash_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
-    try:
-        import flash_attn  # noqa: F401
-        installed = True
-    except ImportError:
-        installed = False
-    if cfg.attn == "flash" and not (installed and device.type == "cuda" and dtype == torch.bfloat16):
-        raise ConfigError("--attn flash needs flash-attn installed (bash setup.sh on a CUDA machine), a CUDA "
-                          "device and bf16; use --attn sdpa")
-    return cfg.attn == "flash" or (cfg.attn == "auto" and installed and device.type == "cuda"
-                                   and dtype == torch.bfloat16)
 
 
 class StopRequest:
@@ -1589,12 +1588,13 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
     with log.recording_start_failure(lambda error: classify_failure(error, micro)):
         changes = check_resumable(run_dir, cfg, log)
         dtype = compute_dtype(cfg, dist.device)
-        use_flash = use_flash_attention(cfg, dist.device, dtype)
+        use_flash = choice.use_flash_attention(cfg, dist.device, dtype)
         tokenizer = make_tokenizer(cfg.tokenizer)
         val = fixed_sequences(data, tokenizer, cfg.seq_len, cfg.eval_batches * cfg.batch_size, cfg.doc_separator)
         torch.manual_seed(cfg.seed)
         kernels, kernels_reason = kernel_path(cfg, dist.device)
-        model = GPT(cfg, use_flash, kernels).to(dist.device)
+        loss_path = cross_entropy.choose(cfg, device_name(dist.device), contract.load_check(cfg.out))
+        model = GPT(cfg, use_flash, kernels, loss_path[0]).to(dist.device)
         wrapped = wrap_model(model, cfg, dist, dtype)        # before the optimizer: FSDP2 replaces the parameters
         optimizer = make_optimizer(model, cfg)
         micro = memory.confirm_micro_batch(cfg, dist, unwrap(wrapped), dtype, micro)     # auto on CUDA: one real step
@@ -1605,7 +1605,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         peak, flops = gpus.gpu_peak_flops(device_name(dist.device)), gpus.flops_per_token(cfg, params["non_embedding"])
         trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir, peak, flops)
         trainer.log.record_changes(changes | trainer.restore(changed=bool(changes)), trainer.step)
-        record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params)
+        record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params, loss_path)
         log.write_config(record)
         trainer.wandb_run = start_wandb(cfg, run_dir, record, trainer.log)
         announce(trainer, params, record, held_out_source(data, cfg.val_data), odd_settings(cfg))

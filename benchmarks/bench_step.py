@@ -156,7 +156,7 @@ class Variant:
         # the trainer's attention kernel: flash-attn on CUDA in bf16 when installed, SDPA otherwise. Built where
         # it runs: a 2.5B-parameter model initialised on the host first would take minutes
         with torch.device(device):
-            self.model = build_model(cfg, device, T, T.use_flash_attention(cfg, device, self.dtype))
+            self.model = build_model(cfg, device, T, T.choice.use_flash_attention(cfg, device, self.dtype))
         if cfg.compile:
             # every block of every variant here shares Block.forward's code object, and dynamo allows 8 graphs
             # per code object: 3 variants x (training, probe) x trainers would fall back to eager silently.

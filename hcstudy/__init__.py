@@ -13,7 +13,8 @@ train_c4.py (the trainer), report.py, torchrun.py, run_experiments.sh, setup.sh.
     c4_download.py          C4's shards downloaded once per node (setup.sh --prefetch-c4)
     consolidate.py          a checkpoint's weights in one file (train_c4.py --consolidate)
     gpu_check.py            run_experiments.sh --check: the GPU path on one card, its timings for the planner
-    kernels/choice.py       which path runs the streams (--kernels): asked, timed, self-checked
+    kernels/choice.py       which path runs the streams (--kernels) and attention (--attn): asked, timed, self-checked
+    kernels/cross_entropy.py  the loss's two paths (--cross-entropy): plain logits or torch's chunked op; auto's pick
     kernels/fused.py        hand-written autograd Functions for HC and mHC (any device)
     kernels/triton_ops.py   the Triton GPU kernels of the connections
     planner/gpus.py         the cards' spec sheets; FLOPs per token

@@ -421,6 +421,19 @@ def timed_steps(check: dict, method: str, gpu: str) -> dict:
         return {}
 
 
+def timed_losses(check: dict, gpu: str) -> dict:
+    """{'plain' or 'fused': seconds per step} of the two cross-entropy paths the check timed against each other on
+    this GPU (result.json's "cross_entropy": {path: {"step_s": s}}, one model and micro-batch for both; a path that did
+    not run is null); {} for another GPU or a result.json without them."""
+    try:
+        if check.get("gpu") != gpu:
+            return {}
+        return {path: stats["step_s"] for path, stats in check["cross_entropy"].items()
+                if path in ("plain", "fused") and stats and isinstance(stats.get("step_s"), (int, float))}
+    except (KeyError, TypeError, AttributeError):
+        return {}
+
+
 def timed_work(check: dict, method: str) -> tuple[float, int] | None:
     """(FLOPs of one timed step, GPUs it ran on) of `method`'s timed configuration, None where not recorded."""
     timing = (check.get("methods") or {}).get(method) or {}

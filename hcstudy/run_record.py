@@ -20,6 +20,7 @@ def announce(trainer, params: dict, record: dict, held_out: str, warning_lines: 
              f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
              f"({record['dtype']}, {record['attention']} attention)")
     log.info(f"streams' kernels: {record['kernels']} ({record['kernels_reason']})")
+    log.info(f"cross-entropy: {record['cross_entropy']} ({record['cross_entropy_reason']})")
     log.info(f"model: {parameter_summary(params)}")
     log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
              f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
@@ -58,14 +59,15 @@ def git_commit() -> str:
 
 
 def run_record(cfg, micro: int, dist, dtype: torch.dtype, use_flash: bool, kernels: tuple[str, str],
-               params: dict) -> dict:
-    """config.json's record; kernels: the streams' path and why it was taken (fused.kernel_path)."""
+               params: dict, loss: tuple[str, str]) -> dict:
+    """config.json's record; kernels: the streams' path and why it was taken (choice.kernel_path); loss: the
+    cross-entropy's and why (cross_entropy.choose)."""
     return {"config": {**dataclasses.asdict(cfg), "micro_batch_size": micro}, "n_params": params["total"],
             "params": params, "world_size": dist.world, "device": dist.device.type,
             "device_name": device_name(dist.device),
             "dtype": str(dtype).removeprefix("torch."), "precision": precision_policy(dtype, cfg.stream_dtype),
             "attention": "flash" if use_flash else "sdpa", "kernels": kernels[0],
-            "kernels_reason": kernels[1],
+            "kernels_reason": kernels[1], "cross_entropy": loss[0], "cross_entropy_reason": loss[1],
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                          "datasets": importlib.metadata.version("datasets"),
                          "tiktoken": importlib.metadata.version("tiktoken")},

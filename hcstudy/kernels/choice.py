@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from hcstudy.contract import load_check, timed_steps
+from hcstudy.contract import ConfigError, load_check, timed_steps
 
 # the public study's variants that change the connections' maths, not only their initial values
 STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "mhc_norm_order", "hc_dynamic", "sinkhorn_order")
@@ -73,10 +73,16 @@ def asked_reason(cfg, device: torch.device) -> tuple[str, str]:
     return path, f"{'--kernels triton' if cfg.kernels == 'triton' else 'auto, not timed by --check on this GPU'}; {how}"
 
 
+def timed_mode(cfg) -> str:
+    """How a run's step is timed by --check (result.json's "path/mode" keys): eager, compile (the blocks, what --compile
+    has always compiled) or compile-model (--compile-scope model), each timed apart."""
+    return "eager" if not cfg.compile else "compile" if cfg.compile_scope == "blocks" else "compile-model"
+
+
 def fastest_timed(cfg, check: dict, gpu: str) -> tuple[str, float] | None:
-    """(path, seconds per step) of the fastest path --check timed for this arm and mode (eager or compiled) on this
-    GPU, from its result.json (`check`); None where it timed none."""
-    mode = "compile" if cfg.compile else "eager"
+    """(path, seconds per step) of the fastest path --check timed for this arm and mode (timed_mode) on this GPU, from
+    its result.json (`check`); None where it timed none."""
+    mode = timed_mode(cfg)
     timed = {path: seconds for (path, timed_mode), seconds in timed_steps(check, cfg.residual, gpu).items()
              if timed_mode == mode and supports(cfg, path)}
     if not timed:
@@ -92,8 +98,8 @@ def measured_path(cfg, device: torch.device) -> tuple[str, str] | None:
     timed = fastest_timed(cfg, check, gpu) if check else None
     if timed is None:
         return None
-    mode = "compile" if cfg.compile else "eager"
-    return timed[0], f"auto: --check timed it fastest for {cfg.residual} ({mode}) on this {gpu}, {timed[1]:.3f} s/step"
+    return timed[0], (f"auto: --check timed it fastest for {cfg.residual} ({timed_mode(cfg)}) on this {gpu}, "
+                      f"{timed[1]:.3f} s/step")
 
 
 def triton_problem(device: torch.device, make_connection) -> str | None:
@@ -103,3 +109,19 @@ def triton_problem(device: torch.device, make_connection) -> str | None:
     except Exception as error:          # an import, compile or launch failure: each of them means the formulas
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return f"failed ({type(error).__name__}: {first_line})"
+
+
+def use_flash_attention(cfg, device: torch.device, dtype: torch.dtype) -> bool:
+    """--attn: flash-attn 2 where asked (refused where it cannot run) or, for auto, where it is installed on CUDA with
+    bf16; else PyTorch's SDPA. The planner prices either alike: attention by its FLOPs, its saved tensors measured with
+    SDPA's CPU kernel, which keeps what flash-attn keeps (q, k, v, the output and the log-sum-exp)."""
+    try:
+        import flash_attn  # noqa: F401
+        installed = True
+    except ImportError:
+        installed = False
+    if cfg.attn == "flash" and not (installed and device.type == "cuda" and dtype == torch.bfloat16):
+        raise ConfigError("--attn flash needs flash-attn installed (bash setup.sh on a CUDA machine), a CUDA "
+                          "device and bf16; use --attn sdpa")
+    return cfg.attn == "flash" or (cfg.attn == "auto" and installed and device.type == "cuda"
+                                   and dtype == torch.bfloat16)

@@ -10,7 +10,7 @@ from hcstudy.durations import duration
 from hcstudy.kernels import choice
 from hcstudy.planner.gpus import ASSUMED_GPU, flops_per_token
 from hcstudy.planner.memory import (AUTO_MARGIN, GiB, MemoryPlan, PlanError, activation_profile, auto_micro_batch,
-                                    check_batch_split, memory_plan, profile_key)
+                                    check_batch_split, memory_plan, planned_loss, profile_key)
 from hcstudy.planner.run_time import (TERMS, device_config, device_rates, measured_rate, planned_path, rates_text,
                                       run_time, step_cost)
 from hcstudy.planner.step_work import step_work, work_key
@@ -59,6 +59,7 @@ def print_estimate(gpt: type, cfg: Config, params: dict) -> None:
               "connection as fp32 streams do; less only where checkpointing holds the blocks' bf16 inputs (the kernels "
               "keep the bf16 state: an upper bound there, docs/model.md)")
     print(auto_line)
+    print(levers_line(cfg))
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     print_time(gpt, cfg, params, micro, world, name or ASSUMED_GPU,
                f"{world} x {name or ASSUMED_GPU + ' (assumed: no CUDA device here)'}")
@@ -92,6 +93,14 @@ def print_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu
     print(f"  the run on {where if gpu == 'cpu' else 'it'}, {path} path ({estimate.basis}): "
           f"{duration(*estimate.step)} a step, {duration(*estimate.total)} for {cfg.steps:,} steps with "
           "evaluation, probes, checkpoints and start-up")
+
+
+def levers_line(cfg: Config) -> str:
+    """The loss and the compilation the plan is for: the memory plan's and the step's."""
+    loss, why = planned_loss(cfg)
+    compiled = {"blocks": "torch.compile of each block", "model": "torch.compile of the whole model"}
+    return (f"planned for: the {loss} cross-entropy ({why}); " + (f"{compiled[cfg.compile_scope]} (its step priced as "
+            "eager until --check times it)" if cfg.compile else "no torch.compile (eager)"))
 
 
 def _estimate_micro_batch(gpt: type, cfg: Config, world: int) -> tuple[int, str]:

@@ -13,7 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from hcstudy.contract import EXIT_BAD_CONFIG
+from hcstudy.contract import EXIT_BAD_CONFIG, load_check
+from hcstudy.kernels import cross_entropy
+from hcstudy.planner.gpus import ASSUMED_GPU
 
 
 class PlanError(Exception):
@@ -224,9 +226,17 @@ def gpu_memory_bytes(cfg: Config) -> float:
     return DEFAULT_GPU_MEMORY_GIB * GiB
 
 
+def planned_loss(cfg: Config, gpu: str | None = None) -> tuple[str, str]:
+    """The cross-entropy a run of `cfg` takes on `gpu` (default: this CUDA device, else the assumed card) and why:
+    cross_entropy.choose, auto's pick from --check's result.json in --out."""
+    gpu = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else ASSUMED_GPU)
+    return cross_entropy.choose(cfg, gpu, load_check(cfg.out) if cfg.cross_entropy == "auto" else None)
+
+
 def memory_plan(gpt: type, cfg: Config, micro: int, world: int = 1, card: float | None = None) -> MemoryPlan:
-    """The memory one GPU needs to train `cfg` at this micro-batch (dtype auto plans bf16, as on CUDA).
-    Parameter terms are exact; activations are activation_profile scaled to the real width, depth and tokens."""
+    """The memory one GPU needs to train `cfg` at this micro-batch (dtype auto plans bf16, as on CUDA), with the
+    cross-entropy planned_loss picks. Parameter terms are exact; activations are activation_profile scaled to the real
+    width, depth and tokens (measured with the plain loss; the fused loss's own terms are counted from torch's code)."""
     bf16 = cfg.dtype != "fp32"
     fit, full = (activation_profile(gpt, profile_key(cfg, checkpointing))
                  for checkpointing in (cfg.activation_checkpointing, False))
@@ -237,7 +247,7 @@ def memory_plan(gpt: type, cfg: Config, micro: int, world: int = 1, card: float 
 
     numels = parameter_numels(gpt, cfg)
     _parameter_terms(cfg, numels, world, full["weight_casts"], term)
-    _activation_terms(cfg, numels["wte.weight"] // cfg.width, micro, fit, full, term)
+    _activation_terms(cfg, numels["wte.weight"] // cfg.width, micro, fit, full, term, planned_loss(cfg)[0])
     allocated = sum(terms.values())
     term("overhead: CUDA context", CUDA_CONTEXT_BYTES + (NCCL_BYTES if world > 1 else 0),
          "assumed: context, cuBLAS workspaces, kernels" + (", NCCL buffers" if world > 1 else ""))
@@ -265,8 +275,9 @@ def _parameter_terms(cfg: Config, numels: dict, world: int, weight_casts: set, t
         term("autocast weight cache", 2 * cast, f"bf16 copies of the {cast:,} matmul weights")
 
 
-def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict, term) -> None:
-    """What the forward saves (`fit`: as configured; `full`: without checkpointing) and the backward's own peak."""
+def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict, term, loss: str) -> None:
+    """What the forward saves (`fit`: as configured; `full`: without checkpointing) and the backward's own peak, with
+    the plain or the fused cross-entropy (`loss`)."""
     C, L, tokens = cfg.width, cfg.depth, micro * cfg.seq_len
     per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
     if cfg.activation_checkpointing:
@@ -278,26 +289,41 @@ def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict
              f"{L} blocks x {micro} x {cfg.seq_len} tokens x ({parts} KiB)")
     term("act: embedding, head", tokens * per_token["rest"],
          "embedding, n-stream expansion, collapse, final norm, head input")
-    loss = tokens * per_token["loss"]
-    term("act: log-probabilities", loss,
-         f"fp32 log_softmax over the {vocab:,}-token vocabulary")
-    # the backward's own peak on top of what is saved: the loss backward holds two more fp32 buffers of the
-    # logits' size (the gradients into and out of log_softmax); with checkpointing, one sublayer is recomputed
+    # the backward's own peak on top of what is saved: with checkpointing, one sublayer recomputed; the plain loss's
+    # backward holds two more fp32 buffers of the logits' size (the gradients into and out of log_softmax)
     recompute = tokens * (full["sublayer"][0] * C + full["sublayer"][1]) if cfg.activation_checkpointing else 0.0
-    term("act: backward peak", max(2 * loss, recompute),
-         "one sublayer recomputed" if recompute > 2 * loss else "loss backward: 2 fp32 buffers of the logits' size")
+    if loss == "fused":
+        head = fused_loss_peak(tokens, C, vocab, 4 if cfg.dtype == "fp32" else 2)
+        term("act: log-probabilities", 0.0, "none: the fused cross-entropy keeps no logits")
+        why = f"fused loss backward: a chunk of {cross_entropy.chunk_rows(tokens, C, vocab)} tokens' logits, the head's gradients"
+    else:
+        head = 2 * tokens * per_token["loss"]
+        term("act: log-probabilities", head / 2, f"fp32 log_softmax over the {vocab:,}-token vocabulary")
+        why = "loss backward: 2 fp32 buffers of the logits' size"
+    term("act: backward peak", max(head, recompute), "one sublayer recomputed" if recompute > head else why)
 
 
-def memory_floor(cfg: Config, vocab: int, micro: int, world: int) -> float:
+def fused_loss_peak(tokens: int, width: int, vocab: int, compute_bytes: int) -> float:
+    """What the fused cross-entropy's backward allocates at once (torch/nn/modules/linear_cross_entropy.py, its CUDA
+    bf16 layout; not measured): one chunk's logits in fp32 and in the compute dtype, the head weight's gradient in the
+    compute dtype (its fp32 copy becomes the weight's .grad, counted with the gradients) and the head input's gradient in
+    fp32 and the compute dtype. Its forward holds one chunk's fp32 logits, less. The head's input and its weight, cast,
+    are saved as with the plain loss (the activations measured and the autocast weight cache)."""
+    rows = cross_entropy.chunk_rows(tokens, width, vocab)
+    return rows * vocab * (4 + compute_bytes) + vocab * width * compute_bytes + tokens * width * (4 + compute_bytes)
+
+
+def memory_floor(cfg: Config, vocab: int, micro: int, world: int, loss: str = "plain") -> float:
     """A floor, in closed form (nothing built), of the bytes one process needs: 16 per parameter of the plain GPT
     body (fp32 weights, gradients, AdamW's two states; sharded under FSDP), per token a residual state (at
-    --stream-dtype) and an fp32 sublayer output per block and the fp32 log-probabilities with their two backward
-    buffers, and the validation token ids.
+    --stream-dtype) and an fp32 sublayer output per block and, with the plain loss, the fp32 log-probabilities with
+    their two backward buffers, and the validation token ids.
     The real plan (--estimate) is larger; this only has to be cheap enough to run before the first allocation."""
     C = cfg.width
     parameters = (vocab + cfg.seq_len) * C + cfg.depth * 12 * C * C
     shards = world if world > 1 and cfg.parallel == "fsdp" else 1
-    activations = micro * cfg.seq_len * ((STATE_BYTES[cfg.stream_dtype] + 4) * cfg.depth * C + 12 * vocab)
+    activations = micro * cfg.seq_len * ((STATE_BYTES[cfg.stream_dtype] + 4) * cfg.depth * C
+                                         + (12 * vocab if loss == "plain" else 0))
     return 16 * parameters / shards + activations + 8 * cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1)
 
 
@@ -307,7 +333,8 @@ def check_memory(cfg: Config, vocab: int, micro: int, world: int, device: torch.
         available, where = gpu_memory_bytes(cfg), f"this GPU ({torch.cuda.get_device_name(device)})"
     else:
         available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
-    need = memory_floor(cfg, vocab, micro, world)
+    loss = planned_loss(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")[0]
+    need = memory_floor(cfg, vocab, micro, world, loss)
     if need > available:
         raise PlanError(f"this run needs at least {need / GiB:,.1f} GiB per process at micro-batch {micro}, more than "
                         f"the {available / GiB:,.1f} GiB of {where}; lower --depth, --width, --seq-len, "

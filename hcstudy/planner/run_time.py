@@ -13,7 +13,7 @@ import torch
 from hcstudy.contract import timed_steps, timed_work
 from hcstudy.kernels import choice
 from hcstudy.planner.gpus import GPU_BANDWIDTH, GPU_PEAK_BF16_FLOPS, flops_per_token
-from hcstudy.planner.memory import parameter_numels
+from hcstudy.planner.memory import parameter_numels, planned_loss
 from hcstudy.planner.step_work import OPTIMIZER_BYTES, step_work, work_key
 
 # The rates a step is priced at, (fast, slow). A GPU: its GEMMs (cuBLAS bf16 at a 1-3B model's shapes, FlashAttention
@@ -174,11 +174,17 @@ class StepCost:
 
 
 def step_cost(gpt: type, cfg: Config, params: dict, path: str, micro: int, world: int, rates: Rates) -> StepCost:
-    """One step of `cfg` on one of `world` devices, counted on the model (step_work) and priced at `rates`."""
+    """One step of `cfg` on one of `world` devices, counted on the model (step_work) and priced at `rates`. With the
+    fused cross-entropy (planned_loss), the head's logits computed again in its backward, 2 x vocabulary x width FLOPs a
+    token, are added; its other kernels are priced as the plain loss's, counted: on the CPU torch's op runs another
+    policy than on CUDA (a weight-gradient scratch per chunk), so counting it here would not count CUDA's work
+    (docs/planning.md)."""
+    loss = planned_loss(cfg, rates.name)[0]
     work, numels = step_work(gpt, work_key(cfg), path), parameter_numels(gpt, cfg)
     tokens, micro_steps = cfg.tokens_per_step / world, cfg.batch_size / (micro * world)
     blocks, shards = cfg.depth * numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
-    flops = tokens * flops_per_token(cfg, params["non_embedding"])
+    recomputed_logits = 2 * numels["wte.weight"] if loss == "fused" else 0
+    flops = tokens * (flops_per_token(cfg, params["non_embedding"]) + recomputed_logits)
     nbytes = (tokens * work.bytes_per_token(cfg.width, cfg.depth) + OPTIMIZER_BYTES * numels["total"] / shards
               + micro_steps * (work.per_parameter[0] * blocks + work.per_parameter[1] * (numels["total"] - blocks)))
     return StepCost(path, flops, nbytes, micro_steps * work.micro_launches(cfg.depth), rates)
@@ -215,8 +221,9 @@ def step_seconds(gpt: type, cfg: Config, params: dict, micro: int, world: int, g
         return None
     cost = step_cost(gpt, cfg, params, path, micro, world, rates)
     # Inductor fuses the small ops into kernels that cannot be counted without compiling: priced as eager, which
-    # the compiled step should not exceed, until --check times it
-    return cost.seconds, f"modelled, {cost.dominant}-bound" + (", as eager (compile not modelled)" if cfg.compile else "")
+    # the compiled step should not exceed, until --check times it (the blocks or the whole model alike)
+    compiled = f", as eager (compile of the {cfg.compile_scope} not modelled)" if cfg.compile else ""
+    return cost.seconds, f"modelled, {cost.dominant}-bound{compiled}"
 
 
 def run_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, path: str,
@@ -240,7 +247,7 @@ def run_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
 def measured_rate(check: dict, cfg: Config, path: str, gpu: str) -> dict | None:
     """The GPU check's timing of this arm on this path and mode (its result.json, contract.timed_steps) as work per
     second, if it was measured on this GPU."""
-    method, mode = cfg.residual, "compile" if cfg.compile else "eager"
+    method, mode = cfg.residual, choice.timed_mode(cfg)
     seconds, work = timed_steps(check, method, gpu).get((path, mode)), timed_work(check, method)
     if not seconds or work is None or not work[0] > 0:
         return None

@@ -26,19 +26,30 @@ def test_compiled_blocks_agree_with_eager_without_graph_breaks(residual):
     below what a semantic difference does (a wrong transpose, a dropped normalisation or a lost stream change
     the gradients at the 1e-2 level). Three Sinkhorn iterations instead of 20 keep the compile short: the
     code path is the same, the unrolled graph smaller."""
+    def compile_blocks(model):
+        for block in model.blocks:
+            block.compile()
+    counters = compiled_against_eager(lambda: T.GPT(tiny_config(residual, depth=2, sinkhorn_iters=3)), compile_blocks)
+    # steady state: one graph serves both blocks, nothing fell back to eager
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def compiled_against_eager(make_model, compile_model):
+    """make_model()'s loss and every gradient, eager and after compile_model(model), two steps each (the second runs
+    the cached graph), held equal (the tolerance: test_compiled_blocks_agree_with_eager_without_graph_breaks's);
+    returns dynamo's counters of the compiled run."""
     from torch._dynamo.utils import counters
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = T.GPT(tiny_config(residual, depth=2, sinkhorn_iters=3))
+        model = make_model()
         randomize_mixing(model)
         if compiled:
             torch._dynamo.reset()
             counters.clear()
-            for block in model.blocks:
-                block.compile()
-        for _ in range(2):                                        # the second call runs the cached graph
+            compile_model(model)
+        for _ in range(2):
             model.zero_grad()
             _, loss = model(idx, idx)
             loss.backward()
@@ -47,8 +58,26 @@ def test_compiled_blocks_agree_with_eager_without_graph_breaks(residual):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    # steady state: one graph serves both blocks, nothing fell back to eager
+    return counters
+
+
+@pytest.mark.parametrize("residual, loss", [("baseline", "plain"), ("mhc", "plain"), ("baseline", "fused")])
+def test_the_whole_model_compiled_agrees_with_eager_in_one_graph(monkeypatch, residual, loss):
+    """--compile-scope model (wrap_model: the GPT compiled whole, not its blocks): embedding, blocks, final norm and
+    either loss in one graph, nothing left to eager; loss and every gradient as eager. On the aot_eager backend (the
+    graph Dynamo and AOTAutograd trace, without inductor's code generation, minutes on this CPU; inductor was run by
+    hand: one graph too, gradients within 2e-8): measured identical to eager."""
+    from functools import partialmethod
+    monkeypatch.setattr(torch.nn.Module, "compile", partialmethod(torch.nn.Module.compile, backend="aot_eager"))
+    cfg = tiny_config(residual, depth=2, sinkhorn_iters=3, compile=True, compile_scope="model")
+
+    def compile_as_the_trainer(model):
+        T.wrap_model(model, cfg, T.Dist(0, 1, torch.device("cpu")), torch.float32)
+        assert model._compiled_call_impl is not None
+        assert all(block._compiled_call_impl is None for block in model.blocks)
+    counters = compiled_against_eager(lambda: T.GPT(cfg, loss=loss), compile_as_the_trainer)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["total"] == counters["frames"]["ok"]
 
 
 def test_compiled_probe_needs_one_graph_whatever_the_depth():

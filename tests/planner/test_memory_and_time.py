@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from hcstudy.launcher import dry_run
-from hcstudy.planner import gpus
+from hcstudy.planner import estimate, gpus
 from hcstudy.planner import memory as memory_module
 from hcstudy.planner import run_time
 import train_c4 as T
@@ -168,6 +168,34 @@ def test_depth_32_fits_80_gb_at_micro_batch_8_and_depth_48_does_not(capsys):
     assert plans[48, 4].total < plans[48, 8].total
 
 
+@pytest.mark.parametrize("residual", ["baseline", "mhc"])
+def test_the_fused_loss_plans_no_logits_and_lets_auto_take_a_larger_micro_batch_at_depth_32(residual, tmp_path):
+    """--cross-entropy fused: no log-probabilities saved, and the backward's loss peak is one chunk's logits and the
+    head's gradients (fused_loss_peak) instead of two fp32 buffers of the whole logits; every other term the same.
+    auto (no --check timings in --out) plans plain; with the check's timings for this card, the faster one."""
+    flags = ["--depth", "32", "--residual", residual, "--dtype", "bf16", "--out", str(tmp_path)]
+    plain, fused = (T.parse_config([*flags, "--cross-entropy", loss]) for loss in ("plain", "fused"))
+    plans = {cfg.cross_entropy: memory_module.memory_plan(T.GPT, cfg, 8, card=CARD) for cfg in (plain, fused)}
+    logits = 8 * 1024 * 50304 * 4                                  # fp32 (tokens x vocabulary)
+    assert plans["plain"].terms["act: log-probabilities"] == pytest.approx(logits, rel=1e-3)
+    assert plans["plain"].terms["act: backward peak"] == pytest.approx(2 * logits, rel=1e-3)
+    assert plans["fused"].terms["act: log-probabilities"] == 0
+    peak = memory_module.fused_loss_peak(8 * 1024, 2048, 50304, 2)
+    assert plans["fused"].terms["act: backward peak"] == peak and peak < 0.25 * logits      # 0.36 of 1.5 GiB
+    same = {k for k in plans["plain"].terms if not k.startswith(("act: log", "act: backward", "overhead: frag"))}
+    assert all(plans["plain"].terms[k] == plans["fused"].terms[k] for k in same)
+    micro = {cfg.cross_entropy: memory_module.auto_micro_batch(T.GPT, cfg, 1, CARD)[0] for cfg in (plain, fused)}
+    assert micro["fused"] > micro["plain"]
+    assert memory_module.memory_floor(fused, 50304, 8, 1, "fused") < memory_module.memory_floor(plain, 50304, 8, 1)
+    auto = T.parse_config(flags)
+    assert memory_module.planned_loss(auto)[0] == "plain"
+    (tmp_path / "gpu_check").mkdir()
+    (tmp_path / "gpu_check" / "result.json").write_text(json.dumps(
+        {"gpu": gpus.ASSUMED_GPU, "cross_entropy": {"plain": {"step_s": 0.5}, "fused": {"step_s": 0.45}}}))
+    assert memory_module.planned_loss(auto)[0] == "fused"
+    assert memory_module.memory_plan(T.GPT, auto, 8, card=CARD).terms == plans["fused"].terms
+
+
 def test_auto_picks_the_largest_micro_batch_within_the_margin_and_less_for_deeper_models():
     picked = {}
     for depth in (32, 48):
@@ -226,6 +254,26 @@ def test_estimate_prints_the_plan_without_building_the_model(capsys):
 def test_gpu_peak_is_the_exact_device_names_and_unknown_devices_get_none(name, peak):
     """A PCIe H100 is not credited with the SXM's peak; a name not listed gets no MFU rather than a wrong one."""
     assert gpus.gpu_peak_flops(name) == peak
+
+
+def test_the_levers_are_priced_and_named_the_fused_loss_with_its_recomputed_logits():
+    """The fused loss adds its backward's second pass over the head (2 x vocabulary x width FLOPs a token); compiling
+    the blocks or the whole model is priced as eager until --check times it, each under its own key."""
+    flags = ["--depth", "32", "--residual", "baseline", "--micro-batch-size", "8", "--tokenizer", "byte"]
+    plain, fused = (T.parse_config([*flags, "--cross-entropy", loss]) for loss in ("plain", "fused"))
+    params, rates = T.count_parameters(plain), run_time.gpu_rates(gpus.ASSUMED_GPU)
+    costs = [run_time.step_cost(T.GPT, cfg, params, "reference", 8, 1, rates) for cfg in (plain, fused)]
+    assert costs[1].flops - costs[0].flops == 32 * 1024 * 2 * 256 * 2048 and costs[1].bytes == costs[0].bytes
+    for scope, mode in (("blocks", "compile"), ("model", "compile-model")):
+        cfg = T.parse_config([*flags, "--compile", "--compile-scope", scope])
+        assert T.choice.timed_mode(cfg) == mode
+        _, basis = run_time.step_seconds(T.GPT, cfg, params, 8, 1, gpus.ASSUMED_GPU, "reference")
+        assert basis.endswith(f"as eager (compile of the {scope} not modelled)")
+    assert T.choice.timed_mode(plain) == "eager"
+    lever = T.parse_config([*flags, "--cross-entropy", "fused", "--compile", "--compile-scope", "model"])
+    assert estimate.levers_line(lever) == ("planned for: the fused cross-entropy (--cross-entropy fused); torch.compile "
+                                           "of the whole model (its step priced as eager until --check times it)")
+    assert estimate.levers_line(plain).endswith("; no torch.compile (eager)")
 
 
 def test_time_estimate_names_the_assumed_gpu_or_says_why_there_is_none(capsys, monkeypatch):

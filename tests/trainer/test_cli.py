@@ -66,6 +66,8 @@ BAD_INPUT = [
     (["--residual", "baseline", "--collapse", "first"], "it applies to hc, mhc, mhc-lite, identity-hc"),
     (["--residual", "baseline", "--read-stream", "first"], "--read-stream has no effect"),
     (["--residual", "baseline", "--kernels", "fused"], "--kernels has no effect on --residual baseline"),
+    (["--compile-scope", "model"], "--compile-scope model says what --compile compiles: add --compile"),
+    (["--cross-entropy", "liger"], "--cross-entropy"),
     (["--residual", "baseline", "--no-mixing-decay"], "--no-mixing-decay has no effect"),
     (["--residual", "hc", "--mhc-tanh"], "--mhc-tanh has no effect on --residual hc; it applies to mhc, mhc-lite"),
     (["--residual", "hc", "--mhc-res-diag", "2"], "--mhc-res-diag has no effect on --residual hc"),
