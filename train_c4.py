@@ -594,7 +594,12 @@ class Block(nn.Module):
         connection = CONNECTIONS[cfg.residual]
         self.attn_conn = connection(cfg, 2 * index, kernels)
         self.mlp_conn = connection(cfg, 2 * index + 1, kernels)
-        self.activation_checkpointing = cfg.activation_checkpointing
+        # what checkpointing recomputes: what would cost n x C per token to keep. The formulas' autograd keeps the
+        # widened, normalised state, so their connection is recomputed with its sublayer; the kernels' connections
+        # (fused, triton) keep the state itself and per-token coefficients, so they run once and only the sublayer
+        # is recomputed, keeping u and y instead (docs/model.md, "Activation checkpointing")
+        streams_path = getattr(self.attn_conn, "kernels", "reference")
+        self.checkpointed = cfg.activation_checkpointing and ("connection" if streams_path == "reference" else "sublayer")
 
     def forward(self, x, return_mixing: bool = False, with_states: bool = False):
         # returned, not appended to a caller's list: torch.compile would guard on its length, a graph per block
@@ -602,11 +607,12 @@ class Block(nn.Module):
         for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
             if with_states:             # the probe's: what each connection reads, as n x n per token, not n x C
                 states.append(stream_gram(x))
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # the stream mixing is recomputed with the sublayer: storing it would cost n x C per token
+            if self.checkpointed == "connection" and torch.is_grad_enabled():
                 x, record = checkpoint(conn, x, sublayer, use_reentrant=False)
             else:
-                x, record = conn(x, sublayer)
+                recomputed = self.checkpointed and torch.is_grad_enabled()
+                x, record = conn(x, functools.partial(checkpoint, sublayer, use_reentrant=False) if recomputed
+                                 else sublayer)
             mixing.append(record)
         return (x, mixing, states) if return_mixing else x
 
