@@ -174,8 +174,8 @@ class Config:
         "linears and embeddings, or on every parameter: norms, biases, scales and gates too (the study's)")
     seed: int = option(42, OPTIMISATION, NATURAL, "model initialisation seed")
     compile: bool = option(False, OPTIMISATION, None, "torch.compile each transformer block")
-    activation_checkpointing: bool = option(False, OPTIMISATION, None, "recompute each sublayer (and its stream "
-        "mixing) in the backward pass")
+    activation_checkpointing: bool = option(False, OPTIMISATION, None, "recompute each sublayer in the backward "
+        "pass (on the formulas' path with its stream mixing)")
     data: str = option("c4", DATA, None, "'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob of C4-format "
         ".json/.json.gz files; files with 'validation' in their names are held out, never trained on")
     val_data: str = option("", DATA, None, "a path/glob of C4-format files for validation and the probe (never "

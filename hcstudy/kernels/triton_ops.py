@@ -9,7 +9,11 @@ One connection, per direction (the maths: docs/model.md, "The Triton path"):
   backward  the write's backward (one kernel) -> the sublayer
             -> the read's and the coefficients' backward (one kernel, adding into x's gradient: in place in fp32)
             -> the projection's backward (two cuBLAS matmuls, one accumulating into x's gradient in place)
-where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way).
+where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way). Each kernel's launch
+is a torch.library operator (triton_library.py: its schema, its fake implementation, the launch), which the autograd
+Functions below call: torch.compile traces a block of this path as one graph (the operators opaque, the matmuls and
+sums around them compiled), with and without activation checkpointing, which recomputes the sublayer and leaves
+the connection's kernels to run once (train_c4.Block).
 
 The state x is (tokens, n, C) in fp32 or bf16 (--stream-dtype: loaded into fp32, rounded once where stored) with
 any strides; the coefficients are fp32, tokens-first and contiguous: H_pre, H_post (tokens, n), H_res (tokens, n, n)
@@ -613,13 +617,12 @@ def _write_backward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# the launches, the autograd Functions and what the connections call
+# the autograd Functions and what the connections call
 #
-# torch.compile traces the connections: each launch is a torch.library operator (triton_library.py: its schema and
-# its fake implementation), everything around it plain torch, so dynamo compiles a block as one graph on this path
-# as on the formulas'. Under --activation-checkpointing train_c4.Block recomputes the sublayer alone: these
-# Functions save what their backwards read (the state itself, no copy, and per-token coefficients), so the
-# connection runs once, forward and backward.
+# Each kernel is launched through its torch.library operator (torch.ops.hcstudy.*, triton_library.py), everything
+# around it is plain torch: dynamo traces these Functions into the block's one graph. Under checkpointing
+# train_c4.Block recomputes the sublayer alone: these Functions keep what their backwards read (the state itself,
+# no copy, and per-token coefficients), so the connection's kernels run once a step.
 
 def _launch_shape(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """x (..., n, C) as (T, n, C) (a view wherever the strides allow), T, n, C."""
@@ -676,7 +679,7 @@ def _accumulator(grad_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
 class _MHCRead(torch.autograd.Function):
     """(u, H_post, H_res, logits, x) from x (..., n, C): raw = vec(x) phi^T (cuBLAS), then _mhc_read_forward. Kept
     for the backward: x (the input, no copy), the raw logits, 1/rms, the coefficients and, for mhc, the logits and
-    (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 + 4n(iters - 1)) floats a token."""
+    (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 + 2n(iters - 1)) floats a token."""
 
     @staticmethod
     def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, spec):
