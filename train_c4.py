@@ -595,9 +595,9 @@ class Block(nn.Module):
         self.attn_conn = connection(cfg, 2 * index, kernels)
         self.mlp_conn = connection(cfg, 2 * index + 1, kernels)
         # what checkpointing recomputes: what would cost n x C per token to keep. The formulas' autograd keeps the
-        # widened, normalised state, so their connection is recomputed with its sublayer; the kernels' connections
-        # (fused, triton) keep the state itself and per-token coefficients, so they run once and only the sublayer
-        # is recomputed, keeping u and y instead (docs/model.md, "Activation checkpointing")
+        # normalised state (and a bf16 state's fp32 copy), so their connection is recomputed with its sublayer; the
+        # kernels' connections (fused, triton) keep the state itself and per-token coefficients, so they run once
+        # and only the sublayer is recomputed, keeping u and y instead (docs/model.md, "Activation checkpointing")
         streams_path = getattr(self.attn_conn, "kernels", "reference")
         self.checkpointed = cfg.activation_checkpointing and ("connection" if streams_path == "reference" else "sublayer")
 

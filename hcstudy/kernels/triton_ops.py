@@ -619,8 +619,9 @@ def _write_backward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr
 # ------------------------------------------------------------------------------------------------------------------
 # the autograd Functions and what the connections call
 #
-# Each kernel is launched through its torch.library operator (torch.ops.hcstudy.*, triton_library.py), everything
-# around it is plain torch: dynamo traces these Functions into the block's one graph. Under checkpointing
+# Each kernel is launched through its torch.library operator (torch.ops.hcstudy.*, defined by triton_library.py,
+# which choice.triton_kernels imports), everything around it is plain torch: dynamo traces these Functions into the
+# block's one graph. Under checkpointing
 # train_c4.Block recomputes the sublayer alone: these Functions keep what their backwards read (the state itself,
 # no copy, and per-token coefficients), so the connection's kernels run once a step.
 
