@@ -179,8 +179,8 @@ class Config:
     compile: bool = option(False, OPTIMISATION, None, "torch.compile the model (--compile-scope)")
     compile_scope: str = option("blocks", OPTIMISATION, ("blocks", "model"), "with --compile: each transformer block "
         "(one graph serves them all), or the whole model: embedding, blocks, final norm and loss")
-    activation_checkpointing: bool = option(False, OPTIMISATION, None, "recompute each sublayer (and its stream "
-        "mixing) in the backward pass")
+    activation_checkpointing: bool = option(False, OPTIMISATION, None, "recompute each sublayer in the backward "
+        "pass (on the formulas' path with its stream mixing)")
     data: str = option("c4", DATA, None, "'c4' (the hub), 'sample' (bundled Shakespeare) or a path/glob of C4-format "
         ".json/.json.gz files; files with 'validation' in their names are held out, never trained on")
     val_data: str = option("", DATA, None, "a path/glob of C4-format files for validation and the probe (never "
@@ -601,7 +601,12 @@ class Block(nn.Module):
         connection = CONNECTIONS[cfg.residual]
         self.attn_conn = connection(cfg, 2 * index, kernels)
         self.mlp_conn = connection(cfg, 2 * index + 1, kernels)
-        self.activation_checkpointing = cfg.activation_checkpointing
+        # what checkpointing recomputes: what would cost n x C per token to keep. The formulas' autograd keeps the
+        # normalised state (and a bf16 state's fp32 copy), so their connection is recomputed with its sublayer; the
+        # kernels' connections (fused, triton) keep the state itself and per-token coefficients, so they run once
+        # and only the sublayer is recomputed, keeping u and y instead (docs/model.md, "Activation checkpointing")
+        streams_path = getattr(self.attn_conn, "kernels", "reference")
+        self.checkpointed = cfg.activation_checkpointing and ("connection" if streams_path == "reference" else "sublayer")
 
     def forward(self, x, return_mixing: bool = False, with_states: bool = False):
         # returned, not appended to a caller's list: torch.compile would guard on its length, a graph per block
@@ -609,11 +614,12 @@ class Block(nn.Module):
         for conn, sublayer in ((self.attn_conn, self.attn), (self.mlp_conn, self.mlp)):
             if with_states:             # the probe's: what each connection reads, as n x n per token, not n x C
                 states.append(stream_gram(x))
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # the stream mixing is recomputed with the sublayer: storing it would cost n x C per token
+            if self.checkpointed == "connection" and torch.is_grad_enabled():
                 x, record = checkpoint(conn, x, sublayer, use_reentrant=False)
             else:
-                x, record = conn(x, sublayer)
+                recomputed = self.checkpointed and torch.is_grad_enabled()
+                x, record = conn(x, functools.partial(checkpoint, sublayer, use_reentrant=False) if recomputed
+                                 else sublayer)
             mixing.append(record)
         return (x, mixing, states) if return_mixing else x
 

@@ -284,8 +284,10 @@ def saved_activation_bytes(args, residual: str, checkpointing: bool, device: tor
         keep(t)
         return t
 
-    hooks = [m.register_forward_pre_hook(lambda mod, inp: keep(inp[0]))
-             for b in model.blocks for m in (b.attn_conn, b.mlp_conn)]
+    # the checkpoints hold the connections' inputs (the formulas) or the sublayers' (the kernels' paths: Block)
+    held = [m for b in model.blocks for m in (b.attn_conn, b.mlp_conn) + ((b.attn, b.mlp) if b.checkpointed ==
+                                                                            "sublayer" else ())]
+    hooks = [m.register_forward_pre_hook(lambda mod, inp: keep(inp[0])) for m in held]
     idx = torch.randint(0, T.padded_vocab_size(cfg.tokenizer), (args.micro_batch, cfg.seq_len), device=device)
     dtype = T.compute_dtype(cfg, device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):

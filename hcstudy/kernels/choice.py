@@ -30,8 +30,9 @@ def supports(cfg, path: str = "fused") -> bool:
 
 
 def triton_kernels():
-    """triton_ops.py, imported when first used (triton itself at its first launch: only that path needs it)."""
-    from hcstudy.kernels import triton_ops as module
+    """triton_ops.py, imported when first used (triton itself at its first launch: only that path needs it), with
+    triton_library.py, which defines the operators its autograd Functions call."""
+    from hcstudy.kernels import triton_library, triton_ops as module  # noqa: F401 (the first registers the operators)
     return module
 
 

@@ -9,7 +9,11 @@ One connection, per direction (the maths: docs/model.md, "The Triton path"):
   backward  the write's backward (one kernel) -> the sublayer
             -> the read's and the coefficients' backward (one kernel, adding into x's gradient: in place in fp32)
             -> the projection's backward (two cuBLAS matmuls, one accumulating into x's gradient in place)
-where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way).
+where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way). Each kernel's launch
+is a torch.library operator (triton_library.py: its schema, its fake implementation, the launch), which the autograd
+Functions below call: torch.compile traces a block of this path as one graph (the operators opaque, the matmuls and
+sums around them compiled), with and without activation checkpointing, which recomputes the sublayer and leaves
+the connection's kernels to run once (train_c4.Block).
 
 The state x is (tokens, n, C) in fp32 or bf16 (--stream-dtype: loaded into fp32, rounded once where stored) with
 any strides; the coefficients are fp32, tokens-first and contiguous: H_pre, H_post (tokens, n), H_res (tokens, n, n)
@@ -614,6 +618,12 @@ def _write_backward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr
 
 # ------------------------------------------------------------------------------------------------------------------
 # the autograd Functions and what the connections call
+#
+# Each kernel is launched through its torch.library operator (torch.ops.hcstudy.*, defined by triton_library.py,
+# which choice.triton_kernels imports), everything around it is plain torch: dynamo traces these Functions into the
+# block's one graph. Under checkpointing
+# train_c4.Block recomputes the sublayer alone: these Functions keep what their backwards read (the state itself,
+# no copy, and per-token coefficients), so the connection's kernels run once a step.
 
 def _launch_shape(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """x (..., n, C) as (T, n, C) (a view wherever the strides allow), T, n, C."""
@@ -621,17 +631,10 @@ def _launch_shape(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return xt, *xt.shape
 
 
-# torch.compile compiles the blocks around the kernels, not through them: each call is a graph break (a few
-# microseconds of host time), where tracing would run the interpreter's Python on the CPU and, on a GPU, need
-# every launch registered as a custom op with a shape function
-_compiled_around = torch.compiler.disable
-
-
 def u_dtype(x: torch.Tensor) -> torch.dtype:     # the formulas' (stream_update), under autocast too: one policy
     return torch.promote_types(x.dtype, torch.float32)
 
 
-@_compiled_around
 def mhc_read(conn, x: torch.Tensor):
     """An mHC-family connection's (train_c4.ManifoldHyperConnection and subclasses) read: (u, H_post, H_res, the
     logits Sinkhorn projected or None, x passed through for `write`)."""
@@ -646,7 +649,6 @@ def mhc_read(conn, x: torch.Tensor):
     return u, h_post, h_res, logits, x
 
 
-@_compiled_around
 def hc_read(conn, x: torch.Tensor):
     """HC's (train_c4.HyperConnection) read, as mhc_read (HC has no logits)."""
     f32 = torch.float32
@@ -657,7 +659,6 @@ def hc_read(conn, x: torch.Tensor):
     return u, h_post, h_res, None, x
 
 
-@_compiled_around
 def write(x: torch.Tensor, H_res: torch.Tensor, H_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x_next = H_res x + H_post^T y per token, the state (..., n, C) in its dtype (y in the sublayer's)."""
     with autocast_off(x):
@@ -668,32 +669,29 @@ def _zeros_if_none(grad, shape, like):
     return like.new_zeros(shape, dtype=torch.float32) if grad is None else grad
 
 
-def _f32(x: torch.Tensor, *shape) -> torch.Tensor:       # the coefficients and their gradients: fp32 always
-    return x.new_empty(shape, dtype=torch.float32)
+def _accumulator(grad_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x's fp32 gradient that the read's backward adds into in place, the write's gradient where that is another
+    tensor): the write's own if fp32 (no copy), else a new fp32 tensor and the bf16 gradient read beside it."""
+    if grad_in.dtype == torch.float32:
+        return grad_in, None
+    return torch.empty_like(grad_in, dtype=torch.float32), grad_in
 
 
 class _MHCRead(torch.autograd.Function):
     """(u, H_post, H_res, logits, x) from x (..., n, C): raw = vec(x) phi^T (cuBLAS), then _mhc_read_forward. Kept
     for the backward: x (the input, no copy), the raw logits, 1/rms, the coefficients and, for mhc, the logits and
-    (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 + 4n(iters - 1)) floats a token."""
+    (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 + 2n(iters - 1)) floats a token."""
 
     @staticmethod
     def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, spec):
         n, mixing, iters, eps, u_dtype = spec
         xt, T, _, C = _launch_shape(x)
         raw = xt.reshape(T, n * C).to(phi.dtype) @ phi.t()  # (T, 2n + R); a copy for an unusual layout or bf16
-        R = raw.shape[1] - 2 * n
-        BT, BC, NP = block_sizes(n, C)
         stored = mixing == 1 and SINKHORN_BACKWARD == "stored"
-        u = x.new_empty((T, C), dtype=u_dtype)
-        h_pre, h_post, inv_rms, h_res = _f32(x, T, n), _f32(x, T, n), _f32(x, T), _f32(x, T, n, n)
-        logits = _f32(x, T, n, n) if mixing == 1 else None
-        sums = _f32(x, T, max(iters - 1, 0), 2, n) if stored else None
-        _mhc_read_forward[(_cdiv(T, BT),)](
-            xt, *xt.stride(), raw, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw), _or(perms, raw),
-            u, h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), inv_rms, T, C, eps, iters,
-            N=n, NP=NP, MIX=mixing, R=R, STORE_SUMS=stored, BT=BT, BC=BC, BR=_chunk(R))
-        ctx.spec = (n, mixing, iters, stored, R)
+        u, h_pre, h_post, h_res, inv_rms, logits, sums = torch.ops.hcstudy.mhc_read_forward(
+            xt, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps, u_dtype, stored)
+        logits, sums = logits if mixing == 1 else None, sums if stored else None        # empty where the arm has none
+        ctx.spec = (n, mixing, iters, stored)
         ctx.save_for_backward(x, phi, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms,
                               h_pre, h_post, h_res, logits, sums)
         ctx.mark_non_differentiable(*(t for t in (logits,) if t is not None))
@@ -706,22 +704,16 @@ class _MHCRead(torch.autograd.Function):
     def backward(ctx, grad_u, grad_post, grad_res, _grad_logits, grad_x):
         (x, phi, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms,
          h_pre, h_post, h_res, logits, sums) = ctx.saved_tensors
-        n, mixing, iters, stored, R = ctx.spec
+        n, mixing, iters, stored = ctx.spec
         xt, T, _, C = _launch_shape(x)
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        # the write's gradient of x (nothing else holds it); the read's backward writes dx in fp32: in place if fp32
-        grad_in = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()
-        grad_x = grad_in if grad_in.dtype == torch.float32 else torch.empty_like(grad_in, dtype=torch.float32)
-        K = 2 * n + R
-        gl, glz, graw = (_f32(x, T, K) for _ in range(3))
-        BT, BC, NP = block_sizes(n, C)
-        _mhc_read_backward[(_cdiv(T, BT),)](
-            xt, *xt.stride(), raw, inv_rms, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw),
-            _or(perms, raw), h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), grad_u, grad_post, grad_res,
-            grad_in, grad_x, gl, glz, graw, T, C, iters,
-            N=n, NP=NP, MIX=mixing, R=R, STORED=stored, BT=BT, BC=BC, BR=_chunk(R))
+        # the write's gradient of x (nothing else holds it); the read's backward adds its own into it in fp32
+        grad_x, grad_write = _accumulator(_zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous())
+        gl, glz, graw = torch.ops.hcstudy.mhc_read_backward(
+            xt, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, h_pre, h_post, h_res, logits, sums,
+            grad_u, grad_post, grad_res, grad_write, grad_x, mixing, iters, stored)
         with autocast_off(x):       # a backward called under autocast would round these matmuls to bf16
             grad_x.view(T, n * C).addmm_(graw, phi)              # the projection's term, in place (cuBLAS)
             grad_phi = graw.t() @ xt.reshape(T, n * C).to(phi.dtype)
@@ -742,13 +734,8 @@ class _HCRead(torch.autograd.Function):
         xt, T, n, C = _launch_shape(x)
         raw = xt.reshape(T * n, C).to(W.dtype) @ W.t()        # (T n, n + 2)
         w_sum = W.sum(-1)
-        BT, BC, NP = block_sizes(n, C)
-        u = x.new_empty((T, C), dtype=u_dtype)
-        h_pre, h_post, mean, rstd = (_f32(x, T, n) for _ in range(4))
-        h_res = _f32(x, T, n, n)
-        _hc_read_forward[(_cdiv(T, BT),)](
-            xt, *xt.stride(), raw, w_sum, A_m, A_r, B, s_a, s_b, u, h_pre, h_post, h_res, mean, rstd, T, C, eps,
-            N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
+        u, h_pre, h_post, h_res, mean, rstd = torch.ops.hcstudy.hc_read_forward(xt, raw, w_sum, A_m, A_r, B, s_a,
+                                                                                s_b, eps, u_dtype)
         ctx.save_for_backward(x, W, raw, w_sum, mean, rstd, s_a, s_b, h_pre)
         ctx.set_materialize_grads(False)
         lead = x.shape[:-2]
@@ -761,13 +748,9 @@ class _HCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        grad_in = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()         # as in _MHCRead
-        grad_x = grad_in if grad_in.dtype == torch.float32 else torch.empty_like(grad_in, dtype=torch.float32)
-        gcoef, gcd, gz = (_f32(x, T, n, n + 2) for _ in range(3))
-        BT, BC, NP = block_sizes(n, C)
-        _hc_read_backward[(_cdiv(T, BT),)](
-            xt, *xt.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_in, grad_x,
-            gcoef, gcd, gz, T, C, N=n, NP=NP, KP=_next_power_of_2(n + 2), BT=BT, BC=BC)
+        grad_x, grad_write = _accumulator(_zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous())
+        gcoef, gcd, gz = torch.ops.hcstudy.hc_read_backward(xt, raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u,
+                                                            grad_post, grad_res, grad_write, grad_x)
         g = gz.view(T * n, n + 2)
         with autocast_off(x):       # as in _MHCRead's backward
             grad_x.view(T * n, C).addmm_(g, W)                   # dx's g W term, in place (cuBLAS)
@@ -783,35 +766,21 @@ class _Write(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, H_res, x, H_post, y):
-        xt, T, n, C = _launch_shape(x)
-        yt = y.reshape(T, C)
-        BT, BC, NP = block_sizes(n, C)
-        out = x.new_empty((T, n, C))
-        _write_forward[(_cdiv(T, BT), _cdiv(C, BC))](
-            xt, *xt.stride(), yt, *yt.stride(), H_res.reshape(T, n, n).contiguous(),
-            H_post.reshape(T, n).contiguous(), out, T, C, N=n, NP=NP, BT=BT, BC=BC)
+        _, T, n, C = _launch_shape(x)
         ctx.save_for_backward(H_res, x, H_post, y)
-        return out.view(x.shape)
+        return torch.ops.hcstudy.write_forward(x, y, H_res.reshape(T, n, n).contiguous(),
+                                               H_post.reshape(T, n).contiguous())
 
     @staticmethod
     def backward(ctx, grad):
         H_res, x, H_post, y = ctx.saved_tensors
         xt, T, n, C = _launch_shape(x)
-        yt, gt = y.reshape(T, C), grad.reshape(T, n, C)       # the collapse's gradient: a stride-0 view, read as is
-        BT, BC, NP = block_sizes(n, C)
-        grad_x, grad_y = x.new_empty((T, n, C)), y.new_empty((T, C))
-        grad_res, grad_post = _f32(x, T, n, n), _f32(x, T, n)
-        _write_backward[(_cdiv(T, BT),)](
-            xt, *xt.stride(), yt, *yt.stride(), H_res.reshape(T, n, n).contiguous(),
-            H_post.reshape(T, n).contiguous(), gt, *gt.stride(), grad_x, grad_y, grad_res, grad_post, T, C,
-            N=n, NP=NP, BT=BT, BC=BC)
+        # the collapse's gradient: a stride-0 view, read as is
+        grad_x, grad_y, grad_res, grad_post = torch.ops.hcstudy.write_backward(
+            xt, y.reshape(T, C), H_res.reshape(T, n, n).contiguous(), H_post.reshape(T, n).contiguous(),
+            grad.reshape(T, n, C))
         return (grad_res.view(H_res.shape), grad_x.view(x.shape), grad_post.view(H_post.shape),
                 grad_y.view(y.shape))
-
-
-def _or(tensor, placeholder):
-    """A pointer argument the kernel's constexprs leave unread (identity-HC's H_res logits, say)."""
-    return placeholder if tensor is None else tensor
 
 
 def _chunk(R: int) -> int:

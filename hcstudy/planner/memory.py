@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from hcstudy.contract import EXIT_BAD_CONFIG, load_check
-from hcstudy.kernels import cross_entropy
+from hcstudy.kernels import choice, cross_entropy, triton_library
 from hcstudy.planner.gpus import ASSUMED_GPU
 
 
@@ -93,7 +93,7 @@ class _SavedTensorCounter:
         def hook(module, args):
             self.where.append(label)
             if checkpointed:
-                self.count(args[0], label)       # non-reentrant checkpointing keeps the sublayer's input alive
+                self.count(args[0], label)       # non-reentrant checkpointing keeps its function's input alive
         return hook
 
     def leave(self, module, args, output):
@@ -103,18 +103,23 @@ class _SavedTensorCounter:
 def saved_bytes(model: nn.Module, idx: torch.Tensor, bf16: bool) -> dict:
     """The bytes one training forward keeps for the backward pass, by where they were saved: (block, 'attn' or
     'mlp', 'body' or 'streams'), 'loss' (the log-probabilities) or 'other' (embedding, collapse, head); with
-    activation checkpointing, the sublayer inputs the checkpoints hold. Measured with saved-tensor hooks on the
-    CPU, each storage counted once; parameters are not counted, 'weight_casts' names those autocast copied."""
+    activation checkpointing, the inputs the checkpoints hold (each connection's on the formulas, each sublayer's on
+    the kernels' paths: Block.checkpointed). Measured with saved-tensor hooks on the CPU, each storage counted once
+    (the triton path's operators allocate their outputs and run no kernel); parameters are not counted,
+    'weight_casts' names those autocast copied."""
     counter, handles = _SavedTensorCounter(model), []
     for i, block in enumerate(model.blocks):
         for part in ("attn", "mlp"):
             conn, body = getattr(block, f"{part}_conn"), getattr(block, part)
             handles += [conn.register_forward_pre_hook(counter.enter((i, part, "streams"),
-                                                                     block.activation_checkpointing)),
-                        body.register_forward_pre_hook(counter.enter((i, part, "body"))),
+                                                                     block.checkpointed == "connection")),
+                        body.register_forward_pre_hook(counter.enter((i, part, "body"),
+                                                                     block.checkpointed == "sublayer")),
                         conn.register_forward_hook(counter.leave), body.register_forward_hook(counter.leave)]
+    triton = getattr(model.blocks[0].attn_conn, "kernels", None) == "triton"
     try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), cuda_autocast(bf16):
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), cuda_autocast(bf16), \
+                triton_library.without_kernels() if triton else contextlib.nullcontext():
             model(idx, idx)
     finally:
         for handle in handles:
@@ -127,7 +132,7 @@ def _saved_per_token(gpt: type, cfg: Config, width: int, depth: int, bf16: bool,
     small = dataclasses.replace(cfg, width=width, depth=depth, seq_len=seq_len, compile=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = gpt(small)
+        model = gpt(small, kernels=small.kernels)
         idx = torch.randint(0, model.wte.num_embeddings, (micro, seq_len))
         saved = saved_bytes(model, idx, bf16)
     casts = saved.pop("weight_casts")
@@ -136,10 +141,22 @@ def _saved_per_token(gpt: type, cfg: Config, width: int, depth: int, bf16: bool,
 
 def profile_key(cfg: Config, checkpointing: bool) -> Config:
     """The settings activation_profile depends on, all others at their defaults: one measurement serves every
-    depth, width, batch and seed (type(cfg) is train_c4.Config, so this file needs no import of it)."""
+    depth, width, batch and seed (type(cfg) is train_c4.Config, so this file needs no import of it). The streams'
+    path: with checkpointing, the one a GPU run asks for (checkpointed_path); without, the formulas', which keep
+    more than the kernels' paths: for those the plan is an upper bound."""
     return type(cfg)(residual=cfg.residual, expansion=cfg.expansion, heads=cfg.heads, tokenizer=cfg.tokenizer,
                      sinkhorn_iters=cfg.sinkhorn_iters, dtype="fp32" if cfg.dtype == "fp32" else "bf16",
-                     activation_checkpointing=checkpointing, stream_dtype=cfg.stream_dtype)
+                     activation_checkpointing=checkpointing, stream_dtype=cfg.stream_dtype,
+                     kernels=checkpointed_path(cfg) if checkpointing else "reference")
+
+
+def checkpointed_path(cfg: Config) -> str:
+    """The streams' path a GPU run of cfg asks for (auto: triton), where it has the arm: under checkpointing the
+    formulas recompute each connection, the kernels' paths keep theirs (train_c4.Block), so the two keep different
+    tensors. A path chosen by --check's timing (fused) keeps what triton keeps, up to per-token coefficients."""
+    path = choice.asked_path(cfg, on_gpu=True)
+    return path if choice.supports(cfg, path) else "reference"
+
 
 
 @functools.cache
@@ -148,8 +165,9 @@ def activation_profile(gpt: type, profiled: Config) -> dict:
     widths 2 and 4 x heads (the real head count: per-head terms like attention's logsumexp are exact) and depths
     2 and 3, with the real vocabulary. Keys: 'block' (the depth difference), its parts 'attention', 'mlp' and
     'streams' (the n-stream states, mixing coefficients and the sublayer outputs written into the streams),
-    'sublayer' (the larger sublayer: what checkpointing recomputes at once), 'loss' (log-probabilities),
-    'rest' (embedding, expansion, collapse, head); 'weight_casts': the parameters autocast copies to bf16.
+    'sublayer' (the larger sublayer with its connection: what checkpointing on the formulas recomputes at once),
+    'loss' (log-probabilities), 'rest' (embedding, expansion, collapse, head); 'weight_casts': the parameters
+    autocast copies to bf16.
     `profiled`: profile_key's config, `gpt`: the model class (train_c4.GPT)."""
     widths, rows, bf16 = (2 * profiled.heads, 4 * profiled.heads), [], profiled.dtype != "fp32"
     for width in widths:
@@ -280,18 +298,22 @@ def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict
     the plain or the fused cross-entropy (`loss`)."""
     C, L, tokens = cfg.width, cfg.depth, micro * cfg.seq_len
     per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
+    connections_recomputed = checkpointed_path(cfg) == "reference"
     if cfg.activation_checkpointing:
+        held = "stream states" if connections_recomputed else "stream states, u, y, coefficients"
         term("act: checkpointed inputs", tokens * L * per_token["block"],
-             f"{L} blocks x {micro} x {cfg.seq_len} tokens x {per_token['block'] / 1024:.1f} KiB (stream states held)")
+             f"{L} blocks x {micro} x {cfg.seq_len} tokens x {per_token['block'] / 1024:.1f} KiB ({held} held)")
     else:
         parts = ", ".join(f"{k} {per_token[k] / 1024:.1f}" for k in ("attention", "mlp", "streams"))
         term("act: blocks", tokens * L * per_token["block"],
              f"{L} blocks x {micro} x {cfg.seq_len} tokens x ({parts} KiB)")
     term("act: embedding, head", tokens * per_token["rest"],
          "embedding, n-stream expansion, collapse, final norm, head input")
-    # the backward's own peak on top of what is saved: with checkpointing, one sublayer recomputed; the plain loss's
-    # backward holds two more fp32 buffers of the logits' size (the gradients into and out of log_softmax)
-    recompute = tokens * (full["sublayer"][0] * C + full["sublayer"][1]) if cfg.activation_checkpointing else 0.0
+    # the backward's own peak on top of what is saved: with checkpointing, one sublayer recomputed (on the formulas
+    # with its connection); the plain loss's backward holds two more fp32 buffers of the logits' size (the gradients
+    # into and out of log_softmax)
+    recomputed = ("sublayer",) if connections_recomputed else ("attention", "mlp")
+    recompute = tokens * max(full[k][0] * C + full[k][1] for k in recomputed) if cfg.activation_checkpointing else 0.0
     if loss == "fused":
         head = fused_loss_peak(tokens, C, vocab, 4 if cfg.dtype == "fp32" else 2)
         term("act: log-probabilities", 0.0, "none: the fused cross-entropy keeps no logits")

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hcstudy.kernels import triton_library
 from hcstudy.planner.memory import STATE_BYTES, count_parameter_numels, cuda_autocast
 
 # aten ops that launch no kernel: allocations, metadata, dtype promotion (views: OpOverload.is_view)
@@ -65,7 +66,8 @@ class KernelCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not (func.is_view or name in _NO_KERNEL):
+        # the triton path's operators (triton_library.py): each one's kernel, a stub here, counts itself
+        if not (func.is_view or name in _NO_KERNEL or func.namespace == triton_library.NAMESPACE):
             self.launch(0 if self._priced_by_flops(name, args) else sum(map(_extent, _tensors(args, kwargs, out))))
         return out
 

@@ -2,6 +2,7 @@
 bytes autograd saves, the depth 32 / 48 plans behind the public reproduction's out-of-memory story,
 --micro-batch-size auto, and the launcher's plan: the check of every job before the first launch, the time and
 cost ranges of the documented node, the GPU check's timings."""
+import contextlib
 import dataclasses
 import json
 import math
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from hcstudy.kernels import triton_library
 from hcstudy.launcher import dry_run
 from hcstudy.planner import estimate, gpus
 from hcstudy.planner import memory as memory_module
@@ -73,21 +75,29 @@ def test_weight_gradient_optimizer_and_cast_terms_equal_the_real_tensors(residua
 @pytest.mark.parametrize("residual", ["baseline", "mhc"])
 def test_bf16_streams_plan_no_more_memory_than_fp32_and_less_under_checkpointing(residual):
     """The formulas widen a bf16 state once a connection (the profile's path): the fp32 copy autograd keeps weighs
-    what an fp32 state does. Checkpointing holds the blocks' inputs in the stored dtype: half of fp32's."""
+    what an fp32 state does. Checkpointing holds the blocks' inputs in the stored dtype: half of fp32's on the
+    formulas; on the triton path (auto's on a GPU) the same bytes less, beside u and y, whose dtypes do not change."""
     def plan(dtype, *flags):
-        cfg = T.parse_config(["--depth", "32", "--residual", residual, "--stream-dtype", dtype, *flags])
+        kernels = ["--kernels", flags[0]] if flags and residual != "baseline" else []
+        cfg = T.parse_config(["--depth", "32", "--residual", residual, "--stream-dtype", dtype, *flags[1:], *kernels])
         return memory_module.memory_plan(T.GPT, cfg, micro=4)
 
     assert plan("bf16").allocated <= plan("fp32").allocated
-    fp32, bf16 = (plan(dtype, "--activation-checkpointing") for dtype in ("fp32", "bf16"))
-    held = "act: checkpointed inputs"
-    assert bf16.terms[held] == fp32.terms[held] / 2 and bf16.allocated < fp32.allocated
+    held, plans = "act: checkpointed inputs", {}
+    for kernels in ("reference", "auto"):
+        plans[kernels] = fp32, bf16 = [plan(dtype, kernels, "--activation-checkpointing") for dtype in ("fp32", "bf16")]
+        assert bf16.allocated < fp32.allocated
+    (fp32, bf16), (fp32_auto, bf16_auto) = plans["reference"], plans["auto"]
+    assert bf16.terms[held] == fp32.terms[held] / 2
+    assert fp32_auto.terms[held] - bf16_auto.terms[held] == fp32.terms[held] - bf16.terms[held]
 
 
 def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
     """Ground truth, counted independently of the planner: every storage one forward saves for the backward,
     once, less the parameters and autocast's bf16 copies of them (2-D tensors shaped like a weight); with
-    activation checkpointing also the sublayer inputs the checkpoints hold (captured as the sublayers start)."""
+    activation checkpointing also the inputs the checkpoints hold (captured as the connections start on the
+    formulas, as the sublayers start on the kernels' paths). The triton path's operators allocate their outputs
+    and run no kernel (the sizes are the launches', the values do not matter here)."""
     params = list(model.parameters())
     param_storage = {p.untyped_storage().data_ptr() for p in params}
     weight_shapes = {tuple(p.shape) for p in params} | {tuple(p.shape)[::-1] for p in params}
@@ -102,31 +112,40 @@ def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
     def held_by_checkpoint(module, args):
         keep(args[0])
 
-    hooks = []
-    if model.blocks[0].activation_checkpointing:
-        for block in model.blocks:
-            hooks += [conn.register_forward_pre_hook(held_by_checkpoint) for conn in (block.attn_conn, block.mlp_conn)]
+    hooks, checkpointed = [], model.blocks[0].checkpointed
+    for block in model.blocks if checkpointed else ():
+        held = (block.attn_conn, block.mlp_conn) if checkpointed == "connection" else (block.attn, block.mlp)
+        hooks += [module.register_forward_pre_hook(held_by_checkpoint) for module in held]
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
             memory_module._CudaAutocastOnCpu() if bf16 else torch.autocast("cpu", enabled=False), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+            triton_library.without_kernels() if model.kernels == "triton" else contextlib.nullcontext():
         model(idx, idx)
     for hook in hooks:
         hook.remove()
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("residual,dtype,tokenizer,checkpointing", [
-    ("mhc", "bf16", "gpt2", False), ("hc", "bf16", "byte", False), ("baseline", "fp32", "gpt2", False),
-    ("mhc", "fp32", "byte", False), ("mhc", "bf16", "gpt2", True), ("hc", "bf16", "byte", True)])
-def test_activation_term_is_within_15_percent_of_what_autograd_saves(residual, dtype, tokenizer, checkpointing):
+@pytest.mark.parametrize("residual,dtype,tokenizer,checkpointing,kernels", [
+    ("mhc", "bf16", "gpt2", False, "auto"), ("hc", "bf16", "byte", False, "auto"),
+    ("baseline", "fp32", "gpt2", False, "auto"), ("mhc", "fp32", "byte", False, "auto"),
+    ("mhc", "bf16", "gpt2", True, "auto"), ("hc", "bf16", "byte", True, "auto"), ("mhc", "fp32", "byte", True, "fused"),
+    ("mhc-lite", "bf16", "byte", True, "auto"), ("mhc", "bf16", "gpt2", True, "reference")])
+def test_activation_term_is_within_15_percent_of_what_autograd_saves(residual, dtype, tokenizer, checkpointing,
+                                                                     kernels):
+    """Without checkpointing the plan measures the formulas (an upper bound for the kernels' paths), so the model
+    runs them; with it, the path a GPU run takes (auto: triton), whose blocks keep what the formulas' do not."""
     # fitted at widths 8 and 16 (2 and 4 x the 4 heads), depths 2 and 3, 2 x 16 tokens; checked elsewhere
     flags = ["--residual", residual, "--dtype", dtype, "--tokenizer", tokenizer, "--width", "40", "--heads", "4",
-             "--depth", "5", "--seq-len", "24"] + (["--activation-checkpointing"] if checkpointing else [])
+             "--depth", "5", "--seq-len", "24"] + (["--activation-checkpointing"] if checkpointing else []) + \
+            (["--kernels", kernels] if residual != "baseline" else [])
     cfg = T.parse_config(flags)
     memory = memory_module.memory_plan(T.GPT, cfg, micro=3)
     predicted = sum(v for k, v in memory.terms.items() if k.startswith("act:") and k != "act: backward peak")
     torch.manual_seed(0)
-    model = T.GPT(cfg)
+    path = {"auto": "triton"}.get(kernels, kernels) if checkpointing else "reference"
+    model = T.GPT(cfg, kernels=path)
+    assert model.kernels == path
     measured = autograd_saved_bytes(model, torch.randint(0, model.wte.num_embeddings, (3, 24)), dtype == "bf16")
     error = predicted / measured - 1
     print(f"{residual} {dtype} {tokenizer} checkpointing={checkpointing}: planned {predicted:,.0f} B, autograd saves "

@@ -43,6 +43,18 @@ def test_matmuls_of_the_width_are_priced_by_flops_the_mixings_by_bytes():
     assert counter.launches == 1 and counter.bytes == state.nbytes + mixing.nbytes + out.nbytes
 
 
+def test_a_triton_operator_counts_as_its_kernel_alone():
+    """The triton path's operators (hcstudy/kernels/triton_library.py) launch their kernel, under counting a stub
+    that adds the bytes triton_ops.traffic gives it: the operator's own call is no second launch."""
+    from hcstudy.kernels import triton_library, triton_ops
+    n, width, tokens = 4, 64, 8
+    assert triton_library.NAMESPACE == "hcstudy"
+    inputs = torch.ones(tokens, n, width), torch.ones(tokens, width), torch.ones(tokens, n, n), torch.ones(tokens, n)
+    with step_work.counting(width, ("mhc", n, tokens, 4)) as counter:
+        torch.ops.hcstudy.write_forward(*inputs)
+    assert (counter.launches, counter.bytes) == (1, tokens * triton_ops.traffic("mhc", n, width)["_write_forward"])
+
+
 def test_one_more_op_in_a_block_counts_its_launches_and_bytes_as_the_formula_says(monkeypatch):
     plain = work("baseline", "reference")
     monkeypatch.setattr(T.MLP, "forward", lambda self, x: self.proj(torch.nn.functional.gelu(self.fc(x))).neg())
