@@ -91,11 +91,16 @@ def test_an_out_of_memory_error_is_the_rehearsals_result_its_memory_is_freed_and
     def out_of_memory(self):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(check_parts.Stepper, "step", out_of_memory)
+    alive_when_freed = []
+    real_free = check_parts.free_memory
+    monkeypatch.setattr(check_parts, "free_memory",
+                        lambda device: alive_when_freed.append([ref() is not None for ref in built]) or real_free(device))
     part = by_name(parts)["rehearsal mhc d3"]
     row = check_parts.rehearse(ctx, part, time.time() + 600)
     assert row["status"] == "oom" and row["reason"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert row["step_s"] is None and row["micro_batch"] == 4 and row["kernels"] == "fused"
-    assert built[0]() is None           # nothing holds the model: not the error's traceback, not the stepper
+    # freed before the next shape: nothing holds the model then, not the error's traceback, not the stepper
+    assert alive_when_freed == [[], [False]]
     monkeypatch.setattr(check_parts.Stepper, "step", lambda self: (_ for _ in ()).throw(RuntimeError("CUDA error")))
     assert check_parts.rehearse(ctx, part, time.time() + 600)["status"] == "failed"
     monkeypatch.setattr(check_parts.Stepper, "step", real_step)
