@@ -190,9 +190,9 @@ def plan_parts(ctx: Context, budget_s: float, check: dict | None = None) -> list
 
 def check_parts_around(tiny: bool) -> tuple[list[Part], list[Part]]:
     """The parts the check's own process runs before this process and after it."""
-    width, depth = (TINY_FSDP_FLAGS, "tiny preset") if tiny else (FSDP_FLAGS, "width 1024, depth 4")
+    size = "the tiny preset" if tiny else "width 1024, depth 4"
     return ([Part("start-up: the check", "overhead", CHECK_START_S, "python, hcstudy, torch (is there a CUDA GPU?)")],
-            [Part("FSDP", "fsdp", 2 * FSDP_RUN_S, f"torchrun, one process, mhc at {depth}: a run checkpointed at step "
+            [Part("FSDP", "fsdp", 2 * FSDP_RUN_S, f"torchrun, one process, mhc at {size}: a run checkpointed at step "
                   "3, then its resume to step 6 (two trainer runs)"),
              Part("result.json", "overhead", RESULT_S, "the verdicts, result.json")])
 
@@ -323,7 +323,9 @@ class Stepper:
 
     def time_steps(self, warm: int, timed: int, until: float) -> dict | None:
         """Stats of up to `timed` steps after `warm` untimed ones, while another step fits before `until` (epoch
-        seconds); None where none did."""
+        seconds); None where none did, or the time was up before the warm-up."""
+        if time.time() >= until:
+            return None
         for _ in range(warm):
             self.step()
         times = []
@@ -399,6 +401,10 @@ def timings(ctx: Context, until: float, emit) -> None:
     on this card agrees with the formulas): one event per arm and path, stats None where it did not run."""
     for method in METHODS:
         cfg = ctx.small_config(method)
+        if time.time() >= until:         # not even built
+            for path in ctx.paths(cfg):
+                emit({"event": "timing", "method": method, "path": path, "stats": None, "why": "out of time"})
+            continue
         stepper = None
         try:
             stepper = Stepper(ctx, cfg, cfg.batch_size, "reference")
