@@ -3,7 +3,7 @@
 #
 #   bash run_experiments.sh [--full|--quick|--stress|--demo] [options] [-- extra train_c4.py flags]
 #   bash run_experiments.sh --help          (all options, exit statuses, files written, environment)
-#   bash run_experiments.sh --check [--out DIR]   (the GPU path on this node's first GPU: hcstudy/gpu_check.py)
+#   bash run_experiments.sh --check [--out DIR] [--dry-run]   (the GPU path on this node's first GPU: hcstudy/gpu_check.py)
 #
 # This file is process control only: it starts hcstudy.launcher, which parses the flags, plans the matrix and
 # decides (which job next, on which GPUs, what an exit code means), and carries out its requests: take

@@ -1317,12 +1317,12 @@ def held_out_source(data: DataFiles, val_data: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # training loop: AdamW, warm-up + cosine, accumulation, pre-clip gradient norm, eval, probe, checkpoints
 
-def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float | None = None
-               ) -> tuple[int, int, str]:
+def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float | None = None,
+               gpu: str | None = None) -> tuple[int, int, str]:
     """(micro-batch, accumulation steps, why auto chose it): every optimizer step sees --batch-size sequences;
-    auto is memory.resolve_micro_batch's, for a GPU (default: where CUDA is) or the CPU."""
+    auto is memory.resolve_micro_batch's, for a GPU (default: where CUDA is; `gpu` its name) or the CPU."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    micro, why = memory.resolve_micro_batch(GPT, cfg, world, on_gpu, card)
+    micro, why = memory.resolve_micro_batch(GPT, cfg, world, on_gpu, card, gpu)
     # the streams each process reads from (ranks share streams when the world size does not divide them)
     read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
     if cfg.data_workers > read:

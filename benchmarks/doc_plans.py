@@ -52,13 +52,32 @@ def dry_run(folder: Path) -> str:
     return "$ bash run_experiments.sh --dry-run                  (job lines shortened)\n" + "\n".join(kept) + "\n"
 
 
+def dry_run_after_check(folder: Path) -> str:
+    """The same dry run after a GPU check: tests/illustrative_check.py's result.json, made up, not measured."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import illustrative_check
+    import train_c4
+    after = folder / "after-check"
+    illustrative_check.write(after / "runs", train_c4)
+    lines = run(["bash", str(ROOT / "run_experiments.sh"), "--dry-run"], after).splitlines()
+    kept = [line for line in lines if line.startswith(DRY_RUN_JOBS + DRY_RUN_TOTALS)]
+    return ("$ bash run_experiments.sh --dry-run      (runs/gpu_check/result.json: tests/illustrative_check.py's, made "
+            "up, NOT measured; job lines shortened)\n" + "\n".join(kept) + "\n")
+
+
+def check_dry_run(folder: Path) -> str:
+    return "$ bash run_experiments.sh --check --dry-run\n" + run(["bash", str(ROOT / "run_experiments.sh"), "--check",
+                                                                 "--dry-run"], folder)
+
+
 def refusal(folder: Path) -> str:
     shown = ["--demo", "--", "--lrr", "1"]
     return f"$ bash run_experiments.sh {' '.join(shown)}\n" + run(["bash", str(ROOT / "run_experiments.sh"), *shown],
                                                                   folder)
 
 
-BLOCKS = {"estimate": estimates, "dry-run": dry_run, "refusal": refusal}
+BLOCKS = {"estimate": estimates, "dry-run": dry_run, "refusal": refusal, "dry-run-after-check": dry_run_after_check,
+          "check-dry-run": check_dry_run}
 
 
 def regenerated(doc: str) -> str:

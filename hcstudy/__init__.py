@@ -13,6 +13,7 @@ train_c4.py (the trainer), report.py, torchrun.py, run_experiments.sh, setup.sh.
     c4_download.py          C4's shards downloaded once per node (setup.sh --prefetch-c4)
     consolidate.py          a checkpoint's weights in one file (train_c4.py --consolidate)
     gpu_check.py            run_experiments.sh --check: the GPU path on one card, its timings for the planner
+    check_parts.py          the check's parts in one process with the trainer: timings, the real sizes rehearsed
     kernels/choice.py       which path runs the streams (--kernels) and attention (--attn): asked, timed, self-checked
     kernels/cross_entropy.py  the loss's two paths (--cross-entropy): plain logits or torch's chunked op; auto's pick
     kernels/fused.py        hand-written autograd Functions for HC and mHC (any device)
@@ -22,6 +23,7 @@ train_c4.py (the trainer), report.py, torchrun.py, run_experiments.sh, setup.sh.
     planner/memory.py       the memory plan of one GPU; the micro-batch
     planner/step_work.py    a step's kernels, bytes and FLOPs, counted on the real model
     planner/run_time.py     a step and a run priced at a card's (or this CPU's) rates, or as measured
+    planner/rehearsed.py    the check's rehearsals read back: a job shape's measured step, its micro-batches that failed
     planner/estimate.py     train_c4.py --estimate's text
     planner/plan_jobs.py    train_c4.py --plan-jobs: the launcher's check of every job
     durations.py            durations as people read them (the dry run, the live view, the planner)

@@ -362,7 +362,8 @@ class JobAnswer:
     path: str | None = None             # the streams' kernel path
     seconds: list | None = None         # the remaining run, [low, high]; None where unknown
     step_seconds: list | None = None    # one optimizer step, [low, high]
-    basis: str | None = None            # where the step time comes from
+    basis: str | None = None            # where the step time comes from; its first word: measured, scaled, ...
+    step_point: float | None = None     # a measured step's median (step_seconds: its fastest and slowest)
     changes: str = ""                   # settings changed since a finished run (--allow-changed-settings)
 
 
@@ -384,7 +385,7 @@ def read_plan_answer(stdout: str, names: list) -> dict:
 # The GPU check's result.json (`run_experiments.sh --check`, docs/planning.md): written by hcstudy.gpu_check, read
 # by the kernel choice (auto takes the fastest path timed), the planner and the launcher.
 
-CHECK_FORMAT = 1
+CHECK_FORMAT = 2                    # 2: the rehearsals at the real sizes beside the timings
 
 
 def check_path(out) -> Path:
@@ -397,16 +398,18 @@ def load_check(out) -> dict:
 
 
 def check_result(device: dict, flags: list, tokens_per_step: int, parts: dict, table: dict, methods: dict,
-                 modelled: dict) -> dict:
+                 modelled: dict, rehearsals: list = ()) -> dict:
     """result.json. `table`: {method: {"path/mode": {"step_s", "tokens_per_s", "mfu", "mem_peak_gb"} or None}}, every
     run timed; `methods`: {method: {"path", "step_s", "flops_per_token"}}, its fastest, with the FLOPs per token of the
-    timed configuration the planner scales it by; `modelled`: the planner's step range beside each timing."""
+    timed configuration the planner scales it by; `modelled`: the planner's step range beside each timing;
+    `rehearsals`: rehearsal_row's, one per job shape trained at the real sizes."""
     return {"format": CHECK_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **device,
             "trainer_flags": flags, "tokens_per_step": tokens_per_step, "parts": parts,
             "methods": {m: {"step_seconds": s["step_s"], "tokens_per_step": tokens_per_step, "gpus": 1,
                             "flops_per_token": s["flops_per_token"]} for m, s in methods.items()},
             "step_seconds": {m: s["step_s"] for m, s in methods.items()},
-            "paths": {m: s["path"] for m, s in methods.items()}, "timings": table, "modelled": modelled}
+            "paths": {m: s["path"] for m, s in methods.items()}, "timings": table, "modelled": modelled,
+            "rehearsals": list(rehearsals)}
 
 
 def timed_steps(check: dict, method: str, gpu: str) -> dict:
@@ -441,3 +444,49 @@ def timed_work(check: dict, method: str) -> tuple[float, int] | None:
         return timing["tokens_per_step"] * timing["flops_per_token"], timing.get("gpus", 1)
     except (KeyError, TypeError):
         return None
+
+
+# result.json's `rehearsals`: one row per job shape the check trained on one GPU at the study's real sizes
+# (hcstudy/check_parts.py writes them, hcstudy/planner/rehearsed.py reads them back). A row's keys:
+#   gpu                 torch.cuda.get_device_name(): rows price and limit jobs planned for this GPU type only
+#   method, depth, width, seq_len, batch_size, micro_batch, activation_checkpointing, stream_dtype, compile
+#                       the shape, as the trainer's settings of those names (micro_batch: the one it ran)
+#   kernels             the streams' path it ran (reference, fused, triton): the planner's choice for this card
+#   variant             the extra trainer flags a lever added to the shape ([] for none: check_parts.VARIANTS)
+#   config              every setting the step depends on (rehearsed.step_config): a job is priced from the row
+#                       only if its own config equals it, its micro-batch and path equal the row's, on one GPU
+#   over_plan           true for the micro-batch one above the planned one (where the card's limit lies)
+#   status, reason      ok | oom (torch.cuda.OutOfMemoryError: caught, the memory freed, the check went on) |
+#                       failed (any other error: its first line) | out-of-time (not run: no budget left); reason ""
+#                       when ok
+#   step_s, step_s_spread, steps_timed
+#                       the median seconds of one optimizer step (every micro-batch of batch_size, the trainer's
+#                       Trainer.optimizer_step) after the warm-up, [min, max] of the timed steps, and how many
+#   tokens_per_s, mfu   batch_size x seq_len over step_s; its training FLOPs over the card's bf16 peak (null unknown)
+#   peak_alloc_gib, planned_alloc_gib
+#                       torch.cuda.max_memory_allocated over the steps (null off CUDA, or before any step ran);
+#                       the memory plan's allocated peak for the shape (memory.memory_plan)
+#   modelled_step_s     [low, high]: the planner's step on the card's rates (run_time.step_seconds), null unknown
+# Numbers are null where the status is not ok (peak_alloc_gib: what was reached before the failure, if anything).
+REHEARSAL_STATUSES = ("ok", "oom", "failed", "out-of-time")
+REHEARSAL_KEYS = ("gpu", "method", "depth", "width", "seq_len", "batch_size", "micro_batch", "activation_checkpointing",
+                  "stream_dtype", "compile", "kernels", "variant", "config", "over_plan", "status", "reason", "step_s",
+                  "step_s_spread", "steps_timed", "tokens_per_s", "mfu", "peak_alloc_gib", "planned_alloc_gib",
+                  "modelled_step_s")
+
+
+def rehearsal_row(**fields) -> dict:
+    """One row of `rehearsals`, its keys exactly REHEARSAL_KEYS (a missing or unknown one is a bug: ValueError)."""
+    if set(fields) != set(REHEARSAL_KEYS) or fields["status"] not in REHEARSAL_STATUSES:
+        raise ValueError(f"a rehearsal row needs exactly {REHEARSAL_KEYS} and a status of {REHEARSAL_STATUSES}: got "
+                         f"{sorted(fields)}, status {fields.get('status')!r}")
+    return {key: fields[key] for key in REHEARSAL_KEYS}
+
+
+def rehearsals_on(check: dict, gpu: str) -> list:
+    """The rows of result.json's `rehearsals` rehearsed on this GPU type, each a dict with every key; [] for another
+    GPU, an older result.json or a file that is not one."""
+    rows = check.get("rehearsals") if isinstance(check, dict) else None
+    if not isinstance(rows, list):
+        return []
+    return [row for row in rows if isinstance(row, dict) and set(REHEARSAL_KEYS) <= row.keys() and row["gpu"] == gpu]

@@ -199,9 +199,18 @@ def job_line(opt, job, slot, answer, width):
             + (" (auto)" if answer.get("auto") and not job.micro else "") + f", global batch {answer['batch']}"
             + (f", {answer['memory']}" if answer.get("memory") else "")
             + (f", {answer['path']} path" if answer.get("path") else "")
-            + (f", {duration(*answer['seconds'])} ({answer['basis'].split(',')[0].split(': ')[-1]})"
-               if answer.get("seconds") else "")
+            + (f", {duration(*answer['seconds'])} ({time_basis(answer)})" if answer.get("seconds") else "")
             + (f", resumes (step {job.step})" if job.step is not None else ""))
+
+
+def time_basis(answer):
+    """What a job's time rests on, in a word: measured (with its step: the median and the spread of its timed steps),
+    scaled, calibrated or modelled."""
+    word = answer["basis"].split(":")[0].split(",")[0]
+    if answer.get("step_point") is None:
+        return word
+    low, high = answer["step_seconds"]
+    return f"{word}: {answer['step_point']:.3g} s a step, {low:.3g}-{high:.3g}"
 
 
 def dry_run(opt, jobs, node):

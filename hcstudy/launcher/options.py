@@ -72,7 +72,8 @@ USAGE = (f"bash {PROG} [--full|--quick|--stress|--demo|--demo-all|--pilot] [--re
          "       [--gpus L] [--exclude-gpus L] [--gpus-per-run K] [--nodes N --node-rank I] [--stagger S]\n"
          "       [--max-retries N] [--out DIR] [--dry-run [--calibrate] [--gpu-type NAME]] [--summary] [--slurm [--dry-run]]\n"
          "       [-- train_c4.py flags]\n"
-         f"       bash {PROG} --check [--out DIR]     (the GPU path on this node: PASS/FAIL per part, about 10 min)")
+         f"       bash {PROG} --check [--out DIR] [--dry-run]     (the GPU path on this node: PASS/FAIL per part, "
+         "at most 570 s)")
 
 
 class UsageError(Exception):

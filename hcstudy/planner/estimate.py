@@ -9,10 +9,12 @@ from hcstudy.contract import load_check
 from hcstudy.durations import duration
 from hcstudy.kernels import choice
 from hcstudy.planner.gpus import ASSUMED_GPU, flops_per_token
+from hcstudy.planner import rehearsed
 from hcstudy.planner.memory import (AUTO_MARGIN, GiB, MemoryPlan, PlanError, activation_profile, auto_micro_batch,
-                                    check_batch_split, checkpointed_path, memory_plan, planned_loss, profile_key)
-from hcstudy.planner.run_time import (TERMS, device_config, device_rates, measured_rate, planned_path, rates_text,
-                                      run_time, step_cost)
+                                    check_batch_split, checkpointed_path, memory_plan, planned_loss, profile_key,
+                                    rehearsed_failure, this_gpu)
+from hcstudy.planner.run_time import (TERMS, device_config, device_rates, measured_step, planned_path,
+                                      rates_text, run_time, step_cost)
 from hcstudy.planner.step_work import step_work, work_key
 
 
@@ -91,9 +93,11 @@ def print_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu
             print(f"  {other:<10}{work.launches[0]:>9,}{work.block_bytes_per_token(cfg.width) / 1e6:>10.2f}  "
                   + "".join(f"{duration(*cost.terms[t]):<14}" for t in TERMS) + f"{duration(*cost.seconds)}, "
                   f"{cost.dominant}-bound" + ("  <- this run's path" if other == path else ""))
-    estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured_rate(check, cfg, path, gpu))
+    measured = measured_step(check, cfg, micro, path, gpu, world)
+    estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured)
+    step = rehearsed.step_text(measured) if estimate.point is not None else f"{duration(*estimate.step)} a step"
     print(f"  the run on {where if gpu == 'cpu' else 'it'}, {path} path ({estimate.basis}): "
-          f"{duration(*estimate.step)} a step, {duration(*estimate.total)} for {cfg.steps:,} steps with "
+          f"{step}, {duration(*estimate.total)} for {cfg.steps:,} steps with "
           "evaluation, probes, checkpoints and start-up")
 
 
@@ -106,12 +110,17 @@ def levers_line(cfg: Config) -> str:
 
 
 def _estimate_micro_batch(gpt: type, cfg: Config, world: int) -> tuple[int, str]:
-    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose."""
+    """The micro-batch the plan is printed for (the given one, else auto's) and what auto would choose: below any the
+    GPU check's rehearsal saw run out of memory on this GPU type (the given one at or above it is refused)."""
     check_batch_split(cfg, world)
+    failed_at = rehearsed_failure(cfg, world)
+    if cfg.micro_batch_size != "auto" and failed_at and int(cfg.micro_batch_size) >= failed_at:
+        raise PlanError(rehearsed.refusal(cfg, int(cfg.micro_batch_size), failed_at, this_gpu()))
     try:
-        auto, _ = auto_micro_batch(gpt, cfg, world)
+        auto, _ = auto_micro_batch(gpt, cfg, world, below=failed_at)
         auto_line = (f"--micro-batch-size auto: {auto} (the largest whose plan fills at most {1 - AUTO_MARGIN:.0%} "
-                     "of the card)")
+                     "of the card" + (f", below the {failed_at} the GPU check saw run out of memory" if failed_at
+                                      else "") + ")")
     except PlanError as error:
         auto, auto_line = None, f"--micro-batch-size auto: none fits; {error}"
     micro = int(cfg.micro_batch_size) if cfg.micro_batch_size != "auto" else auto or 1

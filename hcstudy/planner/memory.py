@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from hcstudy.contract import EXIT_BAD_CONFIG, load_check
 from hcstudy.kernels import choice, cross_entropy, triton_library
+from hcstudy.planner import rehearsed
 from hcstudy.planner.gpus import ASSUMED_GPU
 
 
@@ -377,12 +378,20 @@ def divisors_descending(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def auto_micro_batch(gpt: type, cfg: Config, world: int, card: float | None = None) -> tuple[int, MemoryPlan]:
-    """The largest micro-batch dividing the per-process batch whose plan fills at most 1 - AUTO_MARGIN of the card."""
+def auto_micro_batch(gpt: type, cfg: Config, world: int, card: float | None = None,
+                     below: int | None = None) -> tuple[int, MemoryPlan]:
+    """The largest micro-batch dividing the per-process batch whose plan fills at most 1 - AUTO_MARGIN of the card;
+    given `below`, smaller than it (the GPU check's rehearsal ran out of memory there)."""
+    plan = None
     for micro in divisors_descending(cfg.batch_size // world):
+        if below and micro >= below:
+            continue
         plan = memory_plan(gpt, cfg, micro, world, card)
         if plan.total <= (1 - AUTO_MARGIN) * plan.card:
             return micro, plan
+    if plan is None:
+        raise PlanError(f"micro-batch 1 ran out of memory in the GPU check's rehearsal of {cfg.residual} at depth "
+                        f"{cfg.depth} on this GPU: use --activation-checkpointing, or --parallel fsdp over more GPUs")
     raise PlanError(f"micro-batch 1 already needs {plan.total / GiB:.1f} GiB of this {plan.card / GiB:.1f} GiB GPU "
                       "(see --estimate): use --activation-checkpointing, or --parallel fsdp over more GPUs")
 
@@ -391,22 +400,40 @@ def cpu_auto_micro_batch(cfg: Config, world: int) -> int:
     return next(d for d in divisors_descending(cfg.batch_size // world) if d <= CPU_AUTO_MICRO)
 
 
-def resolve_micro_batch(gpt: type, cfg: Config, world: int, on_gpu: bool, card: float | None = None) -> tuple[int, str]:
-    """The micro-batch a run uses and, for auto, why: on a GPU the largest the memory plan fits; on the CPU, where
-    there is no device memory to plan against, the per-process batch capped at CPU_AUTO_MICRO."""
+def resolve_micro_batch(gpt: type, cfg: Config, world: int, on_gpu: bool, card: float | None = None,
+                        gpu: str | None = None) -> tuple[int, str]:
+    """The micro-batch a run uses and, for auto, why: on a GPU the largest the memory plan fits, below any the GPU
+    check's rehearsal saw run out of memory on this GPU type (`gpu`: default this CUDA device, else the planner's
+    assumed card; an explicit one at or above it is refused); on the CPU, where there is no device memory to plan
+    against, the per-process batch capped at CPU_AUTO_MICRO."""
     check_batch_split(cfg, world)
+    failed_at = rehearsed_failure(cfg, world, gpu) if on_gpu else None
     if cfg.micro_batch_size != "auto":
         micro, why = int(cfg.micro_batch_size), ""
+        if failed_at and micro >= failed_at:
+            raise PlanError(rehearsed.refusal(cfg, micro, failed_at, gpu or this_gpu()))
     elif on_gpu:
-        micro, plan = auto_micro_batch(gpt, cfg, world, card)
+        micro, plan = auto_micro_batch(gpt, cfg, world, card, failed_at)
         why = (f"planned {plan.total / GiB:.1f} of {plan.card / GiB:.1f} GiB, at most {1 - AUTO_MARGIN:.0%} "
-               "of the card; --estimate shows the plan")
+               "of the card" + (f", below the {failed_at} the GPU check saw run out of memory" if failed_at else "")
+               + "; --estimate shows the plan")
     else:
         micro = cpu_auto_micro_batch(cfg, world)
         why = (f"CPU: the per-process batch {cfg.batch_size // world} capped at {CPU_AUTO_MICRO}, no GPU memory to "
                "plan against")
     check_batch_split(cfg, world, micro)
     return micro, why
+
+
+def this_gpu() -> str:
+    """The GPU a plan is for where none is named: this CUDA device, else the documented node's card."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ASSUMED_GPU
+
+
+def rehearsed_failure(cfg: Config, world: int, gpu: str | None = None) -> int | None:
+    """The smallest micro-batch the GPU check's rehearsal of this shape ran out of memory at on this GPU type (its
+    result.json in --out), None where it saw none."""
+    return rehearsed.out_of_memory_at(load_check(cfg.out), cfg, gpu or this_gpu(), world)
 
 
 def confirm_micro_batch(cfg: Config, dist, local: nn.Module, dtype: torch.dtype, micro: int) -> int:

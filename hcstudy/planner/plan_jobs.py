@@ -11,8 +11,8 @@ import torch
 from hcstudy.contract import JobAnswer, PlanJob, TrainerError, plan_answer
 from hcstudy.planner.gpus import ASSUMED_GPU, GPU_MEMORY_GIB, flops_per_token
 from hcstudy.planner.memory import DEFAULT_GPU_MEMORY_GIB, GiB, PlanError, check_memory, memory_plan, shape_key
-from hcstudy.planner.run_time import (CHECKPOINT_GBPS, FORWARD_SHARE, STARTUP_S, gpu_rates, measured_rate, planned_path,
-                                      rates_text, run_time)
+from hcstudy.planner.run_time import (CHECKPOINT_GBPS, FORWARD_SHARE, MEASURED_BASIS, STARTUP_S, gpu_rates,
+                                      measured_step, planned_path, rates_text, run_time)
 from hcstudy.run_folder import changes_text, check_resumable
 
 
@@ -31,7 +31,7 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
              job: PlanJob) -> JobAnswer:
     """One job as the launcher plans it: micro-batch, memory (on a GPU: the plan must fit the card, else PlanError),
     time (None where unknown). `job`: done_steps, and the launcher's calibration (tokens_per_s) or the GPU check's
-    timing (check) if any."""
+    result.json (check) if any: its rehearsal of this shape, else its timing of the arm scaled (measured_step)."""
     memory = None
     if gpu != "cpu":
         plan = memory_plan(gpt, cfg, micro, world, card)
@@ -46,10 +46,10 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
     if job.tokens_per_s:
         measured = {"flops_per_s": job.tokens_per_s * flops, "gpus": world, "basis": "calibrated just now"}
     else:
-        measured = measured_rate(check, cfg, path, gpu)
+        measured = measured_step(check, cfg, micro, path, gpu, world)
     estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured, job.done_steps)
-    timed = dict(seconds=list(estimate.total), step_seconds=list(estimate.step), basis=estimate.basis) \
-        if estimate is not None else {}
+    timed = dict(seconds=list(estimate.total), step_seconds=list(estimate.step), basis=estimate.basis,
+                 step_point=estimate.point) if estimate is not None else {}
     return JobAnswer(micro=micro, auto=cfg.micro_batch_size == "auto", batch=cfg.batch_size, memory=memory, path=path,
                      **timed)
 
@@ -57,7 +57,8 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
 def node_answer(gpu: str, jobs: list[JobAnswer]) -> dict:
     """--plan-jobs' answer (contract.plan_answer): the GPU planned for, the assumptions behind every time (printed by
     the dry run), and the jobs' answers."""
-    measured = sorted({job.basis for job in jobs if job.basis and not job.basis.startswith("modelled")})
+    rehearsed = any(job.basis == MEASURED_BASIS for job in jobs)
+    measured = sorted({job.basis for job in jobs if job.basis and not job.basis.startswith(("modelled", "measured"))})
     rates = gpu_rates(gpu)
     modelled = ("this CPU's rates, timed on one thread on each run's shapes and scaled to the trainer's threads at "
                 "the share of a core the other work leaves" if gpu == "cpu" else rates_text(rates) if rates
@@ -66,7 +67,8 @@ def node_answer(gpu: str, jobs: list[JobAnswer]) -> dict:
     return plan_answer(gpu, jobs=jobs, assumptions=[
         "Step times, modelled: each job's kernels counted on its model (every launch, the bytes each moves, the "
         f"matmuls' FLOPs) on its kernel path, at {modelled}",
-        *(["Step times, measured: " + "; ".join(measured)] if measured else []),
+        *([f"Step times, {MEASURED_BASIS}"] if rehearsed else []),
+        *(["Step times, " + "; ".join(measured)] if measured else []),
         f"Each time includes evaluation and probes (forward passes at {FORWARD_SHARE:.2f} of a step per sequence), "
         f"checkpoint writes (fp32 weights and AdamW states at {CHECKPOINT_GBPS[1]:g}-{CHECKPOINT_GBPS[0]:g} GB/s) and "
         f"start-up ({startup[0]:.0f}-{startup[1]:.0f} s); low end: the fast assumptions together, "
@@ -89,7 +91,7 @@ def answer_jobs(request, trainer) -> dict:
                 answers.append(JobAnswer(finished=True))
                 continue
             card = card_bytes(cfg, gpu, request.card_gib)
-            micro, _, _ = trainer.batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card)
+            micro, _, _ = trainer.batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card, gpu=gpu)
             if gpu == "cpu":
                 check_memory(cfg, trainer.embedding_rows(cfg), micro, world, torch.device("cpu"))
             trainer.resolve_data_files(cfg.data, cfg.val_data)

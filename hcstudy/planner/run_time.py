@@ -13,6 +13,7 @@ import torch
 from hcstudy.contract import timed_steps, timed_work
 from hcstudy.kernels import choice
 from hcstudy.planner.gpus import GPU_BANDWIDTH, GPU_PEAK_BF16_FLOPS, flops_per_token
+from hcstudy.planner import rehearsed
 from hcstudy.planner.memory import parameter_numels, planned_loss
 from hcstudy.planner.step_work import OPTIMIZER_BYTES, step_work, work_key
 
@@ -194,8 +195,9 @@ def step_cost(gpt: type, cfg: Config, params: dict, path: str, micro: int, world
 class RunTime:
     step: tuple[float, float]       # seconds per optimizer step
     total: tuple[float, float]      # seconds of the run's remaining steps with everything else it does
-    basis: str                      # where the step time comes from
+    basis: str                      # where the step time comes from; its first word: measured, scaled, modelled...
     path: str                       # the streams' kernel path it was priced for
+    point: float | None = None      # a measured step's median (step: the spread of its timed steps)
 
 
 def planned_path(cfg: Config, gpu: str, check: dict | None) -> str:
@@ -206,11 +208,18 @@ def planned_path(cfg: Config, gpu: str, check: dict | None) -> str:
     return wanted if choice.supports(cfg, wanted) else "reference"
 
 
+MEASURED_BASIS = "measured: the GPU check's rehearsal of the job's very shape on this GPU type (the median step, " \
+                 "with the fastest and slowest of its timed steps)"
+
+
 def step_seconds(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: str, path: str,
                  measured: dict | None = None) -> tuple[tuple[float, float], str] | None:
-    """(low, high) seconds of one optimizer step and their basis: `measured` (the launcher's calibration, or the
-    GPU check's timing of this arm and path on this GPU, docs/planning.md) if given, else the step counted on the
+    """(low, high) seconds of one optimizer step and their basis: `measured` if given, a rehearsal row of this very
+    shape (rehearsed.measured_row: the spread of its timed steps), or a rate (the launcher's calibration, or the GPU
+    check's timing of this arm and path on this GPU scaled by FLOPs, docs/planning.md); else the step counted on the
     model and priced at the device's rates. None on a GPU whose peak or bandwidth is not known."""
+    if measured and measured.get("step_s_spread"):
+        return tuple(measured["step_s_spread"]), MEASURED_BASIS
     if measured and measured.get("flops_per_s"):
         seconds = cfg.tokens_per_step * flops_per_token(cfg, params["non_embedding"]) / (
             measured["flops_per_s"] * world / measured.get("gpus", 1))
@@ -233,7 +242,7 @@ def run_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
     if step is None:
         return None
     (low, high), basis = step
-    steps = max(0, cfg.steps - done_steps)
+    steps, point = max(0, cfg.steps - done_steps), (measured or {}).get("step_s")
     # forward-only work, in optimizer steps: the validation set at every evaluation, the probe batch at every probe
     forward_steps = FORWARD_SHARE * (steps // cfg.eval_every * cfg.eval_batches
                                      + steps // cfg.metrics_every * cfg.probe_sequences / cfg.batch_size)
@@ -241,15 +250,22 @@ def run_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
     startup = STARTUP_S["cpu" if gpu == "cpu" else "gpu"]
     total = tuple((steps + forward_steps) * s + checkpoint_bytes / (gbps * 1e9) + start
                   for s, gbps, start in zip((low, high), CHECKPOINT_GBPS, startup))
-    return RunTime((low, high), total, basis, path)
+    return RunTime((low, high), total, basis, path, point if basis == MEASURED_BASIS else None)
 
 
 def measured_rate(check: dict, cfg: Config, path: str, gpu: str) -> dict | None:
     """The GPU check's timing of this arm on this path and mode (its result.json, contract.timed_steps) as work per
-    second, if it was measured on this GPU."""
+    second, if it was measured on this GPU: the planner scales it to the job's FLOPs."""
     method, mode = cfg.residual, choice.timed_mode(cfg)
     seconds, work = timed_steps(check, method, gpu).get((path, mode)), timed_work(check, method)
     if not seconds or work is None or not work[0] > 0:
         return None
     return {"flops_per_s": work[0] / seconds, "gpus": work[1],
-            "basis": f"{method} on the {path} path ({mode}): measured, timed by the GPU check"}
+            "basis": f"scaled: {method} on the {path} path ({mode}) timed by the GPU check at its small size, "
+                     "scaled by FLOPs per token"}
+
+
+def measured_step(check: dict, cfg: Config, micro: int, path: str, gpu: str, world: int) -> dict | None:
+    """What a job's step is priced from when the GPU check measured it: its rehearsal of this very shape, else its
+    timing of the arm and path at the small size scaled by FLOPs; None where it measured neither."""
+    return rehearsed.measured_row(check, cfg, micro, path, gpu, world) or measured_rate(check, cfg, path, gpu)

@@ -156,9 +156,10 @@ class StepWork:
 
 
 def work_key(cfg: Config) -> Config:
-    """The settings the counted work depends on: the model's kind, not its size, schedule or seed."""
+    """The settings the counted work depends on: the model's kind, not its size, schedule or seed, nor --compile
+    (the count runs the model eager: a compiled step is priced as eager)."""
     return dataclasses.replace(cfg, width=type(cfg).width, depth=type(cfg).depth, seq_len=type(cfg).seq_len,
-                               batch_size=type(cfg).batch_size, micro_batch_size="auto", steps=1, seed=0,
+                               batch_size=type(cfg).batch_size, micro_batch_size="auto", steps=1, seed=0, compile=False,
                                dtype="fp32" if cfg.dtype == "fp32" else "bf16", run_name="", out="")
 
 

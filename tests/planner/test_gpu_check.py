@@ -1,117 +1,264 @@
-"""hcstudy/gpu_check.py (run_experiments.sh --check) off the GPU: how its timings become result.json, the
-file the planner reads. The check itself needs a CUDA GPU; test_launcher.py holds its one line without one."""
+"""hcstudy/gpu_check.py and hcstudy/check_parts.py (run_experiments.sh --check) on the CPU: the plan of the parts and
+their budgets, the parts themselves at a few thousand parameters (the check's --cpu-tiny sizes), an out-of-memory
+error as a rehearsal's result, and how the events become verdicts and result.json. The check itself needs a CUDA GPU;
+test_launcher.py holds its one line without one."""
+import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
+import time
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
+
+import illustrative_check
+import train_c4
+from hcstudy import check_parts, contract, gpu_check
+from hcstudy.kernels import choice
+from hcstudy.planner import gpus, rehearsed, run_time
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import train_c4  # noqa: E402
-from hcstudy import contract, gpu_check  # noqa: E402
-from hcstudy.kernels import choice  # noqa: E402
-from hcstudy.planner import run_time  # noqa: E402
-
 H100 = "NVIDIA H100 80GB HBM3"
+MODELLED = [0.01, 0.02]         # the tests' step model: the planner's own is counted by tests/planner/test_step_work.py
 
 
-def timed_run(folder, seconds, method="hc"):
-    """A run folder whose first steps are slow (compile, warm-up) and whose later ones take `seconds`, with the
-    config.json the trainer writes for the timed size (its settings and parameter counts)."""
-    folder.mkdir(parents=True)
-    cfg = train_c4.parse_config([*gpu_check.SIZE, "--residual", method])
-    (folder / "config.json").write_text(json.dumps({"config": {"residual": method, "depth": 4, "width": 2048,
-                                                               "seq_len": 1024},
-                                                    "params": train_c4.count_parameters(cfg)}))
-    lines = [{"step": 0, "time": 0.0, "amax_fwd": 1.0}]
-    lines += [{"step": step, "time": float(step), "loss": 5.0,
-               "step_time_s": 30.0 if step <= 2 else seconds + step / 1000,
-               "tokens_per_s": 8192 / seconds, "mfu": 0.3, "mem_peak_gb": 10.0 + step} for step in range(1, 11)]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return folder
+@pytest.fixture(scope="module")
+def tiny():
+    """A --cpu-tiny context and plan for three arms (baseline and mhc required, hc optional), the planner's step model
+    replaced by a fixed range: the plan's logic, not the model's counts (seconds per arm on this CPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(check_parts, "METHODS", ("baseline", "hc", "mhc"))
+        patch.setattr(check_parts, "REQUIRED_ARMS", ("baseline", "mhc"))
+        patch.setattr(check_parts.Context, "modelled", lambda self, cfg, micro, path: list(MODELLED))
+        ctx = check_parts.Context(train_c4, tiny=True, plan_only=False)
+        yield ctx, check_parts.plan_parts(ctx, 1000.0)
 
 
-def test_step_stats_are_medians_past_the_warm_up(tmp_path):
-    stats = gpu_check.step_stats(timed_run(tmp_path / "hc", 0.5))
-    assert stats["step_s"] == pytest.approx(0.5 + 7.5 / 1000)       # steps 5..10: median of 0.505 .. 0.510
-    assert stats["tokens_per_s"] == pytest.approx(8192 / 0.5) and stats["mfu"] == 0.3
-    assert stats["mem_peak_gb"] == 20.0
-    assert gpu_check.step_stats(tmp_path / "missing") is None
+def by_name(parts):
+    return {part.name: part for part in parts}
 
 
-def test_result_json_gives_the_planner_each_methods_fastest_step_seconds(tmp_path):
-    table = {"baseline": {"reference/eager": gpu_check.step_stats(timed_run(tmp_path / "b", 0.3, "baseline"))},
-             "hc": {"reference/eager": gpu_check.step_stats(timed_run(tmp_path / "r", 0.5)),
-                    "fused/eager": gpu_check.step_stats(timed_run(tmp_path / "f", 0.4)),
-                    "fused/compile": None},                 # out of time: kept as null, not dropped
+def test_the_plan_rehearses_every_arm_at_both_depths_and_once_one_micro_batch_over_the_plan(tiny):
+    ctx, parts = tiny
+    assert [p.name for p in parts] == [
+        "start-up: this process", "planning", "environment", "timings", "rehearsal baseline d2", "rehearsal mhc d2",
+        "rehearsal hc d2", "variant baseline d2 --compile", "rehearsal baseline d3", "rehearsal mhc d3",
+        "rehearsal hc d3", "over the plan mhc d3"]
+    named = by_name(parts)
+    deep, over = named["rehearsal mhc d3"], named["over the plan mhc d3"]
+    # the planner's micro-batch for this card (the whole batch of 4 fits the pretend 2 GiB) and its path on the CPU
+    assert deep.micro == 4 and deep.path == "fused" and deep.flags[-2:] == ["--micro-batch-size", "4"]
+    assert over.micro == deep.micro + 1 and over.over_plan and "--batch-size" in over.flags
+    assert ctx.config(over.flags).batch_size % over.micro == 0           # the global batch rounded to a multiple
+    assert named["variant baseline d2 --compile"].variant == ["--compile"] and not named["rehearsal hc d2"].required
+    # a step at the modelled slow end x the margin, each warm-up and timed step; a compiled one adds the compile
+    base = named["rehearsal baseline d2"]
+    steps = (check_parts.WARM_STEPS + check_parts.TIMED_STEPS) * MODELLED[1] * check_parts.STEP_MARGIN
+    assert base.budget_s == pytest.approx(ctx.build_s(ctx.config(base.flags)) + steps + check_parts.FREE_S, abs=0.1)
+    assert named["variant baseline d2 --compile"].budget_s == pytest.approx(base.budget_s + check_parts.COMPILE_S,
+                                                                             abs=0.1)
+    assert all(p.included for p in parts) and all(p.budget_s > 0 for p in parts)
+
+
+def test_optional_parts_are_left_out_in_priority_order_when_the_budget_is_short(tiny):
+    ctx, parts = tiny
+    required = sum(p.budget_s for p in parts if p.required)
+    named = by_name(parts)
+    lever, hc = named["variant baseline d2 --compile"].budget_s, named["rehearsal hc d2"].budget_s
+    short = by_name(check_parts.plan_parts(ctx, required + lever + hc + 0.05))    # not both hc rehearsals
+    assert short["variant baseline d2 --compile"].included and short["rehearsal hc d2"].included
+    assert not short["rehearsal hc d3"].included and short["over the plan mhc d3"].included
+    lines = check_parts.plan_lines(list(short.values()), 570)
+    assert lines[-2] == "left out, over the 570 s budget: rehearsal hc d3"
+    assert lines[-1] == f"total: {sum(p.budget_s for p in short.values() if p.included):.0f} s"
+    assert not any("rehearsal hc d3" in line for line in lines[:-2])
+
+
+def test_an_out_of_memory_error_is_the_rehearsals_result_its_memory_is_freed_and_the_next_one_trains(tiny,
+                                                                                                   monkeypatch):
+    ctx, parts = tiny
+    built, real_step = [], check_parts.Stepper.step
+
+    def build(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(weakref.ref(self.model))
+    real_init = check_parts.Stepper.__init__
+    monkeypatch.setattr(check_parts.Stepper, "__init__", build)
+
+    def out_of_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(check_parts.Stepper, "step", out_of_memory)
+    alive_when_freed = []
+    real_free = check_parts.free_memory
+    monkeypatch.setattr(check_parts, "free_memory",
+                        lambda device: alive_when_freed.append([ref() is not None for ref in built]) or real_free(device))
+    part = by_name(parts)["rehearsal mhc d3"]
+    row = check_parts.rehearse(ctx, part, time.time() + 600)
+    assert row["status"] == "oom" and row["reason"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert row["step_s"] is None and row["micro_batch"] == 4 and row["kernels"] == "fused"
+    # freed before the next shape: nothing holds the model then, not the error's traceback, not the stepper
+    assert alive_when_freed == [[], [False]]
+    monkeypatch.setattr(check_parts.Stepper, "step", lambda self: (_ for _ in ()).throw(RuntimeError("CUDA error")))
+    assert check_parts.rehearse(ctx, part, time.time() + 600)["status"] == "failed"
+    monkeypatch.setattr(check_parts.Stepper, "step", real_step)
+    row = check_parts.rehearse(ctx, part, time.time() + 600)
+    assert row["status"] == "ok" and row["steps_timed"] == check_parts.TIMED_STEPS and row["reason"] == ""
+    low, high = row["step_s_spread"]
+    assert low <= row["step_s"] <= high and row["tokens_per_s"] == pytest.approx(4 * 32 / row["step_s"])
+    assert row["config"] == rehearsed.step_config(ctx.config(part.flags)) and row["modelled_step_s"] == MODELLED
+    assert row["mfu"] is None and row["peak_alloc_gib"] is None          # no peak FLOPs or device memory on a CPU
+    assert list(row) == list(contract.REHEARSAL_KEYS)
+
+
+def test_the_parts_run_in_one_process_each_arm_built_once_for_all_its_paths(tiny, monkeypatch):
+    ctx, parts = tiny
+    monkeypatch.setattr(check_parts, "SMALL_WARM", 1)
+    monkeypatch.setattr(check_parts, "SMALL_TIMED", 1)
+    built = []
+    real_init = check_parts.Stepper.__init__
+    monkeypatch.setattr(check_parts.Stepper, "__init__",
+                        lambda self, ctx, cfg, *a, **k: built.append(cfg.residual) or real_init(self, ctx, cfg, *a, **k))
+    chosen = [p for p in parts if p.name in ("environment", "timings", "rehearsal baseline d2", "over the plan mhc d3")]
+    events = []
+    check_parts.run_parts(ctx, chosen, time.time() + 600, events.append, skip=set())
+    timed = [(e["method"], e["path"]) for e in events if e["event"] == "timing"]
+    assert timed == [("baseline", "reference"), ("hc", "reference"), ("hc", "fused"), ("mhc", "reference"),
+                     ("mhc", "fused")]
+    assert built == ["baseline", "hc", "mhc", "baseline", "mhc"]        # one model per arm, then one per rehearsal
+    rows = [e["row"] for e in events if e["event"] == "rehearsal"]
+    assert [(r["method"], r["status"]) for r in rows] == [("baseline", "ok"), ("mhc", "oom")]
+    assert "simulated by --cpu-tiny" in rows[1]["reason"] and rows[1]["over_plan"]
+    assert [e["part"] for e in events if e["event"] == "end"] == [p.name for p in chosen]
+    # no time left: nothing runs, each rehearsal recorded out of time with its shape
+    events = []
+    check_parts.run_parts(ctx, chosen, time.time(), events.append, skip={"environment"})
+    rows = [e["row"] for e in events if e["event"] == "rehearsal"]
+    assert [r["status"] for r in rows] == ["out-of-time"] * 2 and rows[0]["micro_batch"] == 4
+    assert not [e for e in events if e["event"] in ("start", "timing", "environment")]
+
+
+def test_a_required_part_keeps_its_time_from_the_optional_ones_before_it(tiny, monkeypatch):
+    ctx, parts = tiny
+    ran = []
+    monkeypatch.setattr(check_parts, "run_part", lambda ctx, part, *a: ran.append(part.name))
+    lever, last = by_name(parts)["variant baseline d2 --compile"], by_name(parts)["over the plan mhc d3"]
+    check_parts.run_parts(ctx, [lever, last], time.time() + last.budget_s + lever.budget_s / 2, lambda e: None, set())
+    assert ran == ["over the plan mhc d3"]
+
+
+def timing(step_s, method="hc"):
+    cfg = train_c4.parse_config([*check_parts.SMALL, "--residual", method])
+    flops = gpus.flops_per_token(cfg, train_c4.count_parameters(cfg)["non_embedding"])
+    return {"step_s": step_s, "step_s_spread": [step_s, step_s], "steps_timed": 5, "tokens_per_s": 8192 / step_s,
+            "mfu": 0.3, "mem_peak_gb": 12.0, "flops_per_token": flops}
+
+
+def test_result_json_gives_the_planner_each_methods_fastest_step_and_keeps_the_rehearsals(tmp_path):
+    table = {"baseline": {"reference/eager": timing(0.3, "baseline")},
+             "hc": {"reference/eager": timing(0.5), "fused/eager": timing(0.4), "triton/eager": None},
              "mhc": {"reference/eager": None}}
-    gpu_check.write_result(tmp_path, {"gpu": H100}, {"bf16": "PASS"}, table, {})
+    rows = illustrative_check.write(tmp_path, train_c4)
     result = json.loads((tmp_path / "gpu_check" / "result.json").read_text())
-    assert result["step_seconds"] == {"baseline": pytest.approx(0.3075), "hc": pytest.approx(0.4075)}
-    assert result["paths"]["hc"] == "fused/eager" and "mhc" not in result["step_seconds"]
-    assert result["tokens_per_step"] == 8 * 1024 and result["gpu"] == "NVIDIA H100 80GB HBM3"
-    # what hcstudy/planner reads: the planner's rate from the check must be the timed run's own FLOPs per second
-    timing = result["methods"]["hc"]
-    assert timing["step_seconds"] == pytest.approx(0.4075) and timing["tokens_per_step"] == 8 * 1024
-    assert 6 * 4 * 12 * 2048 ** 2 < timing["flops_per_token"] < 6 * 4 * 13 * 2048 ** 2 + 12 * 4 * 2048 * 1024
-    assert result["timings"]["hc"]["fused/compile"] is None and result["parts"] == {"bf16": "PASS"}
+    assert result["rehearsals"] == json.loads(json.dumps(rows)) and result["format"] == 2
+    gpu_check.write_result(tmp_path, {"gpu": H100}, {"bf16": "PASS"}, table, rows)
+    result = json.loads((tmp_path / "gpu_check" / "result.json").read_text())
+    assert result["step_seconds"] == {"baseline": 0.3, "hc": 0.4} and result["paths"]["hc"] == "fused/eager"
+    assert result["tokens_per_step"] == 8 * 1024 and result["gpu"] == H100 and "mhc" not in result["methods"]
+    assert result["methods"]["hc"]["flops_per_token"] == timing(0.4)["flops_per_token"]
+    assert result["timings"]["hc"]["triton/eager"] is None and result["parts"] == {"bf16": "PASS"}
+    assert [r["status"] for r in result["rehearsals"]] == ["ok", "oom", "ok", "oom"]
     assert not list(tmp_path.glob("gpu_check/.*.tmp"))
 
 
 def test_result_json_is_read_by_the_kernel_choice_and_the_planner(tmp_path):
     """One end writes {out}/gpu_check/result.json (gpu_check.write_result), the other ends read it: the kernel
     choice's load_check and fastest_timed, the planner's measured_rate."""
-    table = {"hc": {"reference/eager": gpu_check.step_stats(timed_run(tmp_path / "r", 0.5)),
-                    "fused/eager": gpu_check.step_stats(timed_run(tmp_path / "f", 0.4))}}
-    gpu_check.write_result(tmp_path, {"gpu": H100}, {}, table, {"hc": {"fused": (0.3, 0.5)}})
+    table = {"hc": {"reference/eager": timing(0.5), "fused/eager": timing(0.4)}}
+    gpu_check.write_result(tmp_path, {"gpu": H100}, {}, table, [])
     check = contract.load_check(tmp_path)
-    assert check["modelled"] == {"hc": {"fused": [0.3, 0.5]}}
-    cfg = train_c4.parse_config([*gpu_check.SIZE, "--residual", "hc"])
-    assert choice.fastest_timed(cfg, check, H100) == ("fused", pytest.approx(0.4075))
+    cfg = train_c4.parse_config([*check_parts.SMALL, "--residual", "hc"])
+    assert choice.fastest_timed(cfg, check, H100) == ("fused", 0.4)
     assert choice.fastest_timed(cfg, check, "NVIDIA H200") is None      # timed on another card
     rate = run_time.measured_rate(check, cfg, "fused", H100)
-    assert rate["flops_per_s"] == pytest.approx(8192 * table["hc"]["fused/eager"]["flops_per_token"] / 0.4075)
+    assert rate["flops_per_s"] == pytest.approx(8192 * timing(0.4)["flops_per_token"] / 0.4)
+    assert rate["basis"].startswith("scaled: hc on the fused path (eager)")
     assert run_time.measured_rate(check, cfg, "triton", H100) is None
     assert contract.load_check(tmp_path / "elsewhere") == {}
 
 
-@pytest.mark.slow
-def test_run_as_a_script_it_finds_the_trainer_and_writes_result_json(tmp_path):
-    """run_experiments.sh runs `python -m hcstudy.gpu_check` from any folder, the repository on PYTHONPATH."""
-    timed_run(tmp_path / "b", 0.3)
-    script = ("from hcstudy import gpu_check; import pathlib; "
-              f"folder = pathlib.Path({str(tmp_path)!r}); "
-              "stats = gpu_check.step_stats(folder / 'b'); "
-              "gpu_check.write_result(folder, {}, {}, {'baseline': {'reference/eager': stats}}, {})")
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr
-    assert json.loads((tmp_path / "gpu_check" / "result.json").read_text())["methods"]["baseline"]["flops_per_token"] > 0
+def plan_event(parts):
+    return {"event": "plan", "gpu": H100, "torch": "2.x", "cuda": "12.x",
+            "parts": [dataclasses.asdict(part) for part in parts]}
 
 
-def test_each_part_is_judged_against_the_plan(tmp_path, capsys):
-    check = gpu_check.Check(tmp_path)
-    timed = {"step_s": 0.04, "tokens_per_s": 205_000, "mfu": 0.25, "mem_peak_gb": 16.0}
-    table = {"baseline": {"reference/eager": timed, "reference/compile": timed},
-             "hc": {"reference/eager": timed, "reference/compile": None},          # a compiled run that failed
-             "mhc": {"reference/eager": timed, "reference/compile": timed}}
-    # the trainer models each timed arm's step (train_c4.py --plan-jobs, one subprocess)
-    model = gpu_check.modelled_steps(table, "NVIDIA H200")
-    assert set(model) == {"baseline", "hc", "mhc"} and all(low < high for low, high in model["hc"].values())
-    gpu_check.judge(check, table, 15.8, model, "NVIDIA H200")
-    assert check.parts == {"compile": "FAIL", "memory plan": "FAIL", "step model": "PASS", "MFU": "PASS"}
+def test_the_events_become_verdicts_a_process_that_died_in_a_part_a_failed_row(tiny, capsys):
+    ctx, parts = tiny
+    rows = [illustrative_check.row(train_c4, *values) for values in illustrative_check.ROWS]
+    base = illustrative_check.row(train_c4, "baseline", 32, 8, 32, "reference", "ok", 0.98, [0.97, 1.0], 50.0, 51.5,
+                                  [0.74, 1.22], False)
+    compiled = dict(base, compile=True, status="failed", reason="BackendCompilerFailed: ...", variant=["--compile"])
+    died = dataclasses.replace(by_name(parts)["rehearsal mhc d3"], name="rehearsal mhc d48",
+                               flags=["--residual", "mhc", "--depth", "48", "--micro-batch-size", "2"])
+    events = [plan_event([died]), {"event": "environment", "bf16": True, "flash_attn": False, "sdpa_flash": True,
+                                   "error": ""},
+              {"event": "timing", "method": "hc", "path": "fused", "stats": timing(0.4), "why": ""},
+              *({"event": "rehearsal", "row": row} for row in [base, compiled, *rows]),
+              {"event": "start", "part": died.name}, {"event": "crashed", "part": died.name, "exit": -11}]
+    device, environment, table, found = gpu_check.results(events)
+    assert device == {"gpu": H100, "torch": "2.x", "cuda": "12.x"} and table == {"hc": {"fused/eager": timing(0.4)}}
+    assert found[-1]["status"] == "failed" and "the process died in it (exit -11" in found[-1]["reason"]
+    assert found[-1]["micro_batch"] == died.micro and found[-1]["config"] == {}
+    check = gpu_check.Check(Path("."))
+    gpu_check.judge(check, environment, table, found)
     out = capsys.readouterr().out
-    assert "FAIL  compile      2 of 3 --compile runs timed" in out
-    assert "mHC measured peak 16.0 GB against the planned 15.8 GB allocated" in out
-    # the planner models the baseline's step at 0.028-0.048 s on an H200; hc and mhc are slower than 0.04 s there
-    assert re.search(r"baseline 0.040 s/step against the planner's 0.02\d-0.04\d s; .* 1 of 3 eager timings", out)
-    table["baseline"] = {"reference/eager": {**timed, "step_s": 0.3}}
-    gpu_check.judge(gpu_check.Check(tmp_path), table, 15.8, model, "NVIDIA H200")
-    assert "FAIL  step model" in capsys.readouterr().out
-    model = gpu_check.modelled_steps(table, "NVIDIA RTX A6000")
-    gpu_check.judge(check := gpu_check.Check(tmp_path), table, 15.8, model, "NVIDIA RTX A6000")
-    assert check.parts["step model"] == "FAIL" and "no model for NVIDIA RTX A6000" in capsys.readouterr().out
+    assert check.parts == {"bf16": "PASS", "attention": "PASS", "compile": "FAIL", "memory plan": "FAIL",
+                           "step model": "PASS", "MFU": "PASS"}
+    assert "out of memory at the planned micro-batch: hc d48 x2" in out           # the plan let it through
+    assert "baseline d32 0.980 s/step against the planner's 0.740-1.220 s" in out
+    assert re.search(r"MFU +baseline d32 \d+\.\d%", out)
+    assert "over the plan: mhc d48 at micro-batch 3: ran out of memory, as the plan expects" in out
+    found = [row for row in found if row["status"] == "ok" and not row["compile"]]     # every planned shape fitted
+    gpu_check.judge(check := gpu_check.Check(Path(".")), environment, table, found)
+    assert check.parts["memory plan"] == "PASS" and "compile" not in check.parts
+    found[0] = dict(found[0], peak_alloc_gib=found[0]["planned_alloc_gib"] + 0.1)
+    gpu_check.judge(check := gpu_check.Check(Path(".")), environment, table, found)
+    assert check.parts["memory plan"] == "FAIL"
+
+
+@pytest.mark.slow
+def test_check_dry_run_lists_every_part_at_depths_32_and_48_within_its_570_s(tmp_path):
+    """No GPU needed: the worker plans the parts for the documented node's card (a minute or two on a 2-core CPU)."""
+    done = subprocess.run(["bash", str(ROOT / "run_experiments.sh"), "--check", "--dry-run"], capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("run_experiments.sh --check --dry-run: the parts on one NVIDIA H100 80GB HBM3 (assumed")
+    total = int(re.fullmatch(r"total: (\d+) s", lines[-1]).group(1))
+    budgets = [int(m.group(1)) for m in (re.match(r" *(\d+) s  ", line) for line in lines) if m]
+    assert total <= 570 and abs(sum(budgets) - total) <= len(budgets)        # each rounded on its own
+    for depth in (32, 48):
+        for arm in ("baseline", "hc", "mhc"):
+            line = next(line for line in lines if f"rehearsal {arm} d{depth} " in line)
+            assert re.search(rf"depth {depth}, {arm}, micro-batch \d+ x \d+, \w+ path, fp32 streams", line), line
+    assert re.search(r"over the plan mhc d48 +depth 48, mhc, micro-batch 3 \(planned 2\)", done.stdout)
+    assert "variant baseline d32 --compile" in done.stdout and "FSDP" in done.stdout and "timings" in done.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_the_cpu_tiny_check_runs_every_part_in_one_worker_and_writes_result_json(tmp_path):
+    """The whole check, parent and worker processes, at --cpu-tiny's sizes: what a lent GPU runs, run before."""
+    done = subprocess.run([sys.executable, "-m", "hcstudy.gpu_check", "--cpu-tiny", "--out", str(tmp_path),
+                           "--budget", "1500"], capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    assert "PASS  FSDP" in done.stdout and "PASS  compile" in done.stdout, done.stdout + done.stderr
+    result = contract.load_check(tmp_path)
+    rows = result["rehearsals"]
+    assert {(r["method"], r["depth"]) for r in rows if not r["over_plan"] and not r["variant"]} == {
+        (m, d) for m in contract.METHODS for d in check_parts.TINY_DEPTHS}
+    assert [r["status"] for r in rows if r["over_plan"]] == ["oom"]
+    assert all(r["status"] == "ok" for r in rows if not r["over_plan"]), rows
+    assert result["timings"]["hc"]["fused/eager"]["step_s"] > 0 and result["gpu"] == "cpu"
+    assert done.stdout.count("part  rehearsal") == len(contract.METHODS) * 2

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import illustrative_check
 from hcstudy.kernels import triton_library
 from hcstudy.launcher import dry_run
 from hcstudy.planner import estimate, gpus
@@ -427,8 +428,9 @@ def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
                  "NVIDIA H200")
     assert r.returncode == 0, r.stderr
     line = next(line for line in r.stdout.splitlines() if line.startswith("mhc_d32_s1"))
-    assert "8 x NVIDIA H200" in r.stdout and "triton path" in line and "(measured)" in line
-    assert "Step times, measured: mhc on the triton path (eager): measured, timed by the GPU check" in r.stdout
+    assert "8 x NVIDIA H200" in r.stdout and "triton path" in line and "(scaled)" in line
+    assert "Step times, scaled: mhc on the triton path (eager) timed by the GPU check at its small size, scaled by " \
+           "FLOPs per token" in r.stdout
     # 10,000 steps of 2 s at 1e10 FLOPs per token, scaled to depth 32's 1.055e10 and spread 0.9-1.2, plus the rest
     low, high = hours(line)
     assert 5.2 < low < 5.6 and 7.0 < high < 7.7
@@ -437,6 +439,30 @@ def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
     r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1", "--gpu-type",
                  "NVIDIA H200", "--", "--kernels", "reference")
     assert r.returncode == 0 and "GPU check" not in r.stdout and "reference path" in r.stdout   # not the timed path
+
+
+@pytest.mark.slow
+def test_dry_run_prices_rehearsed_jobs_as_measured_and_refuses_a_micro_batch_that_ran_out_of_memory(tmp_path):
+    """tests/illustrative_check.py's result.json (made up): the baseline at depth 48 and mHC at depth 32 trained,
+    HC at depth 48 ran out of memory at its planned micro-batch 2."""
+    illustrative_check.write(tmp_path / "runs", T)
+    r = launcher(tmp_path, "--dry-run", "--seeds", "1")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if re.match(r"\w+_d\d+_s1 ", line)}
+    assert "micro-batch 4 (auto)" in lines["baseline_d48_s1"] and "(measured: 1.41 s a step, 1.39-1.44)" in \
+        lines["baseline_d48_s1"]
+    assert "(measured: 1.58 s a step, 1.55-1.62)" in lines["mhc_d32_s1"]
+    assert "micro-batch 1 (auto)" in lines["hc_d48_s1"] and "(modelled)" in lines["hc_d48_s1"]     # below the 2
+    assert sum("(measured" in line for line in lines.values()) == 2 and len(lines) == 6
+    low, high = hours(lines["mhc_d32_s1"])         # 10,000 steps of 1.55-1.62 s, and the rest
+    assert 4.3 < low < 4.7 and 4.5 < high < 5.0
+    assert "Step times, measured: the GPU check's rehearsal of the job's very shape" in r.stdout
+    r = launcher(tmp_path, "--dry-run", "--methods", "hc", "--depths", "48", "--seeds", "1", "--",
+                 "--micro-batch-size", "2")
+    assert r.returncode == 2 and "nothing was launched" not in r.stdout
+    assert re.search(r"refuses hc_d48_s1: --micro-batch-size 2: the GPU check's rehearsal of hc at depth 48 ran out "
+                     r"of memory at micro-batch 2 on this NVIDIA H100 80GB HBM3 \(result\.json in .*\): use a "
+                     r"smaller one, or auto", r.stderr), r.stderr
 
 
 @pytest.mark.slow
