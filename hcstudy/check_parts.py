@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hcstudy.contract import METHODS, rehearsal_row
-from hcstudy.kernels import choice
+from hcstudy.kernels import choice, cross_entropy
 from hcstudy.planner import gpus, memory, rehearsed, run_time
 
 # ---------------------------------------------------------------------------------------------
@@ -71,8 +71,10 @@ WARM_STEPS, TIMED_STEPS = 1, 3                              # optimizer steps pe
 REQUIRED_ARMS = ("baseline", "hc", "mhc")                   # the default matrix's; the other arms if time allows
 OVER_PLAN_ARM = "mhc"                                       # once, deepest: the micro-batch one above the planned one
 # Levers timed on the baseline at depth 32, each a list of trainer flags added to its shape (a row each, its
-# `variant`): a lever the trainer gains (a fused cross-entropy, a whole-model compile) is one more entry here
-VARIANTS = (("--compile",),)
+# `variant`), in priority order: the fused cross-entropy first (auto takes it where it timed faster: loss_timings),
+# then the compile of each block and of the whole model
+FUSED_LOSS = ("--cross-entropy", "fused")
+VARIANTS = (FUSED_LOSS, ("--compile",), ("--compile", "--compile-scope", "model"))
 # --cpu-tiny: the same parts on the CPU at a few thousand parameters (tests); depths 2 and 3 stand for 32 and 48, the
 # planner's 1 GiB CUDA context dominates their plans, so on this pretend card auto takes the whole batch
 TINY_SHAPE = ["--width", "32", "--heads", "2", "--seq-len", "32", "--batch-size", "4", "--tokenizer", "byte"]
@@ -161,6 +163,17 @@ class Context:
 
 # ---------------------------------------------------------------------------------------------
 # the plan: every part in the order it runs, its sizes and budget, the optional ones kept while they fit
+
+
+def loss_timings(rows: list) -> dict:
+    """result.json's "cross_entropy" (contract.timed_losses, what auto reads): the baseline's step with FUSED_LOSS and
+    with the plain loss at the same depth (the levers' rehearsal), each where it trained; {} where either did not."""
+    trained = {(row["depth"], tuple(row["variant"])): row["step_s"] for row in rows
+               if row["method"] == "baseline" and row["status"] == "ok"}
+    for (depth, variant), fused in trained.items():
+        if variant == FUSED_LOSS and trained.get((depth, ())):
+            return {"plain": {"step_s": trained[(depth, ())]}, "fused": {"step_s": fused}}
+    return {}
 
 
 def plan_parts(ctx: Context, budget_s: float, check: dict | None = None) -> list[Part]:
@@ -300,7 +313,8 @@ class Stepper:
             #                 allows 8 graphs: a trainer process holds one model (3 graphs), this one several in turn
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         with torch.device(device):      # built where it runs: a 2.5B-parameter model on the host takes minutes
-            model = T.GPT(cfg, T.use_flash_attention(cfg, device, dtype), path)
+            model = T.GPT(cfg, choice.use_flash_attention(cfg, device, dtype), path,
+                          cross_entropy.choose(cfg, ctx.gpu, None)[0])       # auto: plain until a check timed both
         self.model = T.wrap_model(model, cfg, dist, dtype)
         ids = torch.randint(0, T.padded_vocab_size(cfg.tokenizer, exact=True), (micro, cfg.seq_len + 1), device=device)
         batches = types.SimpleNamespace(next_batch=lambda: (ids[:, :-1], ids[:, 1:]))

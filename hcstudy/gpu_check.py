@@ -270,6 +270,7 @@ def write_result(out, device, parts, table, rows, tiny=False):
     flags = check_parts.TINY_SMALL if tiny else check_parts.SMALL
     tokens = int(flags[flags.index("--micro-batch-size") + 1]) * int(flags[flags.index("--seq-len") + 1])
     result = check_result(device, flags, tokens, parts, table, fastest(table), {}, rows)
+    result["cross_entropy"] = check_parts.loss_timings(rows)     # what --cross-entropy auto takes on this GPU
     check_path(out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(check_path(out), result)          # a reader never sees half a file
 

@@ -11,7 +11,7 @@ from hcstudy.contract import rehearsals_on
 # Config's "model" group holds every setting of the model's maths and kernels; beyond it these move a step's time
 # or memory (the optimizer step's micro-batches, compile, recompute). A lever added to the trainer outside the model
 # group (e.g. a compile scope) is added here, so that a row timed with it prices only jobs that use it.
-STEP_FIELDS_BEYOND_MODEL = ("batch_size", "compile", "activation_checkpointing")
+STEP_FIELDS_BEYOND_MODEL = ("batch_size", "compile", "compile_scope", "activation_checkpointing")
 # in the model group but not the step's: a preset's effects are its settings; `kernels` asks, the row says the path
 NOT_THE_STEP = ("preset", "kernels")
 

@@ -45,7 +45,8 @@ def test_the_plan_rehearses_every_arm_at_both_depths_and_once_one_micro_batch_ov
     ctx, parts = tiny
     assert [p.name for p in parts] == [
         "start-up: this process", "planning", "environment", "timings", "rehearsal baseline d2", "rehearsal mhc d2",
-        "rehearsal hc d2", "variant baseline d2 --compile", "rehearsal baseline d3", "rehearsal mhc d3",
+        "rehearsal hc d2", "variant baseline d2 --cross-entropy fused", "variant baseline d2 --compile",
+        "variant baseline d2 --compile --compile-scope model", "rehearsal baseline d3", "rehearsal mhc d3",
         "rehearsal hc d3", "over the plan mhc d3"]
     named = by_name(parts)
     deep, over = named["rehearsal mhc d3"], named["over the plan mhc d3"]
@@ -67,9 +68,10 @@ def test_optional_parts_are_left_out_in_priority_order_when_the_budget_is_short(
     ctx, parts = tiny
     required = sum(p.budget_s for p in parts if p.required)
     named = by_name(parts)
-    lever, hc = named["variant baseline d2 --compile"].budget_s, named["rehearsal hc d2"].budget_s
-    short = by_name(check_parts.plan_parts(ctx, required + lever + hc + 0.05))    # not both hc rehearsals
-    assert short["variant baseline d2 --compile"].included and short["rehearsal hc d2"].included
+    levers = [p for p in parts if p.name.startswith("variant baseline d2")]
+    hc = named["rehearsal hc d2"].budget_s
+    short = by_name(check_parts.plan_parts(ctx, required + sum(p.budget_s for p in levers) + hc + 0.05))  # not both hc
+    assert all(short[p.name].included for p in levers) and short["rehearsal hc d2"].included
     assert not short["rehearsal hc d3"].included and short["over the plan mhc d3"].included
     lines = check_parts.plan_lines(list(short.values()), 570)
     assert lines[-2] == "left out, over the 570 s budget: rehearsal hc d3"
@@ -187,6 +189,25 @@ def test_result_json_is_read_by_the_kernel_choice_and_the_planner(tmp_path):
     assert rate["basis"].startswith("scaled: hc on the fused path (eager)")
     assert run_time.measured_rate(check, cfg, "triton", H100) is None
     assert contract.load_check(tmp_path / "elsewhere") == {}
+
+
+def test_the_rehearsed_losses_become_what_cross_entropy_auto_takes(tmp_path):
+    """The baseline's rehearsal with the plain loss and its --cross-entropy fused variant at the same depth: result.json's
+    "cross_entropy", which auto reads (cross_entropy.choose); a loss that did not train leaves auto at plain."""
+    from hcstudy.kernels import cross_entropy
+
+    def row(variant, step_s, status="ok", depth=32, method="baseline"):
+        return dict(method=method, depth=depth, variant=list(variant), step_s=step_s, status=status)
+    cfg = train_c4.parse_config(["--residual", "baseline"])
+    for rows, expected in (([row((), 0.50), row(check_parts.FUSED_LOSS, 0.42)], "fused"),
+                           ([row((), 0.40), row(check_parts.FUSED_LOSS, 0.42)], "plain"),
+                           ([row((), 0.50), row(check_parts.FUSED_LOSS, None, "oom")], "plain"),
+                           ([row((), 0.50, depth=48), row(check_parts.FUSED_LOSS, 0.42)], "plain"),
+                           ([row((), 0.50, method="mhc"), row(check_parts.FUSED_LOSS, 0.42)], "plain")):
+        timings = check_parts.loss_timings(rows)
+        assert cross_entropy.choose(cfg, H100, {"gpu": H100, "cross_entropy": timings})[0] == expected, rows
+    assert check_parts.loss_timings([row((), 0.5), row(check_parts.FUSED_LOSS, 0.4)]) == {
+        "plain": {"step_s": 0.5}, "fused": {"step_s": 0.4}}
 
 
 def plan_event(parts):
