@@ -1608,7 +1608,7 @@ def build_trainer(cfg: Config, dist: Dist) -> Trainer:
         batches = RankBatches(data.train, tokenizer, cfg, dist.rank, dist.world, micro, data.held_out_slice)
         loader = make_loader(batches, cfg, pin_memory=dist.device.type == "cuda")
         params = count_parameters(cfg)
-        peak, flops = gpus.gpu_peak_flops(device_name(dist.device)), gpus.flops_per_token(cfg, params["non_embedding"])
+        peak, flops = gpus.gpu_peak_flops(device_name(dist.device)), gpus.flops_per_token(cfg, params)
         trainer = Trainer(cfg, dist, wrapped, optimizer, loader, val, micro, accum, dtype, log, run_dir, peak, flops)
         trainer.log.record_changes(changes | trainer.restore(changed=bool(changes)), trainer.step)
         record = run_record(cfg, micro, dist, dtype, use_flash, (kernels, kernels_reason), params, loss_path)

@@ -28,7 +28,7 @@ H100_BF16_PEAK, REALISTIC_MFU = 989e12, 0.40
 def gpu_tokens_per_second(depth: int) -> float:
     """What one H100 consumes at a realistic 40% MFU for the C4 model of this depth."""
     cfg = T.parse_config(["--depth", str(depth)])
-    flops = gpus.flops_per_token(cfg, T.count_parameters(cfg)["non_embedding"])
+    flops = gpus.flops_per_token(cfg, T.count_parameters(cfg))
     return H100_BF16_PEAK * REALISTIC_MFU / flops
 
 

@@ -175,7 +175,7 @@ class Variant:
         self.probe_idx = torch.randint(0, vocab, (cfg.probe_sequences, cfg.seq_len), generator=generator).to(device)
         self.times: list[float] = []
         self.cpu_times: list[float] = []
-        self.non_embedding = T.count_parameters(cfg)["non_embedding"]
+        self.params = T.count_parameters(cfg)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
@@ -241,7 +241,7 @@ def run_timing(args, device: torch.device) -> dict:
             "ms_per_step": round(ms, 2), "tokens_per_s": round(tok_s, 1), "noise": round(spread(v.times), 3),
             "cpu_ms_per_step": round(statistics.median(v.cpu_times) * 1e3, 2),
             "cpu_noise": round(spread(v.cpu_times), 3), "fastest_ms": round(min(v.times) * 1e3, 2),
-            "mfu": round(tok_s * gpus.flops_per_token(v.cfg, v.non_embedding) / peak, 4) if peak else None}
+            "mfu": round(tok_s * gpus.flops_per_token(v.cfg, v.params) / peak, 4) if peak else None}
     for label, _, _ in labelled if "baseline" in args.variants else []:
         at = f"@{label}" if label else ""
         base = out["variants"]["baseline" + at]["ms_per_step"]

@@ -154,7 +154,7 @@ class Context:
         cannot price, the step's FLOPs at UNKNOWN_CARD_FLOPS."""
         if modelled:
             return modelled[1] * STEP_MARGIN
-        flops = gpus.flops_per_token(cfg, self.parameters(memory.shape_key(cfg))["non_embedding"])
+        flops = gpus.flops_per_token(cfg, self.parameters(memory.shape_key(cfg)))
         return cfg.tokens_per_step * flops / UNKNOWN_CARD_FLOPS * STEP_MARGIN
 
     def build_s(self, cfg) -> float:
@@ -319,7 +319,7 @@ class Stepper:
         ids = torch.randint(0, T.padded_vocab_size(cfg.tokenizer, exact=True), (micro, cfg.seq_len + 1), device=device)
         batches = types.SimpleNamespace(next_batch=lambda: (ids[:, :-1], ids[:, 1:]))
         params = ctx.parameters(memory.shape_key(cfg))
-        self.flops_per_token = gpus.flops_per_token(cfg, params["non_embedding"])
+        self.flops_per_token = gpus.flops_per_token(cfg, params)
         self.peak = gpus.gpu_peak_flops(ctx.gpu)
         self.trainer = T.Trainer(cfg=cfg, dist=dist, model=self.model, optimizer=T.make_optimizer(model, cfg),
                                  loader=batches, val=None, micro=micro, accum=cfg.batch_size // micro, dtype=dtype,

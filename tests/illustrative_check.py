@@ -19,7 +19,7 @@ ROWS = [("baseline", 48, 4, 32, "reference", "ok", 1.41, [1.39, 1.44], 55.0, 58.
 def row(trainer, method, depth, micro, batch, path, status, step, spread, peak, planned, modelled, over_plan):
     cfg = trainer.parse_config(["--residual", method, "--depth", str(depth), "--batch-size", str(batch),
                                 "--micro-batch-size", str(micro)])
-    flops = gpus.flops_per_token(cfg, trainer.count_parameters(cfg)["non_embedding"])
+    flops = gpus.flops_per_token(cfg, trainer.count_parameters(cfg))
     tokens_per_s = cfg.batch_size * cfg.seq_len / step if step else None
     return rehearsal_row(
         gpu=GPU, method=method, depth=depth, width=cfg.width, seq_len=cfg.seq_len, batch_size=batch, micro_batch=micro,

@@ -41,7 +41,7 @@ def print_estimate(gpt: type, cfg: Config, params: dict) -> None:
     meta device and the activations are measured on tiny copies on the CPU, so nothing of the real size is
     allocated. `params`: train_c4.count_parameters(cfg)."""
     print(f"{cfg.residual} depth {cfg.depth} width {cfg.width}: {parameter_summary(params)}")
-    flops = flops_per_token(cfg, params["non_embedding"])
+    flops = flops_per_token(cfg, params)
     print(f"{flops:.4g} training FLOPs per token; {cfg.tokens_per_step:,} tokens per step; "
           f"{cfg.steps * cfg.tokens_per_step:,} tokens in {cfg.steps:,} steps")
     world = cfg.estimate_world_size or int(os.environ.get("WORLD_SIZE", "1"))

@@ -30,9 +30,12 @@ GPU_MEMORY_GIB = {
 ASSUMED_GPU = "NVIDIA H100 80GB HBM3"
 
 
-def flops_per_token(cfg: Config, non_embedding_params: int) -> float:
-    # 6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM)
-    return 6 * non_embedding_params + 12 * cfg.depth * cfg.width * cfg.seq_len
+def flops_per_token(cfg: Config, params: dict) -> float:
+    """6N for the weight matmuls (forward + backward) + 12 * depth * width * seq_len for attention (PaLM), where N is
+    the body's parameters and the head's: the head is the token embedding used again (tied), a (vocabulary x width)
+    matmul every token, 6% of a depth-32 step; the embeddings' lookups cost no FLOPs. count_parameters' `params`."""
+    head = params["embedding"] - cfg.seq_len * cfg.width           # the token embedding, without the positions'
+    return 6 * (params["non_embedding"] + head) + 12 * cfg.depth * cfg.width * cfg.seq_len
 
 
 def gpu_peak_flops(name: str) -> float | None:

@@ -41,7 +41,7 @@ def job_plan(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu: 
                             "-- --activation-checkpointing, or --gpus-per-run 2 or more (python train_c4.py "
                             "--estimate shows the plan)")
         memory = f"{plan.total / GiB:.1f} of {plan.card / GiB:.0f} GiB"
-    check, flops = job.check or {}, flops_per_token(cfg, params["non_embedding"])
+    check, flops = job.check or {}, flops_per_token(cfg, params)
     path = planned_path(cfg, gpu, check)
     if job.tokens_per_s:
         measured = {"flops_per_s": job.tokens_per_s * flops, "gpus": world, "basis": "calibrated just now"}

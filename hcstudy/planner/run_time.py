@@ -185,7 +185,7 @@ def step_cost(gpt: type, cfg: Config, params: dict, path: str, micro: int, world
     tokens, micro_steps = cfg.tokens_per_step / world, cfg.batch_size / (micro * world)
     blocks, shards = cfg.depth * numels["block"], world if world > 1 and cfg.parallel == "fsdp" else 1
     recomputed_logits = 2 * numels["wte.weight"] if loss == "fused" else 0
-    flops = tokens * (flops_per_token(cfg, params["non_embedding"]) + recomputed_logits)
+    flops = tokens * (flops_per_token(cfg, params) + recomputed_logits)
     nbytes = (tokens * work.bytes_per_token(cfg.width, cfg.depth) + OPTIMIZER_BYTES * numels["total"] / shards
               + micro_steps * (work.per_parameter[0] * blocks + work.per_parameter[1] * (numels["total"] - blocks)))
     return StepCost(path, flops, nbytes, micro_steps * work.micro_launches(cfg.depth), rates)
@@ -221,7 +221,7 @@ def step_seconds(gpt: type, cfg: Config, params: dict, micro: int, world: int, g
     if measured and measured.get("step_s_spread"):
         return tuple(measured["step_s_spread"]), MEASURED_BASIS
     if measured and measured.get("flops_per_s"):
-        seconds = cfg.tokens_per_step * flops_per_token(cfg, params["non_embedding"]) / (
+        seconds = cfg.tokens_per_step * flops_per_token(cfg, params) / (
             measured["flops_per_s"] * world / measured.get("gpus", 1))
         return (seconds * MEASURED_SPREAD[0], seconds * MEASURED_SPREAD[1]), measured["basis"]
     cfg = device_config(cfg, gpu)
