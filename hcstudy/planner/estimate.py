@@ -8,7 +8,7 @@ import torch
 from hcstudy.contract import load_check
 from hcstudy.durations import duration
 from hcstudy.kernels import choice
-from hcstudy.planner.gpus import ASSUMED_GPU, flops_per_token
+from hcstudy.planner.gpus import ASSUMED_GPU, flops_per_token, gpu_peak_flops
 from hcstudy.planner import rehearsed
 from hcstudy.planner.memory import (AUTO_MARGIN, GiB, MemoryPlan, PlanError, activation_profile, auto_micro_batch,
                                     check_batch_split, checkpointed_path, memory_plan, planned_loss, profile_key,
@@ -97,8 +97,19 @@ def print_time(gpt: type, cfg: Config, params: dict, micro: int, world: int, gpu
     estimate = run_time(gpt, cfg, params, micro, world, gpu, path, measured)
     step = rehearsed.step_text(measured) if estimate.point is not None else f"{duration(*estimate.step)} a step"
     print(f"  the run on {where if gpu == 'cpu' else 'it'}, {path} path ({estimate.basis}): "
-          f"{step}, {duration(*estimate.total)} for {cfg.steps:,} steps with "
-          "evaluation, probes, checkpoints and start-up")
+          f"{step}{mfu_text(cfg, params, estimate.step, gpu, world)}, {duration(*estimate.total)} for {cfg.steps:,} "
+          "steps with evaluation, probes, checkpoints and start-up")
+
+
+def mfu_text(cfg: Config, params: dict, step: tuple, gpu: str, world: int) -> str:
+    """', MFU lo-hi %' of a step lasting `step` (fast, slow) seconds on `world` of `gpu`: FLOPs per token (the head's
+    included) over the card's dense bf16 peak; '' where the peak is not known (the CPU)."""
+    peak = gpu_peak_flops(gpu)
+    if not peak:
+        return ""
+    work = cfg.tokens_per_step * flops_per_token(cfg, params) / (peak * world)
+    low, high = (100 * work / seconds for seconds in (max(step), min(step)))
+    return f", MFU {low:.0f}%" if round(low) == round(high) else f", MFU {low:.0f}-{high:.0f}%"
 
 
 def levers_line(cfg: Config) -> str:

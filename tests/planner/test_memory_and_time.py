@@ -486,3 +486,17 @@ def test_demo_dry_run_calibrates_on_the_cpu(tmp_path):
     assert "Times from --calibrate" in r.stdout and "mhc_d4 " in r.stdout and "calibrated just now" in r.stdout
     assert "Wall time: 1 job(s) on 1 slot(s)" in r.stdout and "no GPU-hours" in r.stdout
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_estimate_prints_the_modelled_mfu_of_its_step_range():
+    """MFU = tokens a step x FLOPs a token (the head's included) / (seconds x the card's bf16 peak x GPUs): the slow end
+    of the step gives the low MFU; a card without a known peak (the CPU) prints none."""
+    cfg = T.parse_config(["--residual", "baseline", "--depth", "32"])
+    params = T.count_parameters(cfg)
+    h100 = "NVIDIA H100 80GB HBM3"
+    work = cfg.tokens_per_step * gpus.flops_per_token(cfg, params) / gpus.gpu_peak_flops(h100)
+    assert estimate.mfu_text(cfg, params, (work / 0.5, work / 0.25), h100, 1) == ", MFU 25-50%"
+    assert estimate.mfu_text(cfg, params, (work / 0.5, work / 0.5), h100, 2) == ", MFU 25%"
+    assert estimate.mfu_text(cfg, params, (1.0, 2.0), "cpu", 1) == ""
+    head = params["embedding"] - cfg.seq_len * cfg.width
+    assert gpus.flops_per_token(cfg, params) - 6 * params["non_embedding"] == 6 * head + 12 * 32 * 2048 * 1024
