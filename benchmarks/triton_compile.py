@@ -125,7 +125,8 @@ def kernel_rows(n: int, width: int, stream_dtype: str = "fp32") -> list[dict]:
                      "shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"]),
                      "bytes_per_token": K.traffic(arm, n, width, stream_bytes=stream_bytes)[name],
                      "blocks": {k: v for k, v in constexprs.items() if k in ("BT", "BC", "BR")}, "warps": warps})
-        print(f"  {name:<20} {label:<14} {warps} warps {rows[-1]['registers']:>4} regs  spills {rows[-1]['spill_stores']}/"
+        print(f"  {name:<20} {label:<14} {warps} warps {rows[-1]['registers']:>4} regs  "
+              f"spills {rows[-1]['spill_stores']}/"
               f"{rows[-1]['spill_loads']} B  stack {rows[-1]['stack']} B  smem {rows[-1]['shared']:>6} B  "
               f"{rows[-1]['bytes_per_token'] / 1024:6.1f} KiB/token", flush=True)
     return rows

@@ -15,7 +15,8 @@ train_c4.py (the trainer), report.py, torchrun.py, run_experiments.sh, setup.sh.
     gpu_check.py            run_experiments.sh --check: the GPU path on one card, its timings for the planner
     kernels/choice.py       which path runs the streams (--kernels): asked, timed, self-checked
     kernels/fused.py        hand-written autograd Functions for HC and mHC (any device)
-    kernels/triton_ops.py   the Triton GPU kernels of the connections
+    kernels/triton_ops.py   the Triton path of the connections: the kernels' launches, autograd, byte counts
+    kernels/triton_kernels.py  the Triton kernels themselves, imported at their first launch
     planner/gpus.py         the cards' spec sheets; FLOPs per token
     planner/memory.py       the memory plan of one GPU; the micro-batch
     planner/step_work.py    a step's kernels, bytes and FLOPs, counted on the real model

@@ -287,7 +287,7 @@ def _mhc_read_forward(x_ptr, sxt, sxn, sxc, phi_ptr, raw_ptr, a_pre_ptr, a_post_
 
 @_jit
 def _res_logits(raw_ptr, a_res_ptr, b_res_ptr, inv_rms, t, i3, j3, valid, m3, K, N: tl.constexpr):
-    """(the raw logits of H_res, the logits a_res raw / rms + b_res): the forward's, recomputed alike by the backward."""
+    """(H_res's raw logits, its logits a_res raw / rms + b_res): the forward's, recomputed alike by the backward."""
     raw = tl.load(raw_ptr + t[:, None, None] * K + 2 * N + i3 * N + j3, mask=m3, other=0.0)
     logits = tl.load(a_res_ptr).to(tl.float32) * raw * inv_rms[:, None, None]
     return raw, logits + tl.load(b_res_ptr + i3 * N + j3, mask=valid, other=0.0)
@@ -364,10 +364,10 @@ def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_
                        T, C, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, R: tl.constexpr,
                        STORED: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
     """The coefficients' backward for BT tokens. One pass over x and du: dH_pre. Then per token in registers: the
-    gates' and Sinkhorn's (or the permutation mix's) backward to the logits' gradients dl, written per token (T, 2n + R),
-    sum(dl z) for each gate (T, 3), and the RMS's multiple of x in x's gradient (T); _mhc_read_columns adds them
-    into x's gradient. Nothing of size n x C per token is stored by the forward for this: x is re-read, the logits
-    recomputed from the raw ones (2n + R per token) where that is cheaper than keeping them."""
+    gates' and Sinkhorn's (or the permutation mix's) backward to the logits' gradients dl, written per token
+    (T, 2n + R), sum(dl z) for each gate (T, 3), and the RMS's multiple of x in x's gradient (T); _mhc_read_columns
+    adds them into x's gradient. Nothing of size n x C per token is stored by the forward for this: x is re-read,
+    the logits recomputed from the raw ones (2n + R per token) where that is cheaper than keeping them."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
     s = tl.arange(0, NP)
     tmask, smask = t < T, s < N

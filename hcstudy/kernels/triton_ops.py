@@ -1,25 +1,28 @@
-"""The residual streams on the GPU: Triton kernels for every arm with per-token coefficients (hc, mhc, mhc-lite,
-identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path), proven equal to train_c4.py's
-formulas in the interpreter (tests/kernels/test_triton_ops.py), compiled for sm_90 by benchmarks/triton_compile.py.
+"""The residual streams on the GPU: Triton kernels (hcstudy/kernels/triton_kernels.py) for every arm with per-token
+coefficients (hc, mhc, mhc-lite, identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path),
+proven equal to train_c4.py's formulas in the interpreter (tests/kernels/test_triton_ops.py), compiled for sm_90 by
+benchmarks/triton_compile.py. This module launches them (the autograd Functions) and counts their bytes (traffic).
 
-One connection, per direction (the maths: docs/model.md, "The Triton path"):
-  forward   the coefficients' projection (one cuBLAS matmul)
-            -> coefficients and read (one kernel: RMS or per-stream norm, gates, Sinkhorn / permutation mix, u)
+One mHC-family connection, per direction (the maths: docs/model.md, "The Triton path"):
+  forward   coefficients and read (one kernel: the projection vec(x) phi^T by tl.dot and the RMS in one pass over x,
+            gates, Sinkhorn / permutation mix, then u = H_pre x in a second)
             -> the sublayer -> write (one kernel: x_next = H_res x + H_post y)
   backward  the write's backward (one kernel) -> the sublayer
-            -> the read's and the coefficients' backward (one kernel, adding into x's gradient: in place in fp32)
-            -> the projection's backward (two cuBLAS matmuls, one accumulating into x's gradient in place)
-where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way).
+            -> the coefficients' backward (one kernel over token blocks: dH_pre from x and du, then the logits')
+            -> the read's share of x's gradient (one kernel over channel chunks: H_pre du, the RMS term and the
+               projection's graw phi added into the write's dx in place; phi's gradient from per-group partials)
+HC projects with cuBLAS before its read kernel, and its read's backward adds its terms in a second pass over the
+tokens before two cuBLAS matmuls (the projection's backward). The formulas run hundreds of small kernels for the
+same connection (mHC's Sinkhorn alone 40 half-steps each way).
 
 The state x is (tokens, n, C) in fp32 or bf16 (--stream-dtype: loaded into fp32, rounded once where stored) with
 any strides; the coefficients are fp32, tokens-first and contiguous: H_pre, H_post (tokens, n), H_res (tokens, n, n)
 with H_res[t, i, j] the weight of stream j in stream i; u is fp32 as on the formulas' path. Every reduction over the
-tokens (the weights' gradients) is a cuBLAS matmul or a torch sum and every program owns its tokens: no atomics, so
-two runs with the same seed give the same bits.
+tokens (the weights' gradients) is a cuBLAS matmul, a torch sum, or a kernel's sum over the tokens its program owns
+(then torch's over the programs): no atomics, so two runs with the same seed give the same bits.
 
-Triton is imported at the first launch (load): the planner runs this path on the CPU with each kernel replaced by
-its byte count (traffic, plan.counting), also where setup.sh without --dev installed no triton. Without CUDA the
-kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the import): slow, for tests and demos only.
+The planner runs this path on the CPU with each kernel replaced by its byte count (traffic, step_work.counting),
+also where setup.sh without --dev installed no triton: triton is imported at the first launch (load).
 """
 from __future__ import annotations
 
@@ -49,12 +52,12 @@ SINKHORN_BACKWARD = "stored"
 
 
 PROJECTED_LOGITS = 128       # the most logits a token (2n + R) the read kernels project themselves: _projects
-COLUMN_PROGRAMS = 512        # _mhc_read_columns' programs to aim at (channel chunks x token groups): a card's SMs, a few times over
+COLUMN_PROGRAMS = 512        # _mhc_read_columns' programs (channel chunks x token groups): a card's SMs a few times
 
 
 def dot_block_sizes(n: int, C: int) -> tuple[int, int, int]:
-    """block_sizes for the kernels that run tl.dot over a token block (the read's projection and its backward's column
-    pass): 16 tokens (tl.dot's least), a (tokens, n, chunk) tile of about 2,048 values, chunks of 16 channels at least."""
+    """block_sizes for the read kernel that projects with tl.dot over a token block: 16 tokens (tl.dot's least), a
+    (tokens, n, chunk) tile of about 2,048 values, chunks of 16 channels at least (tl.dot's least)."""
     n_pad = _next_power_of_2(n)
     return 16, max(16, min(_next_power_of_2(C), 2048 // (16 * n_pad))), n_pad
 
@@ -391,7 +394,7 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
     stored = f * 2 * n * (iters - 1) * (arm == "mhc" and SINKHORN_BACKWARD == "stored")    # Sinkhorn's sums
     res = {"mhc": 2 if stored else 1, "mhc-lite": 1}.get(arm, 0) * f * n * n      # the backward's dH_res (and H_res)
     forward = {"_mhc_read_forward": 2 * state + K + u + f * (2 * n + 1 + n * n * (2 if arm == "mhc" else 1)) + stored}
-    backward = {"_mhc_read_backward": state + u + K + f * (3 * n + 1) + res + stored + K + f * 4}    # dl, its sums, scale
+    backward = {"_mhc_read_backward": state + u + K + f * (3 * n + 1) + res + stored + K + f * 4}  # dl, sums, scale
     sums = {"sums over the tokens (torch)": K + 3 * f}
     if _projects(2 * n + res_logit_count(arm, n)):         # raw written, then read back; dl read by the column pass
         return {**forward, "_mhc_read_forward": forward["_mhc_read_forward"] + K, **write, **backward,

@@ -110,10 +110,10 @@ def small_blocks(monkeypatch, project=True):
 @pytest.mark.parametrize("arm,n,project", [("hc", 4, True), ("mhc", 4, True), ("mhc", 3, False),
                                            ("mhc-lite", 3, True), ("identity-hc", 3, True)])
 def test_widths_over_several_channel_chunks(arm, n, project, monkeypatch):
-    """A width of 72 runs 5 chunks, the last one part-full, and 34 tokens 3 blocks of 16 (2 in the first group), so that every kernel's loop
-    over chunks (the norms' and the projections' sums across them, the write's second grid axis) and the column
-    pass's loop over token blocks and its partial sums carry real work, which widths of at most 40 at the real block
-    sizes never reach."""
+    """A width of 72 runs 5 chunks, the last one part-full, and 34 tokens 3 blocks of 16 (2 in the first group), so
+    that every kernel's loop over chunks (the norms' and the projections' sums across them, the write's second grid
+    axis) and the column pass's loop over token blocks and its partial sums carry real work, which widths of at
+    most 40 at the real block sizes never reach."""
     small_blocks(monkeypatch, project)
     exact, reference, fast = connections(arm, n, 72)
     x, grad_out, weight = inputs(n, 72, tokens=17)
