@@ -1,4 +1,4 @@
-"""Every kernel of hcstudy/kernels/triton_ops.py compiled for Hopper (sm_90) on this machine, no GPU needed: registers, spills,
+"""Every kernel of hcstudy/kernels/triton_kernels.py compiled for Hopper (sm_90) on this machine, no GPU needed: registers, spills,
 stack and shared memory from ptxas's report, and the bytes each must move per token; then the bandwidth floor and
 the step ratio over the baseline that the floor and the kernels' traffic imply on an H100 and an H200.
 
@@ -7,7 +7,8 @@ the step ratio over the baseline that the floor and the kernels' traffic imply o
     python benchmarks/triton_compile.py --smoke --json out.json    # tests: n 3, width 96
     python benchmarks/triton_compile.py --stream-dtype bf16       # the state stored in bf16 (--stream-dtype)
 
-The kernels are compiled as the JIT compiles them at a real launch: block sizes from triton_kernels.block_sizes,
+The kernels are compiled as the JIT compiles them at a real launch: block sizes from triton_ops.block_sizes (and
+dot_block_sizes where a kernel projects with tl.dot),
 unit strides specialised to 1, pointers and multiples of 16 marked divisible by 16, 4 warps.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"          # compiled, not interpreted: triton_kernels keeps an explicit 0
+os.environ["TRITON_INTERPRET"] = "0"          # compiled, not interpreted: triton_kernels.load keeps an explicit 0
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import triton  # noqa: E402
@@ -30,17 +31,18 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from hcstudy.planner import gpus
 
 from hcstudy.planner import run_time  # noqa: E402
+from hcstudy.kernels import triton_kernels as kernels  # noqa: E402
 from hcstudy.kernels import triton_ops as K  # noqa: E402
 
 K.load()                                      # the kernels as triton.jit made them, not their stand-ins
 
-ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"},
-                    "_mhc_read_forward": {"u_ptr"}, "_mhc_read_backward": {"gu_ptr"},
-                    "_hc_read_forward": {"u_ptr"}, "_hc_read_backward": {"gu_ptr"}}
-# the pointers to the state or its gradient in --stream-dtype (the read's backward writes dx in fp32: gxo_ptr)
+ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"}}     # bf16: y and dy
+# the pointers to the state or its gradient in --stream-dtype (HC's read backward writes dx in fp32: gxo_ptr; the
+# mHC family's column pass too where cuBLAS projects, else in the state's dtype)
 STATE_TYPES = {"_write_forward": {"x_ptr", "out_ptr"}, "_write_backward": {"x_ptr", "g_ptr", "gx_ptr"},
-               "_mhc_read_forward": {"x_ptr"}, "_mhc_read_backward": {"x_ptr", "gx_ptr"},
-               "_hc_read_forward": {"x_ptr"}, "_hc_read_backward": {"x_ptr", "gx_ptr"}}
+               "_mhc_read_forward": {"x_ptr"}, "_mhc_read_backward": {"x_ptr"},
+               "_mhc_read_columns": {"x_ptr", "gx_ptr", "gxo_ptr"}, "_hc_read_forward": {"x_ptr"},
+               "_hc_read_backward": {"x_ptr", "gx_ptr"}}
 STREAM_DTYPES = {"fp32": ("*fp32", 4), "bf16": ("*bf16", 2)}        # pointer type, bytes of a state value
 UNIT_STRIDES = {"sxc", "syc", "sgc"}
 CARDS = {"H100 SXM": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
@@ -49,35 +51,44 @@ PEAK = {card: gpus.GPU_PEAK_BF16_FLOPS[name] for card, name in CARDS.items()}
 
 
 def variants(n: int, width: int):
-    """(kernel, label, constexprs, arms) for every kernel and every constexpr branch the arms take."""
+    """(kernel, label, constexprs, arm, warps) for every kernel and every constexpr branch the arms take."""
     BT, BC, NP = K.block_sizes(n, width)
     blocks = dict(N=n, NP=NP, BT=BT, BC=BC)
-    mhc_family = [("mhc", 1, True), ("mhc recompute", 1, False), ("mhc-lite", 2, False), ("identity-hc", 0, False)]
+    DT, DC, _ = K.dot_block_sizes(n, width)
+    other = {"stored": "recompute", "recompute": "stored"}[K.SINKHORN_BACKWARD]
+    mhc_family = [("mhc", 1, K.SINKHORN_BACKWARD == "stored"), (f"mhc {other}", 1, other == "stored"),
+                  ("mhc-lite", 2, False), ("identity-hc", 0, False)]
     for label, mix, stored in mhc_family:
         arm = label.split()[0]
         R = K.res_logit_count(arm, n)
+        project, KP = K._projects(2 * n + R), K._logit_pad(2 * n + R)
         extra = dict(MIX=mix, R=R, BR=K._chunk(R))
-        if label != "mhc recompute":
-            yield K._mhc_read_forward, label, {**blocks, **extra, "STORE_SUMS": stored}, arm
-        yield K._mhc_read_backward, label, {**blocks, **extra, "STORED": stored}, arm
+        forward_blocks = dict(blocks, BT=DT, BC=DC) if project else blocks
+        yield kernels._mhc_read_forward, label, {**forward_blocks, **extra, "STORE_SUMS": stored,
+                                                 "PROJECT": project, "KP": KP}, arm, 4
+        yield kernels._mhc_read_backward, label, {**blocks, **extra, "STORED": stored}, arm, 4
+        if label == arm:
+            CT, CC, _, warps = K.column_blocks(n)
+            yield kernels._mhc_read_columns, label, dict(N=n, NP=NP, PROJECT=project, KP=KP, BT=CT, BC=CC), arm, warps
     KP = triton.next_power_of_2(n + 2)
-    yield K._hc_read_forward, "hc", {**blocks, "KP": KP}, "hc"
-    yield K._hc_read_backward, "hc", {**blocks, "KP": KP}, "hc"
-    yield K._write_forward, "every arm", blocks, "mhc"
-    yield K._write_backward, "every arm", blocks, "mhc"
+    yield kernels._hc_read_forward, "hc", {**blocks, "KP": KP}, "hc", 4
+    yield kernels._hc_read_backward, "hc", {**blocks, "KP": KP}, "hc", 4
+    yield kernels._write_forward, "every arm", blocks, "mhc", 4
+    yield kernels._write_backward, "every arm", blocks, "mhc", 4
 
 
-def compile_for_hopper(kernel, constexprs: dict, width: int, stream_dtype: str = "fp32"):
+def compile_for_hopper(kernel, constexprs: dict, width: int, stream_dtype: str = "fp32", warps: int = 4):
     """triton.compile of one kernel for sm_90 with the signature a real launch gives it (the state in stream_dtype)."""
     name = kernel.fn.__name__
+    state = STATE_TYPES[name] - ({"gxo_ptr"} if constexprs.get("PROJECT") is False else set())
     constants = {**constexprs, **{arg: 1 for arg in kernel.arg_names if arg in UNIT_STRIDES}}
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
-            signature[arg] = ("*bf16" if arg in ACTIVATION_TYPES[name] else "*i32" if arg == "perm_ptr"
-                              else STREAM_DTYPES[stream_dtype][0] if arg in STATE_TYPES[name] else "*fp32")
+            signature[arg] = ("*bf16" if arg in ACTIVATION_TYPES.get(name, ()) else "*i32" if arg == "perm_ptr"
+                              else STREAM_DTYPES[stream_dtype][0] if arg in state else "*fp32")
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg == "eps":
             signature[arg] = "fp32"
@@ -86,7 +97,7 @@ def compile_for_hopper(kernel, constexprs: dict, width: int, stream_dtype: str =
             if arg in ("C", "sxt", "sxn", "syt", "sgt", "sgn"):          # multiples of the width, 2048 here
                 attrs[(index,)] = [["tt.divisibility", 16]] if width % 16 == 0 else []
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 def ptxas_report(ptx: str) -> dict:
@@ -107,14 +118,15 @@ def ptxas_report(ptx: str) -> dict:
 
 def kernel_rows(n: int, width: int, stream_dtype: str = "fp32") -> list[dict]:
     rows, stream_bytes = [], STREAM_DTYPES[stream_dtype][1]
-    for kernel, label, constexprs, arm in variants(n, width):
-        compiled = compile_for_hopper(kernel, constexprs, width, stream_dtype)
+    for kernel, label, constexprs, arm, warps in variants(n, width):
+        compiled = compile_for_hopper(kernel, constexprs, width, stream_dtype, warps)
         name = kernel.fn.__name__
         rows.append({"kernel": name, "variant": label, **ptxas_report(compiled.asm["ptx"]),
                      "shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"]),
                      "bytes_per_token": K.traffic(arm, n, width, stream_bytes=stream_bytes)[name],
-                     "blocks": {k: v for k, v in constexprs.items() if k in ("BT", "BC", "BR")}})
-        print(f"  {name:<20} {label:<14} {rows[-1]['registers']:>4} regs  spills {rows[-1]['spill_stores']}/"
+                     "blocks": {k: v for k, v in constexprs.items() if k in ("BT", "BC", "BR")}, "warps": warps})
+        print(f"  {name:<20} {label:<14} {warps} warps {rows[-1]['registers']:>4} regs  "
+              f"spills {rows[-1]['spill_stores']}/"
               f"{rows[-1]['spill_loads']} B  stack {rows[-1]['stack']} B  smem {rows[-1]['shared']:>6} B  "
               f"{rows[-1]['bytes_per_token'] / 1024:6.1f} KiB/token", flush=True)
     return rows
@@ -153,8 +165,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     n, width = (3, 96) if args.smoke else (args.expansion, args.width)
     BT, BC, NP = K.block_sizes(n, width)
+    DT, DC, _ = K.dot_block_sizes(n, width)
+    CT, CC, _, _ = K.column_blocks(n)
     print(f"triton {triton.__version__}, sm_90, n {n}, width {width}, {args.stream_dtype} streams: {BT} tokens x "
-          f"{BC} channels per program, 4 warps")
+          f"{BC} channels per program ({DT} x {DC} where the read projects, {CT} x {CC} in its column pass)")
     rows = kernel_rows(n, width, args.stream_dtype)
     print(f"bandwidth floor and step ratio (mHC, n {n}, width {width}, depth {args.depth}, {args.stream_dtype} "
           "streams):")

@@ -17,8 +17,9 @@ train_c4.py (the trainer), report.py, torchrun.py, run_experiments.sh, setup.sh.
     kernels/choice.py       which path runs the streams (--kernels) and attention (--attn): asked, timed, self-checked
     kernels/cross_entropy.py  the loss's two paths (--cross-entropy): plain logits or torch's chunked op; auto's pick
     kernels/fused.py        hand-written autograd Functions for HC and mHC (any device)
-    kernels/triton_ops.py   the Triton GPU kernels of the connections and their autograd Functions
-    kernels/triton_library.py   the kernels' launches as torch.library operators: what torch.compile traces
+    kernels/triton_kernels.py  the Triton kernels themselves, imported at their first launch
+    kernels/triton_library.py  the kernels' launches as torch.library operators: what torch.compile traces
+    kernels/triton_ops.py   the Triton path of the connections: autograd Functions over the operators, byte counts
     planner/gpus.py         the cards' spec sheets; FLOPs per token
     planner/memory.py       the memory plan of one GPU; the micro-batch
     planner/step_work.py    a step's kernels, bytes and FLOPs, counted on the real model

@@ -2,9 +2,9 @@
 triton path's connections through them: per operator, its schema (what it reads, what it writes in place:
 `Tensor(a!)`), its fake implementation (the outputs' shapes, dtypes and strides, without running a kernel: what
 dynamo and AOTAutograd trace with) and its kernel on the CPU (Triton's interpreter) and on CUDA, the launch itself.
-triton_ops.py holds the kernels and the autograd Functions that call these operators, with everything else (the
-cuBLAS matmuls, the sums over the tokens, the casts) in plain torch; choice.triton_kernels imports this module
-before it hands triton_ops to a connection, which defines the operators.
+triton_kernels.py holds the kernels, triton_ops.py the autograd Functions that call these operators, with
+everything else (the cuBLAS matmuls, the sums over the tokens, the casts) in plain torch; choice.triton_kernels
+imports this module before it hands triton_ops to a connection, which defines the operators.
 
 Custom operators, opaque to the compiler, rather than torch.library.triton_op, whose body Inductor would see: a
 triton_op traces its body with fake tensors, and in Triton's interpreter (TRITON_INTERPRET=1, where the tests run
@@ -67,57 +67,87 @@ def _or(tensor, placeholder):
 # mHC's family: the coefficients (gates, Sinkhorn or the permutation mix) and the read u = H_pre x
 
 
-@_operator("mhc_read_forward(Tensor x, Tensor raw, Tensor a_pre, Tensor a_post, Tensor? a_res, Tensor b_pre, "
-           "Tensor b_post, Tensor? b_res, Tensor? perms, int mixing, int iters, float eps, ScalarType u_dtype, "
-           "bool store_sums) -> (Tensor u, Tensor h_pre, Tensor h_post, Tensor h_res, Tensor inv_rms, "
-           "Tensor logits, Tensor sums)")
-def mhc_read_forward(x, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps, u_dtype,
+@_operator("mhc_read_forward(Tensor x, Tensor phi, Tensor? raw, Tensor a_pre, Tensor a_post, Tensor? a_res, "
+           "Tensor b_pre, Tensor b_post, Tensor? b_res, Tensor? perms, int mixing, int iters, float eps, "
+           "ScalarType u_dtype, bool store_sums) -> (Tensor u, Tensor h_pre, Tensor h_post, Tensor h_res, "
+           "Tensor inv_rms, Tensor raw_out, Tensor logits, Tensor sums)")
+def mhc_read_forward(x, phi, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps, u_dtype,
                      store_sums):
-    """logits and sums are empty where there are none (mixing != 1: mhc-lite, identity-hc; sums: stored only)."""
+    """raw: cuBLAS's projection (T, 2n + R) where the kernel cannot hold the logits (triton_ops._projects), else None
+    and the kernel projects with phi itself, returning raw_out (empty where raw came in: no output aliases an
+    input). logits and sums are empty where there are none (mixing != 1: mhc-lite, identity-hc; sums: stored only)."""
     T, n, C = x.shape
     return (x.new_empty((T, C), dtype=u_dtype),
-            *_f32(x, (T, n), (T, n), (T, n, n), (T,), (T, n, n) if mixing == 1 else (0,),
-                  (T, max(iters - 1, 0), 2, n) if store_sums else (0,)))
+            *_f32(x, (T, n), (T, n), (T, n, n), (T,), (T, phi.shape[0]) if raw is None else (0,),
+                  (T, n, n) if mixing == 1 else (0,), (T, max(iters - 1, 0), 2, n) if store_sums else (0,)))
 
 
 @mhc_read_forward.launch
-def _(x, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps, u_dtype, store_sums):
-    outputs = mhc_read_forward(x, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps,
+def _(x, phi, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps, u_dtype, store_sums):
+    outputs = mhc_read_forward(x, phi, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps,
                                u_dtype, store_sums)
-    u, h_pre, h_post, h_res, inv_rms, logits, sums = outputs
+    u, h_pre, h_post, h_res, inv_rms, raw_out, logits, sums = outputs
+    project, raw = raw is None, _or(raw, raw_out)
     T, n, C = x.shape
-    R = raw.shape[1] - 2 * n
-    BT, BC, NP = ops.block_sizes(n, C)
+    K, R = phi.shape[0], phi.shape[0] - 2 * n
+    BT, BC, NP = (ops.dot_block_sizes if project else ops.block_sizes)(n, C)
     ops._mhc_read_forward[(ops._cdiv(T, BT),)](
-        x, *x.stride(), raw, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw), _or(perms, raw),
+        x, *x.stride(), phi, raw, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw), _or(perms, raw),
         u, h_pre, h_post, h_res, logits if mixing == 1 else raw, sums if store_sums else raw, inv_rms, T, C, eps,
-        iters, N=n, NP=NP, MIX=mixing, R=R, STORE_SUMS=store_sums, BT=BT, BC=BC, BR=ops._chunk(R))
+        iters, N=n, NP=NP, MIX=mixing, R=R, STORE_SUMS=store_sums, PROJECT=project, KP=ops._logit_pad(K), BT=BT,
+        BC=BC, BR=ops._chunk(R))
     return outputs
 
 
 @_operator("mhc_read_backward(Tensor x, Tensor raw, Tensor inv_rms, Tensor a_pre, Tensor a_post, Tensor? a_res, "
            "Tensor b_pre, Tensor b_post, Tensor? b_res, Tensor? perms, Tensor h_pre, Tensor h_post, Tensor h_res, "
-           "Tensor? logits, Tensor? sums, Tensor grad_u, Tensor grad_post, Tensor grad_res, Tensor? grad_write, "
-           "Tensor(a!) grad_x, int mixing, int iters, bool stored) -> (Tensor gl, Tensor glz, Tensor graw)")
+           "Tensor? sums, Tensor grad_u, Tensor grad_post, Tensor grad_res, int mixing, int iters, bool stored) -> "
+           "(Tensor gl, Tensor glz, Tensor scale)")
 def mhc_read_backward(x, raw, *_):
-    """x's gradient goes into grad_x (fp32) in place: it holds the write's gradient on entry, unless grad_write
-    brings that (a bf16 state's, read in its dtype). Returns the logits' gradients per token (T, 2n + R) each."""
-    return _f32(x, raw.shape, raw.shape, raw.shape)
+    """The coefficients' backward, per token: the logits' gradients dl (T, 2n + R), each gate's sum(dl z) (T, 3)
+    and the RMS term's multiple of x (T), which mhc_read_columns adds into x's gradient."""
+    T = x.shape[0]
+    return _f32(x, raw.shape, (T, 3), (T,))
 
 
 @mhc_read_backward.launch
-def _(x, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, h_pre, h_post, h_res, logits, sums,
-      grad_u, grad_post, grad_res, grad_write, grad_x, mixing, iters, stored):
-    gl, glz, graw = mhc_read_backward(x, raw)
+def _(x, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, h_pre, h_post, h_res, sums,
+      grad_u, grad_post, grad_res, mixing, iters, stored):
+    outputs = mhc_read_backward(x, raw)
     T, n, C = x.shape
     R = raw.shape[1] - 2 * n
     BT, BC, NP = ops.block_sizes(n, C)
     ops._mhc_read_backward[(ops._cdiv(T, BT),)](
         x, *x.stride(), raw, inv_rms, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw),
-        _or(perms, raw), h_pre, h_post, h_res, _or(logits, raw), _or(sums, raw), grad_u, grad_post, grad_res,
-        _or(grad_write, grad_x), grad_x, gl, glz, graw, T, C, iters,
+        _or(perms, raw), h_pre, h_post, h_res, _or(sums, raw), grad_u, grad_post, grad_res, *outputs, T, C, iters,
         N=n, NP=NP, MIX=mixing, R=R, STORED=stored, BT=BT, BC=BC, BR=ops._chunk(R))
-    return gl, glz, graw
+    return outputs
+
+
+@_operator("mhc_read_columns(Tensor x, Tensor grad_u, Tensor? grad_write, Tensor(a!) grad_x, Tensor h_pre, "
+           "Tensor scale, Tensor gl, Tensor inv_rms, Tensor a_pre, Tensor a_post, Tensor? a_res, Tensor phi, "
+           "bool project) -> Tensor partials")
+def mhc_read_columns(x, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post, a_res, phi, project):
+    """The read's share of x's gradient, added into grad_x in place: the write's gradient on entry, in the state's
+    dtype (rounded once where stored), unless grad_write brings that and grad_x is cuBLAS's fp32 accumulator (not
+    project). project: the projection's term graw phi too, and phi's gradient as one partial per token group
+    (groups, 2n + R, n C); empty where cuBLAS projects."""
+    T, n, C = x.shape
+    return _f32(x, (ops.column_grid(T, n, C)[1], phi.shape[0], n * C) if project else (0,))[0]
+
+
+@mhc_read_columns.launch
+def _(x, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post, a_res, phi, project):
+    partials = mhc_read_columns(x, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post, a_res, phi,
+                                project)
+    T, n, C = x.shape
+    K = phi.shape[0]
+    BT, BC, NP, warps = ops.column_blocks(n)
+    ops._mhc_read_columns[ops.column_grid(T, n, C)](
+        x, *x.stride(), grad_u, _or(grad_write, grad_x), grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post,
+        _or(a_res, a_pre), phi, partials if project else gl, T, C, K, N=n, NP=NP, PROJECT=project,
+        KP=ops._logit_pad(K), BT=BT, BC=BC, num_warps=warps)
+    return partials
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,80 +1,43 @@
-"""The residual streams on the GPU: Triton kernels for every arm with per-token coefficients (hc, mhc, mhc-lite,
-identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path), proven equal to train_c4.py's
-formulas in the interpreter (tests/kernels/test_triton_ops.py), compiled for sm_90 by benchmarks/triton_compile.py.
+"""The residual streams on the GPU: Triton kernels (hcstudy/kernels/triton_kernels.py) for every arm with per-token
+coefficients (hc, mhc, mhc-lite, identity-hc), chosen by --kernels triton (or auto on CUDA, train_c4.kernel_path),
+proven equal to train_c4.py's formulas in the interpreter (tests/kernels/test_triton_ops.py), compiled for sm_90 by
+benchmarks/triton_compile.py. This module launches them (the autograd Functions) and counts their bytes (traffic).
 
-One connection, per direction (the maths: docs/model.md, "The Triton path"):
-  forward   the coefficients' projection (one cuBLAS matmul)
-            -> coefficients and read (one kernel: RMS or per-stream norm, gates, Sinkhorn / permutation mix, u)
+One mHC-family connection, per direction (the maths: docs/model.md, "The Triton path"):
+  forward   coefficients and read (one kernel: the projection vec(x) phi^T by tl.dot and the RMS in one pass over x,
+            gates, Sinkhorn / permutation mix, then u = H_pre x in a second)
             -> the sublayer -> write (one kernel: x_next = H_res x + H_post y)
   backward  the write's backward (one kernel) -> the sublayer
-            -> the read's and the coefficients' backward (one kernel, adding into x's gradient: in place in fp32)
-            -> the projection's backward (two cuBLAS matmuls, one accumulating into x's gradient in place)
-where the formulas run hundreds of small kernels (mHC's Sinkhorn alone 40 half-steps each way). Each kernel's launch
-is a torch.library operator (triton_library.py: its schema, its fake implementation, the launch), which the autograd
-Functions below call: torch.compile traces a block of this path as one graph (the operators opaque, the matmuls and
-sums around them compiled), with and without activation checkpointing, which recomputes the sublayer and leaves
-the connection's kernels to run once (train_c4.Block).
+            -> the coefficients' backward (one kernel over token blocks: dH_pre from x and du, then the logits')
+            -> the read's share of x's gradient (one kernel over channel chunks: H_pre du, the RMS term and the
+               projection's graw phi added into the write's dx in place; phi's gradient from per-group partials)
+HC projects with cuBLAS before its read kernel, and its read's backward adds its terms in a second pass over the
+tokens before two cuBLAS matmuls (the projection's backward). The formulas run hundreds of small kernels for the
+same connection (mHC's Sinkhorn alone 40 half-steps each way). Each kernel's launch is a torch.library operator
+(triton_library.py: its schema, its fake implementation, the launch), which the autograd Functions below call:
+torch.compile traces a block of this path as one graph (the operators opaque, the matmuls and sums around them
+compiled), with and without activation checkpointing, which recomputes the sublayer and leaves the connection's
+kernels to run once (train_c4.Block).
 
 The state x is (tokens, n, C) in fp32 or bf16 (--stream-dtype: loaded into fp32, rounded once where stored) with
 any strides; the coefficients are fp32, tokens-first and contiguous: H_pre, H_post (tokens, n), H_res (tokens, n, n)
 with H_res[t, i, j] the weight of stream j in stream i; u is fp32 as on the formulas' path. Every reduction over the
-tokens (the weights' gradients) is a cuBLAS matmul or a torch sum and every program owns its tokens: no atomics, so
-two runs with the same seed give the same bits.
+tokens (the weights' gradients) is a cuBLAS matmul, a torch sum, or a kernel's sum over the tokens its program owns
+(then torch's over the programs): no atomics, so two runs with the same seed give the same bits.
 
-Triton is imported at the first launch (load): the planner runs this path on the CPU with each kernel replaced by
-its byte count (traffic, plan.counting), also where setup.sh without --dev installed no triton. Without CUDA the
-kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the import): slow, for tests and demos only.
+The planner runs this path on the CPU with each kernel replaced by its byte count (traffic, step_work.counting),
+also where setup.sh without --dev installed no triton: triton is imported at the first launch (load).
 """
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 
 from hcstudy.kernels.fused import autocast_off  # the coefficients in fp32 whatever the autocast, as on the fused path
-
-triton = tl = None                    # the modules, once load has imported them
-_SOURCES = {}                         # every kernel and helper as written, by name: load compiles them
-
-
-def _jit(fn):
-    """triton.jit, deferred to load: the module-level name holds a stand-in until then."""
-    _SOURCES[fn.__name__] = fn
-    return _Unloaded(fn.__name__)
-
-
-class _Unloaded:
-    """A kernel before triton is imported: its first launch (kernel[grid](...)) loads every kernel."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __getitem__(self, grid):
-        load()
-        return globals()[self.name][grid]
-
-
-def load() -> None:
-    """Import triton (its interpreter where there is no CUDA) and put each kernel's triton.jit in place of its
-    stand-in; a second call does nothing. Raises ImportError where triton is not installed (fused.triton_problem
-    turns that into the formulas' path and a warning)."""
-    global triton, tl
-    if triton is not None:
-        return
-    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:     # "0": compile only, for sm_90
-        # the interpreter is chosen when a function is decorated, triton.language's own included: a triton imported
-        # before (torch._dynamo imports it) is imported again, so that its functions run in the interpreter too
-        os.environ["TRITON_INTERPRET"] = "1"
-        for name in [name for name in sys.modules if name == "triton" or name.startswith("triton.") and not
-                     name.startswith("triton._C")]:         # the compiled extension stays: it cannot be loaded twice
-            del sys.modules[name]
-    import triton as module  # ships with CUDA builds of torch; CPU: setup.sh --dev
-    import triton.language as language
-    tl = language
-    globals().update({name: module.jit(fn) for name, fn in _SOURCES.items()})
-    triton = module                                     # last: a load that failed above is tried again
+from hcstudy.kernels.triton_kernels import (  # noqa: F401  (load: triton_compile's and the launch layer's)
+    _hc_read_backward, _hc_read_forward, _mhc_read_backward, _mhc_read_columns, _mhc_read_forward, _write_backward,
+    _write_forward, load)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -92,6 +55,33 @@ MIXING = {"identity-hc": 0, "mhc": 1, "mhc-lite": 2}    # how an mHC-family kern
 SINKHORN_BACKWARD = "stored"
 
 
+PROJECTED_LOGITS = 128       # the most logits a token (2n + R) the read kernels project themselves: _projects
+COLUMN_PROGRAMS = 512        # _mhc_read_columns' programs (channel chunks x token groups): a card's SMs a few times
+
+
+def dot_block_sizes(n: int, C: int) -> tuple[int, int, int]:
+    """block_sizes for the read kernel that projects with tl.dot over a token block: 16 tokens (tl.dot's least), a
+    (tokens, n, chunk) tile of about 2,048 values, chunks of 16 channels at least (tl.dot's least)."""
+    n_pad = _next_power_of_2(n)
+    return 16, max(16, min(_next_power_of_2(C), 2048 // (16 * n_pad))), n_pad
+
+
+def column_blocks(n: int) -> tuple[int, int, int, int]:
+    """(tokens per block, C per chunk, padded n, warps) of _mhc_read_columns: a program's columns are 64 of vec(x) (its
+    chunk of every stream) and its share of phi's gradient a (2n + R, 64) tile held over all its tokens, with 8 warps
+    so that it stays in registers (0 spills at n <= 8, either stream dtype: docs/benchmarks.md)."""
+    n_pad = _next_power_of_2(n)
+    return 16, max(1, 64 // n_pad), n_pad, 8
+
+
+def column_grid(T: int, n: int, C: int) -> tuple[int, int]:
+    """_mhc_read_columns' grid: (channel chunks, token groups), about COLUMN_PROGRAMS programs where the tokens allow;
+    each group adds its own partial of phi's gradient."""
+    tokens, chunk = column_blocks(n)[:2]
+    chunks = _cdiv(C, chunk)
+    return chunks, max(1, min(_cdiv(T, tokens), _cdiv(COLUMN_PROGRAMS, chunks)))
+
+
 def block_sizes(n: int, C: int) -> tuple[int, int, int]:
     """(tokens per program, C per chunk, padded n): a program holds a (tokens, n, chunk) fp32 tile of about 2,048
     values, 16 per thread at 4 warps, so that the per-token coefficients stay in registers beside it (0 spills at
@@ -103,527 +93,13 @@ def block_sizes(n: int, C: int) -> tuple[int, int, int]:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# shared pieces
-
-
-@_jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@_jit
-def _tanh(x):
-    # written out (libdevice is not in the interpreter); exp(2x) = inf gives 1 exactly, 0 gives -1
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@_jit
-def _stream_tile(ptr, t, s, c, st, ss, sc, mask):
-    """Load the (tokens, streams, chunk) tile of a (T, n, C) tensor with strides (st, ss, sc), as fp32."""
-    offsets = t[:, None, None] * st + s[None, :, None] * ss + c[None, None, :] * sc
-    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-
-@_jit
-def _tile_mask(t, s, c, T, N, C):
-    return (t < T)[:, None, None] & (s < N)[None, :, None] & (c < C)[None, None, :]
-
-
-@_jit
-def _log_normalise(L, valid, axis: tl.constexpr):
-    """L minus its logsumexp along `axis` over the valid entries; padding stays at -1e30 (exp gives 0)."""
-    L = tl.where(valid, L, -1e30)
-    top = tl.max(L, axis=axis, keep_dims=True)
-    lse = top + tl.log(tl.sum(tl.exp(L - top), axis=axis, keep_dims=True))
-    return tl.where(valid, L - lse, -1e30)
-
-
-@_jit
-def _sums(P, axis: tl.constexpr, valid_line):
-    """P's sums along `axis`, 1 on padded lines so that dividing by them leaves the zeros of the padding."""
-    return tl.where(valid_line, tl.sum(P, axis=axis, keep_dims=True), 1.0)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# mHC's family (mhc, mhc-lite, identity-hc): coefficients from the flattened state, then the read
-
-
-@_jit
-def _sinkhorn_forward(L, valid, valid_row, valid_col, sums_ptr, t, s, tmask, iters, N: tl.constexpr,
-                      STORE: tl.constexpr):
-    """train_c4.sinkhorn on (tokens, n, n) logits held in registers: a log-domain column-then-row pair, then
-    iters - 1 linear pairs; with STORE the pairs' column and row sums go to sums (T, iters - 1, 2, n)."""
-    P = tl.exp(_log_normalise(_log_normalise(L, valid, 1), valid, 2))
-    P = tl.where(valid, P, 0.0)
-    store_mask = tmask[:, None] & (s < N)[None, :]
-    for k in range(iters - 1):
-        col = _sums(P, 1, valid_col)
-        P = P / col
-        row = _sums(P, 2, valid_row)
-        P = P / row
-        if STORE:
-            base = sums_ptr + t[:, None] * ((iters - 1) * 2 * N) + k * 2 * N + s[None, :]
-            tl.store(base, tl.sum(col, axis=1), mask=store_mask)
-            tl.store(base + N, tl.sum(row, axis=2), mask=store_mask)
-    return P
-
-
-@_jit
-def _sinkhorn_backward(grad, L, H, valid, valid_row, valid_col, sums_ptr, t, s, tmask, iters, N: tl.constexpr,
-                       STORED: tl.constexpr):
-    """The logits' gradient from H_res's. Through Q = P / sums(P): dP = (dQ - sums(dQ * Q)) / sums(P) along the
-    same axis. STORED: walk the pairs back from H with the forward's sums, recovering each earlier P as Q * sums
-    (O(iters)); else recompute each pair's input from the first exp (O(iters^2) half-steps, all in registers)."""
-    E = tl.where(valid, tl.exp(_log_normalise(_log_normalise(L, valid, 1), valid, 2)), 0.0)
-    if STORED:
-        Q = H
-        load_mask = tmask[:, None] & (s < N)[None, :]
-        for back in range(iters - 1):
-            base = sums_ptr + t[:, None] * ((iters - 1) * 2 * N) + (iters - 2 - back) * 2 * N + s[None, :]
-            row = tl.where(valid_row, tl.load(base + N, mask=load_mask, other=1.0)[:, :, None], 1.0)
-            grad = (grad - tl.sum(grad * Q, axis=2, keep_dims=True)) / row
-            Q = Q * row
-            col = tl.where(valid_col, tl.load(base, mask=load_mask, other=1.0)[:, None, :], 1.0)
-            grad = (grad - tl.sum(grad * Q, axis=1, keep_dims=True)) / col
-            Q = Q * col
-    else:
-        for back in range(iters - 1):
-            A = E
-            for k in range(iters - 2 - back):
-                A = A / _sums(A, 1, valid_col)
-                A = A / _sums(A, 2, valid_row)
-            col = _sums(A, 1, valid_col)
-            B = A / col
-            row = _sums(B, 2, valid_row)
-            grad = (grad - tl.sum(grad * (B / row), axis=2, keep_dims=True)) / row
-            grad = (grad - tl.sum(grad * B, axis=1, keep_dims=True)) / col
-    # exp, then the two log-domain normalisations: softmax's backward along each axis
-    grad = grad * E
-    grad = grad - E * tl.sum(grad, axis=2, keep_dims=True)
-    first = tl.where(valid, tl.exp(_log_normalise(L, valid, 1)), 0.0)
-    return tl.where(valid, grad - first * tl.sum(grad, axis=1, keep_dims=True), 0.0)
-
-
-@_jit
-def _lite_softmax_stats(raw_ptr, t, tmask, K, inv_rms, a_res, b_res_ptr, R: tl.constexpr, N: tl.constexpr,
-                        BR: tl.constexpr):
-    """Running max and denominator of mHC-lite's softmax over the n! permutation logits, in chunks of BR."""
-    top = tl.full((t.shape[0],), -1e30, tl.float32)
-    total = tl.zeros((t.shape[0],), tl.float32)
-    for k0 in range(0, R, BR):
-        logit = _lite_logits(raw_ptr, t, tmask, K, k0, inv_rms, a_res, b_res_ptr, R, N, BR)
-        new_top = tl.maximum(top, tl.max(logit, axis=1))
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(logit - new_top[:, None]), axis=1)
-        top = new_top
-    return top, total
-
-
-@_jit
-def _lite_logits(raw_ptr, t, tmask, K, k0, inv_rms, a_res, b_res_ptr, R: tl.constexpr, N: tl.constexpr,
-                 BR: tl.constexpr):
-    k = k0 + tl.arange(0, BR)
-    mask = tmask[:, None] & (k < R)[None, :]
-    z = tl.load(raw_ptr + t[:, None] * K + 2 * N + k[None, :], mask=mask, other=0.0) * inv_rms[:, None]
-    logit = a_res * z + tl.load(b_res_ptr + k, mask=k < R, other=0.0)[None, :]
-    return tl.where(mask, logit, -1e30)
-
-
-@_jit
-def _lite_onehot(perm_ptr, k0, i: tl.constexpr, s, R: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
-    """(BR, n_pad): row k is 1 at the stream that row i of permutation k0 + k takes."""
-    k = k0 + tl.arange(0, BR)
-    target = tl.load(perm_ptr + k * N + i, mask=k < R, other=-1)
-    return (target[:, None] == s[None, :]).to(tl.float32)
-
-
-@_jit
-def _lite_mixing(raw_ptr, perm_ptr, b_res_ptr, a_res, inv_rms, t, tmask, s, K, R: tl.constexpr, N: tl.constexpr,
-                 NP: tl.constexpr, BR: tl.constexpr):
-    """H_res = sum_k w_k P_k, w = softmax(a_res z_res + b_res) over the n! permutations, chunk by chunk."""
-    top, total = _lite_softmax_stats(raw_ptr, t, tmask, K, inv_rms, a_res, b_res_ptr, R, N, BR)
-    H = tl.zeros((t.shape[0], NP, NP), tl.float32)
-    for k0 in range(0, R, BR):
-        w = tl.exp(_lite_logits(raw_ptr, t, tmask, K, k0, inv_rms, a_res, b_res_ptr, R, N, BR) - top[:, None])
-        w = w / total[:, None]
-        for i in tl.static_range(N):
-            row = tl.sum(w[:, :, None] * _lite_onehot(perm_ptr, k0, i, s, R, N, BR)[None, :, :], axis=1)
-            H = tl.where((s == i)[None, :, None], H + row[:, None, :], H)
-    return H
-
-
-@_jit
-def _lite_backward(grad_res, raw_ptr, perm_ptr, b_res_ptr, a_res, inv_rms, t, tmask, s, K, gl_ptr, glz_ptr, graw_ptr,
-                   R: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
-    """mHC-lite's logits' gradient, written per token: dl = w (dw - sum(w dw)), dw_k = sum_i dH[i, perm_k(i)].
-    Returns the logits' share of sum(dz z), for the RMS term."""
-    top, total = _lite_softmax_stats(raw_ptr, t, tmask, K, inv_rms, a_res, b_res_ptr, R, N, BR)
-    mean_dw = tl.zeros((t.shape[0],), tl.float32)
-    for k0 in range(0, R, BR):
-        w = tl.exp(_lite_logits(raw_ptr, t, tmask, K, k0, inv_rms, a_res, b_res_ptr, R, N, BR) - top[:, None])
-        mean_dw += tl.sum(w / total[:, None] * _lite_weight_grad(grad_res, perm_ptr, k0, s, R, N, BR), axis=1)
-    zdot = tl.zeros((t.shape[0],), tl.float32)
-    for k0 in range(0, R, BR):
-        k = k0 + tl.arange(0, BR)
-        mask = tmask[:, None] & (k < R)[None, :]
-        w = tl.exp(_lite_logits(raw_ptr, t, tmask, K, k0, inv_rms, a_res, b_res_ptr, R, N, BR) - top[:, None])
-        gl = w / total[:, None] * (_lite_weight_grad(grad_res, perm_ptr, k0, s, R, N, BR) - mean_dw[:, None])
-        z = tl.load(raw_ptr + t[:, None] * K + 2 * N + k[None, :], mask=mask, other=0.0) * inv_rms[:, None]
-        zdot += tl.sum(gl * a_res * z, axis=1)
-        _store_logit_grads(gl, z, a_res, inv_rms[:, None], t[:, None] * K + 2 * N + k[None, :], mask,
-                           gl_ptr, glz_ptr, graw_ptr)
-    return zdot
-
-
-@_jit
-def _lite_weight_grad(grad_res, perm_ptr, k0, s, R: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
-    dw = tl.zeros((grad_res.shape[0], BR), tl.float32)
-    for i in tl.static_range(N):
-        row = tl.sum(tl.where((s == i)[None, :, None], grad_res, 0.0), axis=1)          # dH[:, i, :]
-        dw += tl.sum(row[:, None, :] * _lite_onehot(perm_ptr, k0, i, s, R, N, BR)[None, :, :], axis=2)
-    return dw
-
-
-@_jit
-def _store_logit_grads(gl, z, gate, inv_rms, offsets, mask, gl_ptr, glz_ptr, graw_ptr):
-    """Per token and logit: the gradient of the biases (gl), of the gates (gl z) and of the raw projection
-    (gl gate / rms; inv_rms comes broadcastable to gl); their sums over the tokens are torch's, so no program adds
-    into another's."""
-    tl.store(gl_ptr + offsets, gl, mask=mask)
-    tl.store(glz_ptr + offsets, gl * z, mask=mask)
-    tl.store(graw_ptr + offsets, gl * gate * inv_rms, mask=mask)
-
-
-@_jit
-def _mhc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr,
-                      b_res_ptr, perm_ptr, u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, sums_ptr, inv_rms_ptr,
-                      T, C, eps, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, R: tl.constexpr,
-                      STORE_SUMS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
-    """mHC's coefficients and read for BT tokens. Reads x twice (the RMS, then u = H_pre x: the second pass mostly
-    from L2), the projection's raw logits (2n + R per token) once; writes u (fp32), H_pre, H_post,
-    H_res, 1/rms and, for mhc, the logits and the Sinkhorn sums. Everything per token stays in registers between."""
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
-    s = tl.arange(0, NP)
-    tmask, smask = t < T, s < N
-    squares = tl.zeros((BT,), tl.float32)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, _tile_mask(t, s, c, T, N, C))
-        squares += tl.sum(tl.sum(x * x, axis=2), axis=1)
-    inv_rms = 1.0 / tl.sqrt(squares / (N * C) + eps)
-    tl.store(inv_rms_ptr + t, inv_rms, mask=tmask)
-    K = 2 * N + R
-    m2 = tmask[:, None] & smask[None, :]
-    z_pre = tl.load(raw_ptr + t[:, None] * K + s[None, :], mask=m2, other=0.0) * inv_rms[:, None]
-    z_post = tl.load(raw_ptr + t[:, None] * K + N + s[None, :], mask=m2, other=0.0) * inv_rms[:, None]
-    h_pre = _sigmoid(tl.load(a_pre_ptr).to(tl.float32) * z_pre + tl.load(b_pre_ptr + s, mask=smask, other=0.0))
-    h_pre = tl.where(m2, h_pre, 0.0)
-    b_post = tl.load(b_post_ptr + s, mask=smask, other=0.0)
-    h_post = 2.0 * _sigmoid(tl.load(a_post_ptr).to(tl.float32) * z_post + b_post)
-    tl.store(h_pre_ptr + t[:, None] * N + s[None, :], h_pre, mask=m2)
-    tl.store(h_post_ptr + t[:, None] * N + s[None, :], h_post, mask=m2)
-    i3, j3 = s[None, :, None], s[None, None, :]
-    valid = (i3 < N) & (j3 < N)
-    m3 = tmask[:, None, None] & valid
-    if MIX == 0:
-        H = tl.where(m3 & (i3 == j3), 1.0, 0.0)
-    elif MIX == 1:
-        a_res = tl.load(a_res_ptr).to(tl.float32)
-        z_res = tl.load(raw_ptr + t[:, None, None] * K + 2 * N + i3 * N + j3, mask=m3, other=0.0)
-        L = a_res * z_res * inv_rms[:, None, None] + tl.load(b_res_ptr + i3 * N + j3, mask=valid, other=0.0)
-        tl.store(logits_ptr + t[:, None, None] * N * N + i3 * N + j3, L, mask=m3)
-        H = _sinkhorn_forward(L, valid, i3 < N, j3 < N, sums_ptr, t, s, tmask, iters, N, STORE_SUMS)
-    else:
-        H = _lite_mixing(raw_ptr, perm_ptr, b_res_ptr, tl.load(a_res_ptr).to(tl.float32), inv_rms, t, tmask, s, K,
-                         R, N, NP, BR)
-    tl.store(h_res_ptr + t[:, None, None] * N * N + i3 * N + j3, H, mask=m3)
-    _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N, C, BC)
-
-
-@_jit
-def _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N: tl.constexpr, C, BC: tl.constexpr):
-    """u = sum_j H_pre[j] x[j] over C in chunks, stored in u's dtype (fp32, as the formulas')."""
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, _tile_mask(t, s, c, T, N, C))
-        u = tl.sum(h_pre[:, :, None] * x, axis=1)
-        tl.store(u_ptr + t[:, None] * C + c[None, :], u.to(u_ptr.dtype.element_ty),
-                 mask=(t < T)[:, None] & (c < C)[None, :])
-
-
-@_jit
-def _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N: tl.constexpr, C, BC: tl.constexpr, NP: tl.constexpr):
-    """dH_pre[j] = sum_c du[c] x[j, c] for BT tokens: one pass over x and du."""
-    grad = tl.zeros((t.shape[0], NP), tl.float32)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, _tile_mask(t, s, c, T, N, C))
-        gu = tl.load(gu_ptr + t[:, None] * C + c[None, :], mask=(t < T)[:, None] & (c < C)[None, :],
-                     other=0.0).to(tl.float32)
-        grad += tl.sum(x * gu[:, None, :], axis=2)
-    return grad
-
-
-@_jit
-def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, scale, shift, t, s, T, N: tl.constexpr,
-                   C, BC: tl.constexpr):
-    """dx[j] = gx[j] + H_pre[j] du + scale[j] x[j] + shift[j] into the contiguous (T, n, C) fp32 gxo: the write's
-    gradient gx (the state's dtype; gxo itself if fp32), the read's term, the norm's (mHC's RMS, HC's per stream)."""
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        mask = _tile_mask(t, s, c, T, N, C)
-        x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, mask)
-        gu = tl.load(gu_ptr + t[:, None] * C + c[None, :], mask=(t < T)[:, None] & (c < C)[None, :],
-                     other=0.0).to(tl.float32)
-        offsets = t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :]
-        gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        gx += h_pre[:, :, None] * gu[:, None, :] + scale[:, :, None] * x + shift[:, :, None]
-        tl.store(gxo_ptr + offsets, gx, mask=mask)
-
-
-@_jit
-def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr,
-                       b_post_ptr, b_res_ptr, perm_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, sums_ptr,
-                       gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gxo_ptr, gl_ptr, glz_ptr, graw_ptr,
-                       T, C, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, R: tl.constexpr,
-                       STORED: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
-    """The read's and the coefficients' backward for BT tokens. Pass 1 over x and du: dH_pre. Then per token in
-    registers: the gates' and Sinkhorn's (or the permutation mix's) backward to the logits' gradients, written per
-    token (T, 2n + R), and the RMS's term. Pass 2 adds H_pre du + (RMS term) x into x's gradient in place. Nothing
-    of size n x C per token is stored by the forward for this: x is re-read, the coefficients recomputed from the
-    raw logits (2n + R per token) where that is cheaper than keeping them."""
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
-    s = tl.arange(0, NP)
-    tmask, smask = t < T, s < N
-    m2 = tmask[:, None] & smask[None, :]
-    K = 2 * N + R
-    g_pre = _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N, C, BC, NP)
-    inv_rms = tl.load(inv_rms_ptr + t, mask=tmask, other=1.0)
-    h_pre = tl.load(h_pre_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    h_post = tl.load(h_post_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    g_post = tl.load(g_post_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    a_pre = tl.load(a_pre_ptr).to(tl.float32)
-    a_post = tl.load(a_post_ptr).to(tl.float32)
-    offsets = t[:, None] * K + s[None, :]
-    z_pre = tl.load(raw_ptr + offsets, mask=m2, other=0.0) * inv_rms[:, None]
-    z_post = tl.load(raw_ptr + offsets + N, mask=m2, other=0.0) * inv_rms[:, None]
-    gl_pre = g_pre * h_pre * (1.0 - h_pre)
-    gl_post = g_post * h_post * (1.0 - 0.5 * h_post)
-    _store_logit_grads(gl_pre, z_pre, a_pre, inv_rms[:, None], offsets, m2, gl_ptr, glz_ptr, graw_ptr)
-    _store_logit_grads(gl_post, z_post, a_post, inv_rms[:, None], offsets + N, m2, gl_ptr, glz_ptr, graw_ptr)
-    zdot = tl.sum(gl_pre * a_pre * z_pre + gl_post * a_post * z_post, axis=1)
-    i3, j3 = s[None, :, None], s[None, None, :]
-    valid = (i3 < N) & (j3 < N)
-    m3 = tmask[:, None, None] & valid
-    if MIX == 1:
-        a_res = tl.load(a_res_ptr).to(tl.float32)
-        g_res = tl.load(g_res_ptr + t[:, None, None] * N * N + i3 * N + j3, mask=m3, other=0.0)
-        L = tl.load(logits_ptr + t[:, None, None] * N * N + i3 * N + j3, mask=m3, other=0.0)
-        H = tl.load(h_res_ptr + t[:, None, None] * N * N + i3 * N + j3, mask=m3, other=0.0)
-        gl_res = _sinkhorn_backward(g_res, L, H, valid, i3 < N, j3 < N, sums_ptr, t, s, tmask, iters, N, STORED)
-        z_res = tl.load(raw_ptr + t[:, None, None] * K + 2 * N + i3 * N + j3, mask=m3, other=0.0)
-        z_res = z_res * inv_rms[:, None, None]
-        _store_logit_grads(gl_res, z_res, a_res, inv_rms[:, None, None], t[:, None, None] * K + 2 * N + i3 * N + j3, m3,
-                           gl_ptr, glz_ptr, graw_ptr)
-        zdot += tl.sum(tl.sum(gl_res * a_res * z_res, axis=2), axis=1)
-    elif MIX == 2:
-        g_res = tl.load(g_res_ptr + t[:, None, None] * N * N + i3 * N + j3, mask=m3, other=0.0)
-        zdot += _lite_backward(g_res, raw_ptr, perm_ptr, b_res_ptr, tl.load(a_res_ptr).to(tl.float32), inv_rms, t,
-                               tmask, s, K, gl_ptr, glz_ptr, graw_ptr, R, N, BR)
-    # z = raw / rms: d(1/rms)/dx = -x / (nC rms^3), so x's gradient gains -(sum dz z) / (nC rms^2) x
-    scale = tl.where(m2, (-zdot * inv_rms * inv_rms / (N * C))[:, None] + tl.zeros((BT, NP), tl.float32), 0.0)
-    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, scale, tl.zeros((BT, NP), tl.float32), t,
-                   s, T, N, C, BC)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# HC: coefficients from each stream's own norm, then the read
-
-
-@_jit
-def _hc_coefficient_tile(raw_ptr, w_sum_ptr, mean, rstd, t, s, k, T, N: tl.constexpr):
-    """z = rstd (x W^T - mean W 1) for the (tokens, n, n + 2) coefficients: the norm folded into the projection."""
-    KH = N + 2
-    mask = (t < T)[:, None, None] & (s < N)[None, :, None] & (k < KH)[None, None, :]
-    raw = tl.load(raw_ptr + t[:, None, None] * (N * KH) + s[None, :, None] * KH + k[None, None, :], mask=mask,
-                  other=0.0)
-    w_sum = tl.load(w_sum_ptr + k, mask=k < KH, other=0.0)
-    return rstd[:, :, None] * (raw - mean[:, :, None] * w_sum[None, None, :]), mask
-
-
-@_jit
-def _hc_stats(x_ptr, sxt, sxn, sxc, t, s, T, N: tl.constexpr, C, eps, BC: tl.constexpr, NP: tl.constexpr):
-    """Each stream's mean and 1/std over C (layer_norm without affine), one pass: sum and sum of squares."""
-    total = tl.zeros((t.shape[0], NP), tl.float32)
-    squares = tl.zeros((t.shape[0], NP), tl.float32)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, _tile_mask(t, s, c, T, N, C))
-        total += tl.sum(x, axis=2)
-        squares += tl.sum(x * x, axis=2)
-    mean = total / C
-    return mean, 1.0 / tl.sqrt(tl.maximum(squares / C - mean * mean, 0.0) + eps)
-
-
-@_jit
-def _hc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, a_m_ptr, a_r_ptr, b_ptr, s_a_ptr, s_b_ptr,
-                     u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, mean_ptr, rstd_ptr, T, C, eps,
-                     N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """HC's coefficients and read for BT tokens: per stream mean and 1/std (pass 1 over x), coefficient
-    c[i, k] = scale_k tanh(z[i, k]) + static[k, i] in registers (k = 0: H_pre, 1..n: column i of H_res, n+1:
-    H_post), u = sum_i H_pre[i] x[i] (pass 2). Writes u, the coefficients and each stream's mean and 1/std."""
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
-    s = tl.arange(0, NP)
-    k = tl.arange(0, KP)
-    tmask, smask = t < T, s < N
-    m2 = tmask[:, None] & smask[None, :]
-    mean, rstd = _hc_stats(x_ptr, sxt, sxn, sxc, t, s, T, N, C, eps, BC, NP)
-    tl.store(mean_ptr + t[:, None] * N + s[None, :], mean, mask=m2)
-    tl.store(rstd_ptr + t[:, None] * N + s[None, :], rstd, mask=m2)
-    z, mask = _hc_coefficient_tile(raw_ptr, w_sum_ptr, mean, rstd, t, s, k, T, N)
-    coef = _hc_scale(s_a_ptr, s_b_ptr, k, N) * _tanh(z) + _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N)
-    s3, k3, t3 = s[None, :, None], k[None, None, :], t[:, None, None]
-    tl.store(h_pre_ptr + t3 * N + s3 + 0 * k3, coef, mask=mask & (k3 == 0))
-    tl.store(h_res_ptr + t3 * N * N + (k3 - 1) * N + s3, coef, mask=mask & (k3 >= 1) & (k3 <= N))
-    tl.store(h_post_ptr + t3 * N + s3 + 0 * k3, coef, mask=mask & (k3 == N + 1))
-    h_pre = tl.where(m2, tl.sum(tl.where(k3 == 0, coef, 0.0), axis=2), 0.0)
-    _read(x_ptr, sxt, sxn, sxc, h_pre, u_ptr, t, s, T, N, C, BC)
-
-
-@_jit
-def _hc_scale(s_a_ptr, s_b_ptr, k, N: tl.constexpr):
-    return tl.where(k == N + 1, tl.load(s_b_ptr).to(tl.float32), tl.load(s_a_ptr).to(tl.float32))[None, None, :]
-
-
-@_jit
-def _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N: tl.constexpr):
-    """static[k, i]: A_m[i] (k = 0), A_r[i, k - 1] (1..n), B[i] (n + 1), as a (1, n_pad, k_pad) tile."""
-    s3, k3 = s[None, :, None], k[None, None, :]
-    valid = s3 < N
-    a_m = tl.load(a_m_ptr + s3 + 0 * k3, mask=valid & (k3 == 0), other=0.0)
-    a_r = tl.load(a_r_ptr + s3 * N + k3 - 1, mask=valid & (k3 >= 1) & (k3 <= N), other=0.0)
-    b = tl.load(b_ptr + s3 + 0 * k3, mask=valid & (k3 == N + 1), other=0.0)
-    return a_m + a_r + b
-
-
-@_jit
-def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_ptr, s_a_ptr, s_b_ptr, h_pre_ptr,
-                      gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gxo_ptr, gcoef_ptr, gcd_ptr, gz_ptr, T, C,
-                      N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """HC's read and coefficients backward for BT tokens. Pass 1: dH_pre. In registers: dc (the coefficients'
-    gradient), written with dc tanh(z) for the statics' and scales' sums, and g = dc scale (1 - tanh^2) rstd for
-    the projection's matmuls; the norm's per-stream terms a (x's multiple) and b (a constant). Pass 2: dx +=
-    H_pre du + a x + b in place (the g W term is the caller's cuBLAS matmul)."""
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
-    s = tl.arange(0, NP)
-    k = tl.arange(0, KP)
-    tmask, smask = t < T, s < N
-    m2 = tmask[:, None] & smask[None, :]
-    g_pre = _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N, C, BC, NP)
-    mean = tl.load(mean_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    rstd = tl.load(rstd_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    z, mask = _hc_coefficient_tile(raw_ptr, w_sum_ptr, mean, rstd, t, s, k, T, N)
-    d = _tanh(z)
-    s3, k3, t3 = s[None, :, None], k[None, None, :], t[:, None, None]
-    g_post = tl.load(g_post_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    g_res = tl.load(g_res_ptr + t3 * N * N + (k3 - 1) * N + s3, mask=mask & (k3 >= 1) & (k3 <= N), other=0.0)
-    dc = tl.where(k3 == 0, g_pre[:, :, None], tl.where(k3 == N + 1, g_post[:, :, None], g_res))
-    dc = tl.where(mask, dc, 0.0)
-    KH = N + 2
-    offsets = t3 * (N * KH) + s3 * KH + k3
-    tl.store(gcoef_ptr + offsets, dc, mask=mask)
-    tl.store(gcd_ptr + offsets, dc * d, mask=mask)
-    g = dc * _hc_scale(s_a_ptr, s_b_ptr, k, N) * (1.0 - d * d) * rstd[:, :, None]
-    tl.store(gz_ptr + offsets, g, mask=mask)
-    # layer_norm's backward with the projection folded in: dx = g (W - W's row means) + a (x - mean)
-    a = -tl.sum(g * z, axis=2) * rstd / C
-    w_mean = tl.load(w_sum_ptr + k, mask=k < KH, other=0.0)[None, None, :] / C
-    shift = tl.where(m2, -a * mean - tl.sum(g * w_mean, axis=2), 0.0)
-    h_pre = tl.load(h_pre_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, tl.where(m2, a, 0.0), shift, t, s, T, N, C,
-                   BC)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# the write, every arm
-
-
-@_jit
-def _stored(value, ptr):
-    """fp32 `value` in ptr's dtype, bf16 rounded to nearest-even by its bits (the interpreter's cast truncates)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        bits = value.to(tl.uint32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return value.to(ptr.dtype.element_ty)
-
-
-@_jit
-def _write_forward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr, out_ptr, T, C,
-                   N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """x_next[i] = sum_j H_res[i, j] x[j] + H_post[i] y on a (BT tokens, BC) chunk: reads x (n values) and y (one)
-    once, sums in fp32, writes n in the state's dtype; the n x n coefficients come from L2 for every chunk."""
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    s = tl.arange(0, NP)
-    tmask, cmask = t < T, c < C
-    m2 = tmask[:, None] & (s < N)[None, :]
-    y = tl.load(y_ptr + t[:, None] * syt + c[None, :] * syc, mask=tmask[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)
-    h_post = tl.load(h_post_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    out = h_post[:, :, None] * y[:, None, :]
-    for j in tl.static_range(N):
-        x = tl.load(x_ptr + t[:, None] * sxt + j * sxn + c[None, :] * sxc, mask=tmask[:, None] & cmask[None, :],
-                    other=0.0).to(tl.float32)
-        h = tl.load(h_res_ptr + t[:, None] * N * N + s[None, :] * N + j, mask=m2, other=0.0)     # column j
-        out += h[:, :, None] * x[:, None, :]
-    mask = _tile_mask(t, s, c, T, N, C)
-    tl.store(out_ptr + t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :],
-             _stored(out, out_ptr), mask=mask)             # rounded once to the state's dtype
-
-
-@_jit
-def _write_backward(x_ptr, sxt, sxn, sxc, y_ptr, syt, syc, h_res_ptr, h_post_ptr, g_ptr, sgt, sgn, sgc,
-                    gx_ptr, gy_ptr, g_res_ptr, g_post_ptr, T, C,
-                    N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """The write's backward for BT tokens over all of C: dx[j] = sum_i H_res[i, j] dout[i] (the state's dtype),
-    dy = sum_i H_post[i] dout[i] (y's dtype), and the per-token sums dH_res[i, j] = dout[i] . x[j],
-    dH_post[i] = dout[i] . y accumulated in registers. Reads dout (n values, any strides: the collapse's gradient
-    arrives as one stride-0 view), x (n) and y (one) once; writes n + 1."""
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
-    s = tl.arange(0, NP)
-    tmask = t < T
-    m2 = tmask[:, None] & (s < N)[None, :]
-    h_post = tl.load(h_post_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    g_res = tl.zeros((BT, NP, NP), tl.float32)
-    g_post = tl.zeros((BT, NP), tl.float32)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        m2c = tmask[:, None] & (c < C)[None, :]
-        g = _stream_tile(g_ptr, t, s, c, sgt, sgn, sgc, _tile_mask(t, s, c, T, N, C))
-        y = tl.load(y_ptr + t[:, None] * syt + c[None, :] * syc, mask=m2c, other=0.0).to(tl.float32)
-        tl.store(gy_ptr + t[:, None] * C + c[None, :], tl.sum(h_post[:, :, None] * g, axis=1).to(
-            gy_ptr.dtype.element_ty), mask=m2c)
-        g_post += tl.sum(g * y[:, None, :], axis=2)
-        for j in tl.static_range(N):
-            x = tl.load(x_ptr + t[:, None] * sxt + j * sxn + c[None, :] * sxc, mask=m2c, other=0.0).to(tl.float32)
-            h = tl.load(h_res_ptr + t[:, None] * N * N + s[None, :] * N + j, mask=m2, other=0.0)   # column j
-            tl.store(gx_ptr + t[:, None] * (N * C) + j * C + c[None, :],
-                     _stored(tl.sum(h[:, :, None] * g, axis=1), gx_ptr), mask=m2c)
-            column = tl.sum(g * x[:, None, :], axis=2)                                    # dH_res[:, j]
-            g_res = tl.where((s == j)[None, None, :], g_res + column[:, :, None], g_res)
-    i3, j3 = s[None, :, None], s[None, None, :]
-    tl.store(g_res_ptr + t[:, None, None] * N * N + i3 * N + j3, g_res,
-             mask=tmask[:, None, None] & (i3 < N) & (j3 < N))
-    tl.store(g_post_ptr + t[:, None] * N + s[None, :], g_post, mask=m2)
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # the autograd Functions and what the connections call
 #
 # Each kernel is launched through its torch.library operator (torch.ops.hcstudy.*, defined by triton_library.py,
 # which choice.triton_kernels imports), everything around it is plain torch: dynamo traces these Functions into the
-# block's one graph. Under checkpointing
-# train_c4.Block recomputes the sublayer alone: these Functions keep what their backwards read (the state itself,
-# no copy, and per-token coefficients), so the connection's kernels run once a step.
+# block's one graph. Under checkpointing train_c4.Block recomputes the sublayer alone: these Functions keep what
+# their backwards read (the state itself, no copy, and per-token coefficients), so the connection's kernels run once
+# a step.
 
 def _launch_shape(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """x (..., n, C) as (T, n, C) (a view wherever the strides allow), T, n, C."""
@@ -670,30 +146,35 @@ def _zeros_if_none(grad, shape, like):
 
 
 def _accumulator(grad_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x's fp32 gradient that the read's backward adds into in place, the write's gradient where that is another
-    tensor): the write's own if fp32 (no copy), else a new fp32 tensor and the bf16 gradient read beside it."""
+    """(x's fp32 gradient that a read's backward adds into in place before cuBLAS adds the projection's term, the
+    write's gradient where that is another tensor): the write's own if fp32 (no copy), else a new fp32 tensor and
+    the bf16 gradient read beside it. HC's read, and the mHC family's where cuBLAS projects (_read_columns)."""
     if grad_in.dtype == torch.float32:
         return grad_in, None
     return torch.empty_like(grad_in, dtype=torch.float32), grad_in
 
 
 class _MHCRead(torch.autograd.Function):
-    """(u, H_post, H_res, logits, x) from x (..., n, C): raw = vec(x) phi^T (cuBLAS), then _mhc_read_forward. Kept
-    for the backward: x (the input, no copy), the raw logits, 1/rms, the coefficients and, for mhc, the logits and
-    (SINKHORN_BACKWARD = "stored") the Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ n^2 + 2n(iters - 1)) floats a token."""
+    """(u, H_post, H_res, logits, x) from x (..., n, C): the operator mhc_read_forward, whose kernel projects
+    raw = vec(x) phi^T itself (after cuBLAS where the logits are too many: _projects). Kept for the backward: x (the
+    input, no copy), the raw logits, 1/rms, the coefficients and, for mhc with SINKHORN_BACKWARD = "stored", the
+    Sinkhorn sums: 2n + R + 1 + 2n + n^2 (+ 2n(iters - 1)) floats a token."""
 
     @staticmethod
     def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, spec):
         n, mixing, iters, eps, u_dtype = spec
         xt, T, _, C = _launch_shape(x)
-        raw = xt.reshape(T, n * C).to(phi.dtype) @ phi.t()  # (T, 2n + R); a copy for an unusual layout or bf16
+        # cuBLAS's projection where the kernel cannot hold the logits: a copy of x for an unusual layout or bf16
+        given = None if _projects(phi.shape[0]) else xt.reshape(T, n * C).to(phi.dtype) @ phi.t()
         stored = mixing == 1 and SINKHORN_BACKWARD == "stored"
-        u, h_pre, h_post, h_res, inv_rms, logits, sums = torch.ops.hcstudy.mhc_read_forward(
-            xt, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps, u_dtype, stored)
+        u, h_pre, h_post, h_res, inv_rms, raw, logits, sums = torch.ops.hcstudy.mhc_read_forward(
+            xt, phi.contiguous(), given, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, iters, eps,
+            u_dtype, stored)
+        raw = raw if given is None else given            # (T, 2n + R): the kernel's (empty where cuBLAS's came in)
         logits, sums = logits if mixing == 1 else None, sums if stored else None        # empty where the arm has none
         ctx.spec = (n, mixing, iters, stored)
         ctx.save_for_backward(x, phi, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms,
-                              h_pre, h_post, h_res, logits, sums)
+                              h_pre, h_post, h_res, sums)
         ctx.mark_non_differentiable(*(t for t in (logits,) if t is not None))
         ctx.set_materialize_grads(False)
         lead = x.shape[:-2]
@@ -703,26 +184,44 @@ class _MHCRead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_u, grad_post, grad_res, _grad_logits, grad_x):
         (x, phi, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms,
-         h_pre, h_post, h_res, logits, sums) = ctx.saved_tensors
+         h_pre, h_post, h_res, sums) = ctx.saved_tensors
         n, mixing, iters, stored = ctx.spec
         xt, T, _, C = _launch_shape(x)
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        # the write's gradient of x (nothing else holds it); the read's backward adds its own into it in fp32
-        grad_x, grad_write = _accumulator(_zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous())
-        gl, glz, graw = torch.ops.hcstudy.mhc_read_backward(
-            xt, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, h_pre, h_post, h_res, logits, sums,
-            grad_u, grad_post, grad_res, grad_write, grad_x, mixing, iters, stored)
-        with autocast_off(x):       # a backward called under autocast would round these matmuls to bf16
-            grad_x.view(T, n * C).addmm_(graw, phi)              # the projection's term, in place (cuBLAS)
-            grad_phi = graw.t() @ xt.reshape(T, n * C).to(phi.dtype)
-        bias_grad, gate_grad = torch.stack([gl, glz]).sum(1)     # sums over the tokens: torch's, deterministic
-        gates = [gate_grad[:n].sum(), gate_grad[n:2 * n].sum(), gate_grad[2 * n:].sum()]
+        grad_in = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()     # the write's dx
+        gl, glz, scale = torch.ops.hcstudy.mhc_read_backward(
+            xt, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, h_pre, h_post, h_res, sums,
+            grad_u, grad_post, grad_res, mixing, iters, stored)
+        grad_x, grad_phi = _read_columns(xt, grad_u, grad_in, h_pre, scale, gl, inv_rms, (a_pre, a_post, a_res), phi)
+        bias_grad, gate_grad = gl.sum(0), glz.sum(0)             # sums over the tokens: torch's, deterministic
+        gates = [gate_grad[0], gate_grad[1], gate_grad[2]]
         biases = [bias_grad[:n], bias_grad[n:2 * n], bias_grad[2 * n:]]
         grads = [_like(g, p) for g, p in zip(gates + biases, (a_pre, a_post, a_res, b_pre, b_post, b_res))]
         return (grad_x.view(x.shape).to(x.dtype), grad_phi, grads[0], grads[1], grads[2], grads[3], grads[4],
                 grads[5], None, None)
+
+
+def _read_columns(xt, grad_u, grad_in, h_pre, scale, gl, inv_rms, gates, phi):
+    """(x's gradient, phi's): the operator mhc_read_columns adds the read's terms into the write's dx (grad_in), in
+    place in its dtype where the kernel projects (phi's gradient then from its partials over the token groups), else
+    into an fp32 accumulator that cuBLAS adds graw phi to (graw = dl gate / rms, the raw logits' gradient), forming
+    phi's gradient from an fp32 copy of x. gates: a_pre, a_post, a_res (None for identity-HC)."""
+    T, n, C = xt.shape
+    K = phi.shape[0]
+    a_pre, a_post, a_res = gates
+    project = _projects(K)
+    grad_x, grad_write = (grad_in, None) if project else _accumulator(grad_in)      # cuBLAS's addmm_ needs fp32
+    partials = torch.ops.hcstudy.mhc_read_columns(xt, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a_pre,
+                                                  a_post, a_res, phi.contiguous(), project)
+    if project:
+        return grad_x, partials[0] if partials.shape[0] == 1 else partials.sum(0)   # torch's sum: the same bits
+    gate = torch.cat([a.reshape(1).expand(m) for a, m in ((a_pre, n), (a_post, n), (a_res, K - 2 * n)) if m])
+    graw = gl * gate * inv_rms[:, None]
+    with autocast_off(xt):       # a backward called under autocast would round these matmuls to bf16
+        grad_x.view(T, n * C).addmm_(graw, phi)              # the projection's term, in place (cuBLAS)
+        return grad_x, graw.t() @ xt.reshape(T, n * C).to(phi.dtype)
 
 
 class _HCRead(torch.autograd.Function):
@@ -783,6 +282,18 @@ class _Write(torch.autograd.Function):
                 grad_y.view(y.shape))
 
 
+def _projects(K: int) -> bool:
+    """Whether the read kernels project the state themselves (tl.dot over a token block), for K = 2n + R logits a
+    token: up to a (16 tokens, 128) tile, so mhc to n = 10, identity-hc, mhc-lite to n = 4; mhc-lite's n! logits
+    from n = 5 on take cuBLAS matmuls on an fp32 copy of x each way."""
+    return K <= PROJECTED_LOGITS
+
+
+def _logit_pad(K: int) -> int:
+    """The logits' tile width: a power of two, 16 at least (tl.dot's least); 16 where the kernel does not project."""
+    return max(16, _next_power_of_2(K)) if _projects(K) else 16
+
+
 def _chunk(R: int) -> int:
     """mHC-lite's permutations per chunk: 16 at least (a power of two), 64 at most (the (tokens, chunk, n) tile)."""
     return min(64, max(16, _next_power_of_2(max(R, 1))))
@@ -835,12 +346,13 @@ def res_logit_count(arm: str, n: int) -> int:
 
 def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20, stream_bytes: int = 4):
     """Device-memory bytes per token one connection's kernels and cuBLAS matmuls move, forward and backward: the state
-    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; a bf16 state's copies (x widened for
-    cuBLAS each way, dx rounded back) with the matmuls. Re-reads count (a read's second pass: x and du; its dx is
-    read in the state's dtype, written in fp32), the weights do not."""
+    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; where cuBLAS projects (HC, mhc-lite
+    from n = 5), a bf16 state's copies (x widened each way, dx rounded back) with the matmuls. Re-reads count (a
+    read's second pass over x; the mHC family's column pass reads x and du again; HC's read backward reads x and du
+    twice and writes dx in fp32), the weights do not, nor phi's partial gradients (a few weights' worth a step)."""
     f, C = 4, width
     state, wide, u, vec = stream_bytes * n * C, f * n * C, f * C, activation_bytes * C
-    cast, read_backward = state + wide if stream_bytes < f else 0, 3 * state + wide + 2 * u
+    cast = state + wide if stream_bytes < f else 0
     write = {"_write_forward": 2 * state + vec + f * (n * n + n),
              "_write_backward": 3 * state + 2 * vec + 2 * f * (n * n + n)}
     if arm == "hc":
@@ -848,17 +360,21 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
         return {"projection (cuBLAS)": wide + coef + cast,
                 "_hc_read_forward": 2 * state + coef + u + f * (4 * n + n * n),
                 **write,
-                "_hc_read_backward": read_backward + coef + f * (4 * n + n * n) + 3 * coef,
+                "_hc_read_backward": 3 * state + wide + 2 * u + coef + f * (4 * n + n * n) + 3 * coef,
                 "projection backward (cuBLAS)": 3 * wide + 2 * coef + 2 * cast,
                 "sums over the tokens (torch)": 2 * coef}
     K = f * (2 * n + res_logit_count(arm, n))
-    sinkhorn = f * (n * n + 2 * n * (iters - 1) * (SINKHORN_BACKWARD == "stored")) if arm == "mhc" else 0
-    return {"projection (cuBLAS)": wide + K + cast,
-            "_mhc_read_forward": 2 * state + K + u + f * (2 * n + n * n + 1) + sinkhorn,
-            **write,
-            "_mhc_read_backward": read_backward + K + f * (3 * n + 2 * n * n + 1) + sinkhorn + 3 * K,
-            "projection backward (cuBLAS)": 3 * wide + 2 * K + 2 * cast,
-            "sums over the tokens (torch)": 2 * K}
+    stored = f * 2 * n * (iters - 1) * (arm == "mhc" and SINKHORN_BACKWARD == "stored")    # Sinkhorn's sums
+    res = {"mhc": 2 if stored else 1, "mhc-lite": 1}.get(arm, 0) * f * n * n      # the backward's dH_res (and H_res)
+    forward = {"_mhc_read_forward": 2 * state + K + u + f * (2 * n + 1 + n * n * (2 if arm == "mhc" else 1)) + stored}
+    backward = {"_mhc_read_backward": state + u + K + f * (3 * n + 1) + res + stored + K + f * 4}  # dl, sums, scale
+    sums = {"sums over the tokens (torch)": K + 3 * f}
+    if _projects(2 * n + res_logit_count(arm, n)):         # raw written, then read back; dl read by the column pass
+        return {**forward, "_mhc_read_forward": forward["_mhc_read_forward"] + K, **write, **backward,
+                "_mhc_read_columns": 3 * state + u + f * (n + 2) + K, **sums}
+    return {"projection (cuBLAS)": wide + K + cast, **forward, **write, **backward,
+            "_mhc_read_columns": 2 * state + wide + u + f * (n + 1), "graw (torch)": 4 * K + f,
+            "projection backward (cuBLAS)": 3 * wide + 2 * K + 2 * cast, **sums}
 
 
 def floor(n: int, width: int, activation_bytes: int = 2, stream_bytes: int = 4):

@@ -74,8 +74,8 @@ class KernelCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def counting(width: int, triton: tuple[str, int, int, int] | None = None):
-    """A KernelCounter over the code run inside. triton (arm, n, tokens, bytes of a state value): triton_kernels'
-    kernels replaced by launches of the bytes they move (their own count, triton_kernels.traffic), so that the triton
+    """A KernelCounter over the code run inside. triton (arm, n, tokens, bytes of a state value): triton_ops'
+    kernels replaced by launches of the bytes they move (their own count, triton_ops.traffic), so that the triton
     path runs on the CPU for counting: its cuBLAS and torch calls are counted as they run."""
     counter = KernelCounter(width)
     module = importlib.import_module("hcstudy.kernels.triton_ops") if triton else None

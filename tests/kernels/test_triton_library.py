@@ -117,11 +117,15 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("arm,stream_dtype", [("hc", "fp32"), ("mhc", "bf16"), ("mhc-lite", "fp32")])
-def test_each_operator_passes_torch_library_opcheck(arm, stream_dtype):
+@pytest.mark.parametrize("arm,stream_dtype,project", [("hc", "fp32", True), ("mhc", "bf16", True),
+                                                       ("mhc-lite", "fp32", True), ("mhc", "bf16", False)])
+def test_each_operator_passes_torch_library_opcheck(arm, stream_dtype, project, monkeypatch):
     """torch.library.opcheck on every call one connection's step makes (a strided state): the schema (what a call
-    mutates is what it declares, no output aliases an input), the fake implementation against the kernel (shapes,
-    dtypes, strides) and AOTAutograd's dispatch with dynamic shapes."""
+    mutates is what it declares, no output aliases an input: the column pass adds into the write's dx in place,
+    bf16 where the kernel projects, an fp32 accumulator where cuBLAS does, project=False), the fake implementation
+    against the kernel (shapes, dtypes, strides) and AOTAutograd's dispatch with dynamic shapes."""
+    if not project:
+        monkeypatch.setattr(kernels, "PROJECTED_LOGITS", 0)
     cfg = tiny_config(arm, width=24, expansion=3, sinkhorn_iters=3, stream_dtype=stream_dtype)
     conn = T.CONNECTIONS[arm](cfg, 1, "triton")
     randomize_mixing(torch.nn.ModuleDict({"x_conn": conn}))
@@ -131,6 +135,7 @@ def test_each_operator_passes_torch_library_opcheck(arm, stream_dtype):
         out.float().sum().backward()
     names = {func._opname for func, _ in recorder.calls}
     reads = {"hc": "hc_read"}.get(arm, "mhc_read")
-    assert names == {f"{reads}_forward", f"{reads}_backward", "write_forward", "write_backward"}
+    columns = set() if arm == "hc" else {"mhc_read_columns"}
+    assert names == {f"{reads}_forward", f"{reads}_backward", *columns, "write_forward", "write_backward"}
     for func, args in recorder.calls:
         torch.library.opcheck(func, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

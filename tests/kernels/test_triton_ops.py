@@ -95,23 +95,47 @@ def test_each_arm_equals_the_formulas_forward_and_every_gradient(arm, n):
     assert_close_to(step(fast, x, grad_out, weight), truth, step(reference, x, grad_out, weight))
 
 
-# identity-HC's gradient of a_pre at width 72 lies 1.2e-4 of its largest entry from fp64 with the real block sizes
-# too (the formulas' fp32: 6.5e-6; at width 40 it meets the bar): a precision gap of that kernel, not of the chunking
-IDENTITY_A_PRE = pytest.mark.xfail(strict=True, reason="identity-HC's a_pre gradient misses the 1e-5 bar at width 72")
-
-
-@pytest.mark.parametrize("arm,n", [("hc", 4), ("mhc", 4), ("mhc-lite", 3),
-                                   pytest.param("identity-hc", 3, marks=IDENTITY_A_PRE)])
-def test_widths_over_several_channel_chunks(arm, n, monkeypatch):
-    """Block sizes forced small (16 channels a chunk, 2 tokens a program): a width of 72 runs 5 chunks, the last one
-    part-full, so every kernel's loop over chunks (the norms' and the projections' sums across them, the write's
-    second grid axis) carries real work, which widths of at most 40 at the real block sizes never reach."""
+def small_blocks(monkeypatch, project=True):
+    """Block sizes forced small: 16 channels a chunk, 2 tokens a program (16 where the kernel runs tl.dot), and the
+    read's column pass in 2 token groups of several blocks each (10 programs over 5 chunks); project=False: the
+    mHC family's projection on cuBLAS, as mhc-lite's n! logits take it from n = 5."""
     real = kernels.block_sizes
     monkeypatch.setattr(kernels, "block_sizes", lambda n, C: (2, 16, real(n, C)[2]))
+    monkeypatch.setattr(kernels, "dot_block_sizes", lambda n, C: (16, 16, real(n, C)[2]))
+    monkeypatch.setattr(kernels, "COLUMN_PROGRAMS", 10)
+    if not project:
+        monkeypatch.setattr(kernels, "PROJECTED_LOGITS", 0)
+
+
+@pytest.mark.parametrize("arm,n,project", [("hc", 4, True), ("mhc", 4, True), ("mhc", 3, False),
+                                           ("mhc-lite", 3, True), ("identity-hc", 3, True)])
+def test_widths_over_several_channel_chunks(arm, n, project, monkeypatch):
+    """A width of 72 runs 5 chunks, the last one part-full, and 34 tokens 3 blocks of 16 (2 in the first group), so
+    that every kernel's loop over chunks (the norms' and the projections' sums across them, the write's second grid
+    axis) and the column pass's loop over token blocks and its partial sums carry real work, which widths of at
+    most 40 at the real block sizes never reach."""
+    small_blocks(monkeypatch, project)
     exact, reference, fast = connections(arm, n, 72)
-    x, grad_out, weight = inputs(n, 72)
+    x, grad_out, weight = inputs(n, 72, tokens=17)
     truth = step(exact, x, grad_out, weight, torch.float64)
     assert_close_to(step(fast, x, grad_out, weight), truth, step(reference, x, grad_out, weight))
+
+
+@pytest.mark.parametrize("arm,n,project", [("mhc", 4, True), ("mhc", 3, False), ("identity-hc", 3, True)])
+def test_bf16_streams_over_several_channel_chunks(arm, n, project, monkeypatch):
+    """The same chunks and token groups with the state in bf16 (--stream-dtype bf16): the kernels load it widened and
+    store the state and x's gradient rounded once, so against the formulas on the same bf16 state the output lies
+    within 2u of its largest entry and every gradient within 4u (u = 2^-8; tests/kernels/test_stream_dtype.py)."""
+    small_blocks(monkeypatch, project)
+    _, reference, fast = connections(arm, n, 72, stream_dtype="bf16")
+    x, grad_out, weight = inputs(n, 72, tokens=17)
+    found, expected = (step(conn, x, grad_out, weight, torch.bfloat16) for conn in (fast, reference))
+    assert found["output"].dtype == found["x"].dtype == torch.bfloat16
+    for name, value in expected.items():
+        if name != "u dtype":
+            assert found[name].dtype == value.dtype, name
+            bound = (2 if name == "output" else 4) * 2.0 ** -8 * value.abs().max().item()
+            assert (found[name].double() - value.double()).abs().max().item() <= bound, name
 
 
 @pytest.mark.parametrize("arm", ["hc", "mhc", "mhc-lite"])
