@@ -5,6 +5,7 @@ figures for the same work (one eager mHC connection at batch 16, sequence 2048, 
     python benchmarks/bench_connection.py                          # CUDA: that public config, n 4, every arm
     python benchmarks/bench_connection.py --tokens 8192 --width 2048 --json out.json
     python benchmarks/bench_connection.py --device cpu --tokens 64 --width 64 --arms mhc   # a smoke run
+    python benchmarks/bench_connection.py --stream-dtype bf16      # the state stored in bf16 (--stream-dtype)
 
 A connection is timed around a sublayer that only casts (y = u in bf16), under bf16 autocast, so the time is the
 streams' alone: coefficients, read, write and their backwards. The residual row is x + y with the same sublayer.
@@ -51,7 +52,8 @@ def connection_step(arm: str, path: str, cfg, device, tokens: int):
     """A closure running one forward and backward of one connection (or the plain residual)."""
     n = 1 if arm == "baseline" else cfg.expansion
     conn = T.CONNECTIONS[arm](dataclasses.replace(cfg, residual=arm), 1, path).to(device)
-    x = torch.randn(max(1, tokens // 1024), min(tokens, 1024), n, cfg.width, device=device)
+    x = torch.randn(max(1, tokens // 1024), min(tokens, 1024), n, cfg.width, device=device,
+                    dtype=T.STREAM_DTYPES[cfg.stream_dtype])                # the state as the trainer stores it
     if path == "fused":
         x = fused_module.expand(x[..., 0, :], n)                            # the layout the fused path keeps
     x.requires_grad_()
@@ -72,16 +74,18 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=16 * 2048, help="tokens per call, in sequences of 1024")
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--expansion", type=int, default=4)
+    p.add_argument("--stream-dtype", choices=("fp32", "bf16"), default="fp32", help="the residual state's dtype")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--paths", default="reference,fused,triton")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", help="write the table here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    cfg = T.parse_config(["--width", str(args.width), "--expansion", str(args.expansion), "--heads", "1"])
+    cfg = T.parse_config(["--width", str(args.width), "--expansion", str(args.expansion), "--heads", "1",
+                          "--stream-dtype", args.stream_dtype])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"one connection, forward + backward, {args.tokens:,} tokens, width {args.width}, n {args.expansion}, "
-          f"bf16 autocast, on {name}, torch {torch.__version__}", flush=True)
+          f"{args.stream_dtype} streams, bf16 autocast, on {name}, torch {torch.__version__}", flush=True)
     rows = [{"arm": "baseline", "path": "residual", "ms": timed_ms(connection_step("baseline", "reference", cfg,
                                                                                     device, args.tokens),
                                                                     device, args.repeats)}]
@@ -106,7 +110,8 @@ def main(argv=None):
         choice.triton_kernels().SINKHORN_BACKWARD = "stored"
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "tokens": args.tokens,
-                                               "width": args.width, "n": args.expansion, "rows": rows}, indent=1))
+                                               "width": args.width, "n": args.expansion,
+                                               "stream_dtype": args.stream_dtype, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ error as a rehearsal's result, and how the events become verdicts and result.jso
 test_launcher.py holds its one line without one."""
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -283,3 +284,11 @@ def test_the_cpu_tiny_check_runs_every_part_in_one_worker_and_writes_result_json
     assert all(r["status"] == "ok" for r in rows if not r["over_plan"]), rows
     assert result["timings"]["hc"]["fused/eager"]["step_s"] > 0 and result["gpu"] == "cpu"
     assert done.stdout.count("part  rehearsal") == len(contract.METHODS) * 2
+
+
+def test_the_kernels_gpu_script_without_a_gpu_says_so_in_one_line_and_measures_nothing(tmp_path):
+    """benchmarks/gpu_kernels.sh (the kernels' figures a lent GPU measures) on a CPU machine: exit 1, one line."""
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_kernels.sh"), str(tmp_path / "out")],
+                            capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "no CUDA GPU" in result.stderr
+    assert not list((tmp_path / "out").iterdir())

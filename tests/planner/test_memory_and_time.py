@@ -431,9 +431,10 @@ def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
     assert "8 x NVIDIA H200" in r.stdout and "triton path" in line and "(scaled)" in line
     assert "Step times, scaled: mhc on the triton path (eager) timed by the GPU check at its small size, scaled by " \
            "FLOPs per token" in r.stdout
-    # 10,000 steps of 2 s at 1e10 FLOPs per token, scaled to depth 32's 1.055e10 and spread 0.9-1.2, plus the rest
+    # 10,000 steps of 2 s at 1e10 FLOPs per token, scaled to depth 32's 1.116e10 (the head's included) and spread
+    # 0.9-1.2 (5.58-7.44 h), plus the rest
     low, high = hours(line)
-    assert 5.2 < low < 5.6 and 7.0 < high < 7.7
+    assert 5.58 < low < 5.9 and 7.44 < high < 8.0
     r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1")
     assert r.returncode == 0 and "GPU check" not in r.stdout          # measured on another GPU than planned
     r = launcher(tmp_path, "--dry-run", "--methods", "mhc", "--depths", "32", "--seeds", "1", "--gpu-type",
