@@ -11,8 +11,8 @@ from hcstudy.kernels import choice
 from hcstudy.planner.gpus import ASSUMED_GPU, flops_per_token, gpu_peak_flops
 from hcstudy.planner import rehearsed
 from hcstudy.planner.memory import (AUTO_MARGIN, GiB, MemoryPlan, PlanError, activation_profile, auto_micro_batch,
-                                    check_batch_split, checkpointed_path, memory_plan, planned_loss, profile_key,
-                                    rehearsed_failure, this_gpu)
+                                    check_batch_split, memory_plan, planned_loss, profile_key,
+                                    profiled_path, rehearsed_failure, this_gpu)
 from hcstudy.planner.run_time import (TERMS, device_config, device_rates, measured_step, planned_path,
                                       rates_text, run_time, step_cost)
 from hcstudy.planner.step_work import step_work, work_key
@@ -56,12 +56,8 @@ def print_estimate(gpt: type, cfg: Config, params: dict) -> None:
         streams = micro * cfg.seq_len * cfg.depth * (fit[0] * cfg.width + fit[1])
         print(f"the {cfg.expansion} streams add {params['streams']:,} parameters and, without checkpointing, "
               f"{streams / GiB:.1f} GiB of activations (stream states, mixing coefficients, written sublayer outputs)")
-    if cfg.stream_dtype == "bf16" and cfg.activation_checkpointing:
-        print(f"bf16 streams: activations measured on the {checkpointed_path(cfg)} path, the states it holds in bf16")
-    elif cfg.stream_dtype == "bf16":
-        print("bf16 streams: activations measured on the formulas, which save one fp32 copy of the state a "
-              "connection as fp32 streams do; less only where checkpointing holds the blocks' bf16 inputs (the kernels "
-              "keep the bf16 state: an upper bound there, docs/model.md)")
+    if cfg.stream_dtype == "bf16":
+        print(f"bf16 streams: activations measured on the {profiled_path(cfg)} path, the states it holds in bf16")
     print(auto_line)
     print(levers_line(cfg))
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else None

@@ -143,18 +143,19 @@ def _saved_per_token(gpt: type, cfg: Config, width: int, depth: int, bf16: bool,
 def profile_key(cfg: Config, checkpointing: bool) -> Config:
     """The settings activation_profile depends on, all others at their defaults: one measurement serves every
     depth, width, batch and seed (type(cfg) is train_c4.Config, so this file needs no import of it). The streams'
-    path: with checkpointing, the one a GPU run asks for (checkpointed_path); without, the formulas', which keep
-    more than the kernels' paths: for those the plan is an upper bound."""
+    path: the one a GPU run asks for (profiled_path; the triton path's operators allocate their outputs on the CPU
+    and launch nothing there)."""
     return type(cfg)(residual=cfg.residual, expansion=cfg.expansion, heads=cfg.heads, tokenizer=cfg.tokenizer,
                      sinkhorn_iters=cfg.sinkhorn_iters, dtype="fp32" if cfg.dtype == "fp32" else "bf16",
                      activation_checkpointing=checkpointing, stream_dtype=cfg.stream_dtype,
-                     kernels=checkpointed_path(cfg) if checkpointing else "reference")
+                     kernels=profiled_path(cfg))
 
 
-def checkpointed_path(cfg: Config) -> str:
-    """The streams' path a GPU run of cfg asks for (auto: triton), where it has the arm: under checkpointing the
-    formulas recompute each connection, the kernels' paths keep theirs (train_c4.Block), so the two keep different
-    tensors. A path chosen by --check's timing (fused) keeps what triton keeps, up to per-token coefficients."""
+def profiled_path(cfg: Config) -> str:
+    """The streams' path a GPU run of cfg asks for (auto: triton), where it has the arm: the path whose saved tensors
+    the memory plan measures. The formulas' autograd keeps n x C copies the kernels do not, and under checkpointing
+    the formulas recompute each connection while the kernels' paths keep theirs (train_c4.Block). A path chosen by
+    --check's timing (fused) keeps what triton keeps, up to per-token coefficients."""
     path = choice.asked_path(cfg, on_gpu=True)
     return path if choice.supports(cfg, path) else "reference"
 
@@ -299,7 +300,7 @@ def _activation_terms(cfg: Config, vocab: int, micro: int, fit: dict, full: dict
     the plain or the fused cross-entropy (`loss`)."""
     C, L, tokens = cfg.width, cfg.depth, micro * cfg.seq_len
     per_token = {k: fit[k][0] * C + fit[k][1] for k in fit if k != "weight_casts"}
-    connections_recomputed = checkpointed_path(cfg) == "reference"
+    connections_recomputed = profiled_path(cfg) == "reference"
     if cfg.activation_checkpointing:
         held = "stream states" if connections_recomputed else "stream states, u, y, coefficients"
         term("act: checkpointed inputs", tokens * L * per_token["block"],
