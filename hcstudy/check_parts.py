@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hcstudy.contract import METHODS, rehearsal_row
+from hcstudy.contract import METHODS, error_line, rehearsal_row
 from hcstudy.kernels import choice, cross_entropy
 from hcstudy.planner import gpus, memory, rehearsed, run_time
 
@@ -384,8 +384,7 @@ def free_memory(device: torch.device) -> None:
 
 
 def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+    return error_line(error)[:300]
 
 
 # ---------------------------------------------------------------------------------------------

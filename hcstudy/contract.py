@@ -35,6 +35,12 @@ CHECKPOINTS, LAUNCHER_FILE = "checkpoints", "launcher.json"
 CHECKPOINT_MARKER = "COMPLETE.json"
 
 
+def error_line(error: BaseException) -> str:
+    """'TypeName: first line of its message': an unexpected error as one line, for a log, a verdict or a row."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class TrainerError(Exception):
     """An expected failure: its message is the one line the user sees, exit_code what the launcher reads."""
     exit_code = 1

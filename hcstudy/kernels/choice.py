@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from hcstudy.contract import ConfigError, load_check, timed_steps
+from hcstudy.contract import ConfigError, error_line, load_check, timed_steps
 
 # the public study's variants that change the connections' maths, not only their initial values
 STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "mhc_norm_order", "hc_dynamic", "sinkhorn_order")
@@ -108,8 +108,7 @@ def triton_problem(device: torch.device, make_connection) -> str | None:
     try:
         return triton_kernels().self_check(make_connection, device)
     except Exception as error:          # an import, compile or launch failure: each of them means the formulas
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return f"failed ({type(error).__name__}: {first_line})"
+        return f"failed ({error_line(error)})"
 
 
 def use_flash_attention(cfg, device: torch.device, dtype: torch.dtype) -> bool:
