@@ -26,9 +26,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from hcstudy import arms
 from hcstudy.kernels import choice
 from hcstudy.kernels import fused as fused_module  # noqa: E402
-import train_c4 as T  # noqa: E402
+from hcstudy.config import parse_config
+from hcstudy.model import STREAM_DTYPES
 
 ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")
 
@@ -51,9 +53,9 @@ def timed_ms(step, device: torch.device, repeats: int) -> float:
 def connection_step(arm: str, path: str, cfg, device, tokens: int):
     """A closure running one forward and backward of one connection (or the plain residual)."""
     n = 1 if arm == "baseline" else cfg.expansion
-    conn = T.CONNECTIONS[arm](dataclasses.replace(cfg, residual=arm), 1, path).to(device)
+    conn = arms.connection(arm)(dataclasses.replace(cfg, residual=arm), 1, path).to(device)
     x = torch.randn(max(1, tokens // 1024), min(tokens, 1024), n, cfg.width, device=device,
-                    dtype=T.STREAM_DTYPES[cfg.stream_dtype])                # the state as the trainer stores it
+                    dtype=STREAM_DTYPES[cfg.stream_dtype])                # the state as the trainer stores it
     if path == "fused":
         x = fused_module.expand(x[..., 0, :], n)                            # the layout the fused path keeps
     x.requires_grad_()
@@ -81,7 +83,7 @@ def main(argv=None):
     p.add_argument("--json", help="write the table here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    cfg = T.parse_config(["--width", str(args.width), "--expansion", str(args.expansion), "--heads", "1",
+    cfg = parse_config(["--width", str(args.width), "--expansion", str(args.expansion), "--heads", "1",
                           "--stream-dtype", args.stream_dtype])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"one connection, forward + backward, {args.tokens:,} tokens, width {args.width}, n {args.expansion}, "

@@ -20,27 +20,29 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hcstudy.planner import gpus  # noqa: E402
-import train_c4 as T  # noqa: E402
+from hcstudy.config import parse_config
+from hcstudy.data import GPT2Tokenizer, RankBatches, make_loader, resolve_data_files
+from hcstudy.model import count_parameters
 
 H100_BF16_PEAK, REALISTIC_MFU = 989e12, 0.40
 
 
 def gpu_tokens_per_second(depth: int) -> float:
     """What one H100 consumes at a realistic 40% MFU for the C4 model of this depth."""
-    cfg = T.parse_config(["--depth", str(depth)])
-    flops = gpus.flops_per_token(cfg, T.count_parameters(cfg))
+    cfg = parse_config(["--depth", str(depth)])
+    flops = gpus.flops_per_token(cfg, count_parameters(cfg))
     return H100_BF16_PEAK * REALISTIC_MFU / flops
 
 
 def measure(data: str, streams: int, seconds: float, micro: int, workers: int) -> tuple[float, float]:
     """(tokens/s delivered, CPU seconds the training process spends per million tokens: with a thread the
     reading and tokenizing, with loader processes only the receiving)."""
-    files = T.resolve_data_files(data)
-    cfg = T.parse_config(["--data", data, "--data-streams", str(streams), "--batch-size", str(streams * micro),
+    files = resolve_data_files(data)
+    cfg = parse_config(["--data", data, "--data-streams", str(streams), "--batch-size", str(streams * micro),
                           "--micro-batch-size", str(micro)])
-    loader = T.RankBatches(files.train, T.GPT2Tokenizer(), cfg, rank=0, world=1, micro=micro,
+    loader = RankBatches(files.train, GPT2Tokenizer(), cfg, rank=0, world=1, micro=micro,
                            skip_held_out=files.held_out_slice)
-    loader = T.make_loader(loader, dataclasses.replace(cfg, data_workers=workers), pin_memory=False)
+    loader = make_loader(loader, dataclasses.replace(cfg, data_workers=workers), pin_memory=False)
     for _ in range(streams):                       # warm-up: every stream opened and its buffer filled
         loader.next_batch()
     started, cpu_started, batches = time.perf_counter(), time.process_time(), 0

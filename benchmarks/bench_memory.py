@@ -22,12 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hcstudy.planner import memory as memory_module  # noqa: E402
 from hcstudy.run_record import device_name  # noqa: E402
-import train_c4 as T  # noqa: E402
+from hcstudy.config import Config, parse_config
+from hcstudy.model import GPT
 from bench_step import Variant  # noqa: E402
 from hcstudy.planner.memory import GiB  # noqa: E402
 
 
-def measured_peak(cfg: T.Config, micro: int, device: torch.device, steps: int = 2) -> float | None:
+def measured_peak(cfg: Config, micro: int, device: torch.device, steps: int = 2) -> float | None:
     """Bytes torch.cuda.max_memory_allocated shows over `steps` optimizer steps (None on the CPU)."""
     variant = Variant(dataclasses.replace(cfg, batch_size=micro), device)
     if device.type == "cuda":
@@ -56,9 +57,9 @@ def main(argv=None) -> int:
     rows = []
     for depth in map(int, args.depths.split(",")):
         preset = ["--preset", "tiny"] if args.smoke else []
-        cfg = T.parse_config([*preset, "--depth", str(depth), "--residual", args.residual])
+        cfg = parse_config([*preset, "--depth", str(depth), "--residual", args.residual])
         micro = min(args.micro_batch, cfg.batch_size)
-        memory = memory_module.memory_plan(T.GPT, cfg, micro)
+        memory = memory_module.memory_plan(GPT, cfg, micro)
         peak = measured_peak(cfg, micro, device)
         rows.append({"depth": depth, "residual": args.residual, "micro_batch": micro,
                      "planned_allocated_gib": round(memory.allocated / GiB, 2),

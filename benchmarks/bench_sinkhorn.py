@@ -21,7 +21,8 @@ import torch
 import torch.utils.benchmark as benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train_c4 as T  # noqa: E402
+from hcstudy.arms.mhc import sinkhorn
+from hcstudy.metrics import gain_metrics, sinkhorn_converged, stochastic_errors
 
 
 def logits(sublayers: int, tokens: int, n: int, diag: float, spread: float, aligned: bool) -> torch.Tensor:
@@ -33,7 +34,7 @@ def logits(sublayers: int, tokens: int, n: int, diag: float, spread: float, alig
 def per_sublayer_ms(one_sublayer: torch.Tensor, iters: int) -> float:
     """Median time of the projection's forward + backward on one sublayer's tokens, as the model runs it."""
     x = one_sublayer.clone().requires_grad_()
-    timer = benchmark.Timer("T.sinkhorn(x, iters).sum().backward()", globals={"T": T, "x": x, "iters": iters})
+    timer = benchmark.Timer("sinkhorn(x, iters).sum().backward()", globals={"sinkhorn": sinkhorn, "x": x, "iters": iters})
     return timer.blocked_autorange(min_run_time=0.5).median * 1e3
 
 
@@ -56,13 +57,13 @@ def main() -> None:
     for aligned in (False, True):
         for spread in (float(s) for s in args.spreads.split(",")):
             L = logits(args.sublayers, args.tokens, args.expansion, args.diag, spread, aligned)
-            converged, needed = T.sinkhorn_converged(L)
-            exact = T.gain_metrics(converged)["amax_bwd"]
+            converged, needed = sinkhorn_converged(L)
+            exact = gain_metrics(converged)["amax_bwd"]
             for iters in iteration_counts:
                 with torch.no_grad():
-                    H = T.sinkhorn(L, iters)
-                error = T.stochastic_errors(H).max().item()
-                used = T.gain_metrics(H)["amax_bwd"]
+                    H = sinkhorn(L, iters)
+                error = stochastic_errors(H).max().item()
+                used = gain_metrics(H)["amax_bwd"]
                 ms = per_sublayer_ms(L[0], iters)
                 print(f"| {'aligned' if aligned else 'independent'} | {spread:g} | {iters} | {error:.2e} | "
                       f"{used:.4f} | {exact:.6f} ({needed}) | {ms:.2f} |")

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import train_c4 as T  # noqa: E402
+from hcstudy.config import parse_config
+from hcstudy.data import GPT2Tokenizer, RankBatches, resolve_data_files
 from bench_loader import measure  # noqa: E402
 
 try:
@@ -33,12 +34,12 @@ class StreamShares(torch.utils.data.IterableDataset):
     StatefulDataLoader calls inside the worker: state_dict every snapshot_every_n_steps items, shipped to the
     training process with the item; load_state_dict before iterating."""
 
-    def __init__(self, batches: T.RankBatches, workers: int):
+    def __init__(self, batches: RankBatches, workers: int):
         self.recipe, self.state, self.workers, self.batches = batches.recipe, batches.state_dict(), workers, None
 
     def __iter__(self):
         worker = torch.utils.data.get_worker_info().id
-        self.batches = T.RankBatches(*self.recipe)
+        self.batches = RankBatches(*self.recipe)
         self.batches.load_state_dict([self.state])
         self.mine = sorted(set(self.batches.owners))[worker::self.workers]
         slots = [p for p, v in enumerate(self.batches.owners) if v in self.mine]
@@ -55,10 +56,10 @@ class StreamShares(torch.utils.data.IterableDataset):
 
 
 def build(data: str, streams: int, micro: int, workers: int, snapshot: int) -> StatefulDataLoader:
-    files = T.resolve_data_files(data)
-    cfg = T.parse_config(["--data", data, "--data-streams", str(streams), "--batch-size", str(streams * micro),
+    files = resolve_data_files(data)
+    cfg = parse_config(["--data", data, "--data-streams", str(streams), "--batch-size", str(streams * micro),
                           "--micro-batch-size", str(micro)])
-    batches = T.RankBatches(files.train, T.GPT2Tokenizer(), cfg, 0, 1, micro, files.held_out_slice)
+    batches = RankBatches(files.train, GPT2Tokenizer(), cfg, 0, 1, micro, files.held_out_slice)
     return StatefulDataLoader(StreamShares(batches, workers), batch_size=None, num_workers=workers,
                               snapshot_every_n_steps=snapshot, prefetch_factor=2)
 

@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -34,7 +35,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hcstudy.planner import gpus  # noqa: E402
 from hcstudy.run_record import device_name  # noqa: E402
-import train_c4 as T  # noqa: E402
+from hcstudy import config, metrics, model, optim  # noqa: E402
+from hcstudy.distributed import compute_dtype  # noqa: E402
+from hcstudy.kernels import choice  # noqa: E402
+
+# the trainer under test, read by name as --against reads an older train_c4.py
+T = types.SimpleNamespace(Config=config.Config, parse_config=config.parse_config, GPT=model.GPT, choice=choice,
+                          compute_dtype=compute_dtype, count_parameters=model.count_parameters,
+                          decay_groups=optim.decay_groups, instability_probe=metrics.instability_probe,
+                          kernel_path=model.kernel_path, make_optimizer=optim.make_optimizer,
+                          padded_vocab_size=model.padded_vocab_size)
 
 VARIANTS = ("baseline", "hc", "mhc")
 

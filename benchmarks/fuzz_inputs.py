@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from hcstudy import run_folder  # noqa: E402
 import train_c4 as T  # noqa: E402
+from hcstudy.distributed import Dist
 
 RUN = "mhc_d2_s42"
 VICTIM = "victim.txt"           # beside the trainer's --out: no invocation may change it
@@ -142,7 +143,7 @@ def nonsense_after_training(run_dir, code):
              if line.strip()]
     if steps != list(range(7)):
         return f"exit 0 but metrics.jsonl steps are {steps[:12]}"
-    found = run_folder.read_checkpoint(run_dir, T.Dist(0, 1, torch.device("cpu")), lambda line: None)
+    found = run_folder.read_checkpoint(run_dir, Dist(0, 1, torch.device("cpu")), lambda line: None)
     if found is None or found[0].name != "step-6" or found[1]["train_state.pt"]["step"] != 6:
         return "exit 0 but the newest checkpoint that loads is not step 6"
     return ""
@@ -152,7 +153,7 @@ def nonsense_after_consolidate(run_dir, weights, code):
     if code != 0:
         return "an output file was written by a refused --consolidate" if weights.exists() else ""
     state = torch.load(weights, weights_only=True)
-    folder = run_folder.read_checkpoint(run_dir, T.Dist(0, 1, torch.device("cpu")), lambda line: None)
+    folder = run_folder.read_checkpoint(run_dir, Dist(0, 1, torch.device("cpu")), lambda line: None)
     if folder is None:
         return "exit 0 although no checkpoint of the run verifies"
     saved = folder[1]["model.pt"]

@@ -25,6 +25,8 @@ from hcstudy.planner import memory
 from hcstudy.planner import run_time
 from hcstudy.planner import step_work  # noqa: E402
 import train_c4 as T  # noqa: E402
+from hcstudy.config import Config, parse_config
+from hcstudy.model import GPT, count_parameters
 from bench_connection import connection_step  # noqa: E402
 
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
@@ -45,18 +47,18 @@ H200_CONNECTION_MS = {("baseline", "reference"): 1.60, ("mhc", "reference"): 45.
 
 
 def trainer_cost(flags: list[str], residual: str, path: str, gpu: str) -> run_time.StepCost:
-    cfg = T.parse_config([*flags, "--residual", residual])
-    return run_time.step_cost(T.GPT, cfg, T.count_parameters(cfg), path, int(cfg.micro_batch_size), 1,
+    cfg = parse_config([*flags, "--residual", residual])
+    return run_time.step_cost(GPT, cfg, count_parameters(cfg), path, int(cfg.micro_batch_size), 1,
                           run_time.gpu_rates(gpu))
 
 
 def connection_cost(arm: str, path: str, tokens: int, width: int, gpu: str) -> run_time.StepCost:
     """One connection's forward and backward (bench_connection's call), counted at two widths and two token counts
     on the CPU and fitted as the trainer's step is: launches fixed, bytes per token linear in the width."""
-    cfg = T.Config(residual=arm if arm != "baseline" else "mhc", heads=1)
+    cfg = Config(residual=arm if arm != "baseline" else "mhc", heads=1)
     w1, counted = step_work._counted_width(cfg), {}
     for w in (w1, 2 * w1):
-        small = T.Config(residual=cfg.residual, width=w, heads=1)
+        small = Config(residual=cfg.residual, width=w, heads=1)
         for t in (step_work.COUNT_SEQ, 2 * step_work.COUNT_SEQ):
             step = connection_step(arm, path, small, T.torch.device("cpu"), t)
             triton = (arm, cfg.expansion, t) if path == "triton" else None

@@ -1,11 +1,11 @@
 """The GPU check's parts that run in one process with the trainer: the card's environment, every arm's step on
 every kernel path at a small size, and the study's real sizes rehearsed, each at the micro-batch and path the planner
 picks for this card. `run_experiments.sh --check` (hcstudy/gpu_check.py) starts this process as
-benchmarks/gpu_check_worker.py, which passes train_c4 in: the package never imports the trainer.
+`python -m hcstudy.check_parts`.
 
 One process builds each model once and times every path on it, with no data, tokenizer, probe set or run folder:
-each step is the trainer's own optimizer step (train_c4.Trainer.optimizer_step: every micro-batch's forward and
-backward, the clip, AdamW) on a fixed batch of random tokens, bracketed by device synchronisations. Each part has a
+each step is the trainer's own optimizer step (hcstudy/optim.py's gradients: every micro-batch's forward and
+backward, the clip; then AdamW) on a fixed batch of random tokens, bracketed by device synchronisations. Each part has a
 time budget, derived below from the planner's modelled step and the constants' estimates; the plan of the parts
 (plan_parts) is what `--check --dry-run` prints, and what the check runs. Results go to an events file, one JSON
 line each, so that a part that crashed the process loses only itself (gpu_check.py restarts the rest).
@@ -19,6 +19,7 @@ import gc
 import importlib.util
 import json
 import statistics
+import sys
 import time
 import types
 from pathlib import Path
@@ -26,8 +27,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hcstudy import arms, optim
+from hcstudy.config import parse_config
 from hcstudy.contract import METHODS, error_line, rehearsal_row
+from hcstudy.distributed import Dist, compute_dtype, wrap_model
 from hcstudy.kernels import choice, cross_entropy
+from hcstudy.model import GPT, count_parameters, kernel_path, padded_vocab_size
 from hcstudy.planner import gpus, memory, rehearsed, run_time
 
 # ---------------------------------------------------------------------------------------------
@@ -35,7 +40,7 @@ from hcstudy.planner import gpus, memory, rehearsed, run_time
 
 BUDGET_S = 570          # the whole check: ten minutes with the machine's own start-up
 CHECK_START_S = 5       # the check's own process: python, hcstudy, and torch imported to ask for a CUDA device (2-4 s)
-WORKER_START_S = 15     # this process: python, torch, train_c4, the CUDA context. A trainer run paid 20-35 s before its
+WORKER_START_S = 15     # this process: python, torch, the model's modules, the CUDA context. A trainer run paid 20-35 s before its
 #                         first step on one H200 (docs/benchmarks.md), of which the tokenizer, the data streams and
 #                         their loader processes, the probe set, the micro-batch trial and the run folder are not here
 PLAN_S_PER_ARM = 7      # the planner's activation profile and counted step work of one arm, on the CPU: 6.2-7.5 s an
@@ -113,11 +118,10 @@ class Part:
 
 
 class Context:
-    """What every part needs: the trainer (train_c4, passed in), the device, the GPU's name the rows and plans are
-    for, one card's bytes, --cpu-tiny."""
+    """What every part needs: the device, the GPU's name the rows and plans are for, one card's bytes, --cpu-tiny."""
 
-    def __init__(self, trainer, tiny: bool, plan_only: bool):
-        self.trainer, self.tiny = trainer, tiny
+    def __init__(self, tiny: bool, plan_only: bool):
+        self.tiny = tiny
         cuda = torch.cuda.is_available() and not tiny
         self.device = torch.device("cuda" if cuda else "cpu")
         if cuda:
@@ -128,24 +132,23 @@ class Context:
         elif plan_only:                 # the dry run without a GPU: the documented node's card
             self.gpu, self.card = gpus.ASSUMED_GPU, gpus.GPU_MEMORY_GIB[gpus.ASSUMED_GPU] * memory.GiB
         else:
-            raise SystemExit("gpu_check_worker: no CUDA GPU visible")
-        self.parameters = functools.cache(trainer.count_parameters)
+            raise SystemExit("hcstudy.check_parts: no CUDA GPU visible")
+        self.parameters = functools.cache(count_parameters)
 
     def config(self, flags: list):
-        return self.trainer.parse_config([*(TINY_SHAPE if self.tiny else []), *flags])
+        return parse_config([*(TINY_SHAPE if self.tiny else []), *flags])
 
     def small_config(self, method: str):
-        return self.trainer.parse_config([*(TINY_SMALL if self.tiny else SMALL), "--residual", method])
+        return parse_config([*(TINY_SMALL if self.tiny else SMALL), "--residual", method])
 
     def paths(self, cfg) -> list:
         """Every path the arm has on the card (the baseline's one stream has one): triton on a GPU only (its
         interpreter on the CPU is for the kernels' own tests)."""
-        return ["reference"] if cfg.residual == "baseline" else [
-            p for p in ("reference", "fused", "triton") if choice.supports(cfg, p) and (p != "triton" or not self.tiny)]
+        return [p for p in arms.ARMS[cfg.residual].paths if choice.supports(cfg, p) and (p != "triton" or not self.tiny)]
 
     def modelled(self, cfg, micro: int, path: str) -> list | None:
         """The planner's [low, high] seconds of one optimizer step on this card's rates, None where it has none."""
-        step = run_time.step_seconds(self.trainer.GPT, cfg, self.parameters(memory.shape_key(cfg)), micro, 1,
+        step = run_time.step_seconds(GPT, cfg, self.parameters(memory.shape_key(cfg)), micro, 1,
                                      self.gpu, path)
         return list(step[0]) if step else None
 
@@ -191,7 +194,7 @@ def plan_parts(ctx: Context, budget_s: float, check: dict | None = None) -> list
             order += [plan_rehearsal(ctx, "baseline", depth, list(v), check=check, required=False) for v in VARIANTS]
     order.append(plan_rehearsal(ctx, OVER_PLAN_ARM, depths[-1], check=check, over_plan=True))
     arms = len(METHODS)
-    overhead = [Part("start-up: this process", "overhead", WORKER_START_S, "python, torch, train_c4, the CUDA context"),
+    overhead = [Part("start-up: this process", "overhead", WORKER_START_S, "python, torch, the model's modules, the CUDA context"),
                 Part("planning", "overhead", PLAN_S_PER_ARM * arms, f"the memory plan and step model of {arms} arms "
                      "on the CPU")]
     left = budget_s - sum(p.budget_s for p in overhead + order if p.required)
@@ -272,7 +275,7 @@ def plan_rehearsal(ctx: Context, method: str, depth: int, variant: list = (), ch
     part.flags = flags + ["--activation-checkpointing"] * checkpointing + ["--micro-batch-size", str(micro)]
     cfg = ctx.config(part.flags)
     part.micro, part.path = micro, run_time.planned_path(cfg, ctx.gpu, check)
-    part.planned_alloc_gib = memory.memory_plan(ctx.trainer.GPT, cfg, micro, 1, ctx.card).allocated / memory.GiB
+    part.planned_alloc_gib = memory.memory_plan(GPT, cfg, micro, 1, ctx.card).allocated / memory.GiB
     part.modelled_step_s = ctx.modelled(cfg, micro, part.path)
     steps = (WARM_STEPS + TIMED_STEPS) * ctx.step_budget(cfg, part.modelled_step_s)
     part.budget_s = round(ctx.build_s(cfg) + steps + (COMPILE_S if cfg.compile else 0) + FREE_S, 1)
@@ -288,12 +291,12 @@ def planned_micro_batch(ctx: Context, flags: list) -> tuple:
     check's rehearsals: this check measures anew); with activation checkpointing where nothing fits without."""
     cfg = ctx.config(flags)
     try:
-        return cfg, memory.auto_micro_batch(ctx.trainer.GPT, cfg, 1, ctx.card)[0]
+        return cfg, memory.auto_micro_batch(GPT, cfg, 1, ctx.card)[0]
     except memory.PlanError:
         if cfg.activation_checkpointing:
             raise
         cfg = ctx.config([*flags, "--activation-checkpointing"])
-        return cfg, memory.auto_micro_batch(ctx.trainer.GPT, cfg, 1, ctx.card)[0]
+        return cfg, memory.auto_micro_batch(GPT, cfg, 1, ctx.card)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,28 +305,27 @@ def planned_micro_batch(ctx: Context, flags: list) -> tuple:
 
 class Stepper:
     """One model of `cfg` built on the device with the trainer's wrapping (compile per block) and optimizer, stepped
-    by train_c4.Trainer.optimizer_step on a fixed batch of random token ids of the real vocabulary."""
+    as the trainer steps it (optim.gradients, then AdamW) on a fixed batch of random token ids of the real
+    vocabulary."""
 
     def __init__(self, ctx: Context, cfg, micro: int, path: str, simulate_oom: bool = False):
-        T, device = ctx.trainer, ctx.device
-        self.device, self.simulate_oom, self.tokens = device, simulate_oom, cfg.batch_size * cfg.seq_len
-        dist, dtype = T.Dist(0, 1, device), T.compute_dtype(cfg, device)
+        device = ctx.device
+        self.cfg, self.device, self.simulate_oom, self.tokens = cfg, device, simulate_oom, cfg.batch_size * cfg.seq_len
+        self.dist, self.dtype = Dist(0, 1, device), compute_dtype(cfg, device)
         torch.manual_seed(cfg.seed)
         if cfg.compile:     # the blocks of every compiled model here share Block.forward's code object, which dynamo
             #                 allows 8 graphs: a trainer process holds one model (3 graphs), this one several in turn
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         with torch.device(device):      # built where it runs: a 2.5B-parameter model on the host takes minutes
-            model = T.GPT(cfg, choice.use_flash_attention(cfg, device, dtype), path,
+            model = GPT(cfg, choice.use_flash_attention(cfg, device, self.dtype), path,
                           cross_entropy.choose(cfg, ctx.gpu, None)[0])       # auto: plain until a check timed both
-        self.model = T.wrap_model(model, cfg, dist, dtype)
-        ids = torch.randint(0, T.padded_vocab_size(cfg.tokenizer, exact=True), (micro, cfg.seq_len + 1), device=device)
-        batches = types.SimpleNamespace(next_batch=lambda: (ids[:, :-1], ids[:, 1:]))
+        self.model = wrap_model(model, cfg, self.dist, self.dtype)
+        self.optimizer, self.accum = optim.make_optimizer(model, cfg), cfg.batch_size // micro
+        ids = torch.randint(0, padded_vocab_size(cfg.tokenizer, exact=True), (micro, cfg.seq_len + 1), device=device)
+        self.batches = types.SimpleNamespace(next_batch=lambda: (ids[:, :-1], ids[:, 1:]))
         params = ctx.parameters(memory.shape_key(cfg))
         self.flops_per_token = gpus.flops_per_token(cfg, params)
         self.peak = gpus.gpu_peak_flops(ctx.gpu)
-        self.trainer = T.Trainer(cfg=cfg, dist=dist, model=self.model, optimizer=T.make_optimizer(model, cfg),
-                                 loader=batches, val=None, micro=micro, accum=cfg.batch_size // micro, dtype=dtype,
-                                 log=None, run_dir=None, peak_flops=self.peak, flops_per_token=self.flops_per_token)
 
     def step(self) -> float:
         """One optimizer step's seconds, between two synchronisations of the device."""
@@ -331,7 +333,10 @@ class Stepper:
             raise torch.OutOfMemoryError("simulated by --cpu-tiny above the planned micro-batch")
         sync(self.device)
         start = time.perf_counter()
-        self.trainer.optimizer_step(NO_STOP)
+        optim.gradients(self.model, self.optimizer, self.batches, self.accum, self.dist, self.dtype,
+                        self.cfg.grad_clip, optim.lr_at(self.cfg, 0), NO_STOP)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         sync(self.device)
         return time.perf_counter() - start
 
@@ -432,7 +437,7 @@ def timings(ctx: Context, until: float, emit) -> None:
 def time_path(ctx: Context, stepper: Stepper, cfg, path: str, until: float) -> dict:
     event = {"event": "timing", "method": cfg.residual, "path": path, "stats": None, "why": ""}
     if path == "triton":                 # whatever chose it, triton runs only where it equals the formulas here
-        taken, why = ctx.trainer.kernel_path(dataclasses.replace(cfg, kernels="triton"), ctx.device)
+        taken, why = kernel_path(dataclasses.replace(cfg, kernels="triton"), ctx.device)
         if taken != "triton":
             return {**event, "why": why}
     take_path(stepper.model, path)
@@ -567,10 +572,10 @@ def say_row(row: dict) -> None:
           flush=True)
 
 
-def worker_main(argv: list, trainer) -> int:
-    """benchmarks/gpu_check_worker.py: --plan-only prints the plan as one JSON line; else the parts run, their
+def worker_main(argv: list) -> int:
+    """python -m hcstudy.check_parts: --plan-only prints the plan as one JSON line; else the parts run, their
     results appended to --events."""
-    p = argparse.ArgumentParser(prog="gpu_check_worker")
+    p = argparse.ArgumentParser(prog="python -m hcstudy.check_parts")
     p.add_argument("--budget", type=float, required=True, help="seconds for this process's share, start-up included")
     p.add_argument("--deadline", type=float, default=0.0, help="epoch seconds by which its parts must end")
     p.add_argument("--events", type=Path, help="the file its results are appended to, one JSON line each")
@@ -578,7 +583,7 @@ def worker_main(argv: list, trainer) -> int:
     p.add_argument("--plan-only", action="store_true")
     p.add_argument("--cpu-tiny", action="store_true")
     args = p.parse_args(argv)
-    ctx = Context(trainer, args.cpu_tiny, args.plan_only)
+    ctx = Context(args.cpu_tiny, args.plan_only)
     parts = plan_parts(ctx, args.budget)
     if args.plan_only:
         print(json.dumps({"gpu": ctx.gpu, "card_gib": ctx.card / memory.GiB, "assumed": ctx.device.type != "cuda"
@@ -597,3 +602,7 @@ def worker_main(argv: list, trainer) -> int:
         print("\n".join(plan_lines(before + parts + after, whole)), flush=True)
         run_parts(ctx, parts, args.deadline, emit, set(args.skip))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker_main(sys.argv[1:]))

@@ -4,7 +4,6 @@
 
 writes OUT.pt (a GPT state_dict for torch.load(OUT.pt, weights_only=True)), OUT.safetensors (no pickle at all; the
 head, tied to the embedding, left out) and OUT.json (the model's settings). FSDP's sharded checkpoints included.
-The trainer passes itself as `trainer` (its Config, GPT, validate and Dist): this package never imports it.
 """
 from __future__ import annotations
 
@@ -19,7 +18,10 @@ import torch
 from safetensors.torch import save_file as save_safetensors
 
 from hcstudy import config_flags as flags
+from hcstudy.config import Config, validate
 from hcstudy.contract import MODEL_KEYS, ConfigError, TrainerError
+from hcstudy.distributed import Dist
+from hcstudy.model import GPT
 from hcstudy.run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause,
                                 safe_dcp, save_file, verified_checkpoints, write_atomically)
 
@@ -44,16 +46,16 @@ def arguments(argv: list[str]) -> tuple[Path, Path]:
     return source, out
 
 
-def consolidate(source: Path, out: Path, trainer) -> str:
+def consolidate(source: Path, out: Path) -> str:
     """Write the model's weights from a checkpoint (FSDP's sharded ones included), loadable without a process
     group: OUT, a GPT state_dict for torch.load(OUT, weights_only=True), and beside it OUT's stem .safetensors
     (no pickle at all; the head, tied to the embedding, left out) with OUT's stem .json, the model's config.
     `source` is a checkpoint folder or a run folder (its newest complete checkpoint). Returns what was written."""
-    folder, marker = complete_checkpoint(source.resolve(), trainer.Dist(0, 1, torch.device("cpu")))
-    cfg = saved_config(folder.parent.parent, trainer)
+    folder, marker = complete_checkpoint(source.resolve(), Dist(0, 1, torch.device("cpu")))
+    cfg = saved_config(folder.parent.parent)
     state = saved_model_state(folder, sharded=marker.get("format") == "sharded")
     with torch.device("meta"):
-        reference = trainer.GPT(cfg).state_dict()
+        reference = GPT(cfg).state_dict()
     state.setdefault("lm_head.weight", state.get("wte.weight"))          # tied to the embedding
     if set(state) != set(reference) or any(state[k].numel() != v.numel() for k, v in reference.items()):
         raise ConfigError(f"checkpoint {folder} does not match the model of {folder.parent.parent / 'config.json'}")
@@ -77,19 +79,19 @@ def complete_checkpoint(source: Path, single_process) -> tuple[Path, dict]:
                       "its checkpoints/step-N folders")
 
 
-def saved_config(run_dir: Path, trainer):
+def saved_config(run_dir: Path):
     """The run's Config from its config.json, checked as a command line would be (a bad value is one line)."""
     path = run_dir / "config.json"
     try:
         saved = json.loads(path.read_text())["config"]
-        fields = {f.name for f in dataclasses.fields(trainer.Config)}
+        fields = {f.name for f in dataclasses.fields(Config)}
         # the micro-batch saved is the one the run used, not a setting
-        cfg = trainer.Config(**{k: v for k, v in saved.items() if k in fields - {"micro_batch_size"}})
+        cfg = Config(**{k: v for k, v in saved.items() if k in fields - {"micro_batch_size"}})
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
         raise ConfigError(f"{path} is missing or unreadable: the model cannot be rebuilt") from None
     try:
         flags.check_types(cfg)
-        trainer.validate(cfg)
+        validate(cfg)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}; the model cannot be rebuilt") from None
     return cfg

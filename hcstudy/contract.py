@@ -20,6 +20,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from hcstudy import arms
+
 # The trainer's exit codes (the table in README.md, "Exit codes").
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = 0, 2, 3, 4, 5, 6, 75
 TRAINER_EXIT_CODES = frozenset({EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA,
@@ -114,11 +116,9 @@ SEED_STUDY_MODEL = dict(coefficient_norm="flat", read_stream="first", mhc_tanh=T
                         doc_separator="none")
 
 # config keys whose change makes a different model: resuming over them would mix two experiments
-MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "sinkhorn_iters",
-              "hc_scale_init", "mhc_gate_init", "mhc_res_diag", "mhc_pre_bias", "norm_eps", "coefficients",
-              "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh", "collapse", "hc_dynamic",
-              "hc_write_init", "mhc_bias_others", "mhc_post_bias", "proj_init", "sinkhorn_order", "mixing_norm",
-              "mixing_precision", "mhc_norm_order", "vocab", "stream_dtype")
+MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "norm_eps", "coefficients",
+              "read_stream", "dynamic_init_std", "collapse", "proj_init", "mixing_norm", "mixing_precision", "vocab",
+              "stream_dtype", *arms.declared_settings())
 # keys whose change makes the rest of a run a different experiment (schedule, batches, data): resuming over
 # them needs --allow-changed-settings. The micro-batch, world size and loader count are not among them: the
 # batches and the maths stay the same.
@@ -137,22 +137,15 @@ STREAM_KEYS = ("stream_dominance", "stream_dominance_mean", "effective_streams",
 STREAM_LAYER_KEYS = ("layer_stream_dominance", "layer_effective_streams", "layer_effective_rank",
                      "layer_res_to_identity")
 
-# The residual arms and the two settings only some of them have: the launcher multiplies a setting's list only for
-# the methods that have it (no duplicate jobs), and a run name carries a setting only where it differs from its
-# default, so the run folders of the main matrix keep their names.
-METHODS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc")
-SINKHORN_METHODS = frozenset({"mhc"})                               # mhc-lite and identity-hc have no Sinkhorn
-COEFFICIENT_METHODS = frozenset({"hc", "mhc", "mhc-lite", "identity-hc"})
+# The residual arms (hcstudy/arms/: one file each, its declaration read without torch) and the two settings only
+# some of them have: the launcher multiplies a setting's list only for the arms that have it (no duplicate jobs),
+# and a run name carries a setting only where it differs from its default, so the run folders of the main matrix
+# keep their names.
+METHODS = arms.METHODS
+SINKHORN_METHODS = arms.with_sinkhorn()
+COEFFICIENT_METHODS = arms.with_streams()
 # the settings only some arms have, and those arms: the trainer refuses such a flag given for another arm
-MIXING_METHODS = METHODS[1:]
-MHC_FAMILY = ("mhc", "mhc-lite", "identity-hc")
-ARMS_OF = {"sinkhorn_iters": ("mhc",), "sinkhorn_order": ("mhc",), "hc_scale_init": ("hc",),
-           "coefficient_norm": ("hc",), "hc_dynamic": ("hc",), "hc_write_init": ("hc",),
-           "mhc_gate_init": MHC_FAMILY, "mhc_pre_bias": MHC_FAMILY, "mhc_tanh": MHC_FAMILY,
-           "mhc_post_bias": MHC_FAMILY, "mhc_bias_others": MHC_FAMILY, "mhc_norm_order": MHC_FAMILY,
-           "mhc_res_diag": ("mhc", "mhc-lite"),
-           **dict.fromkeys(("coefficients", "expansion", "read_stream", "collapse", "dynamic_init_std", "kernels",
-                            "no_mixing_decay", "mixing_norm", "mixing_precision"), MIXING_METHODS)}
+ARMS_OF = arms.arms_of()
 ARM_DEFAULTS = {"sinkhorn_iters": 20, "coefficients": "token"}
 PRESET_ARM_DEFAULTS = {"seed-study": {"coefficients": "sequence"}}  # the public study's per-sequence model
 COEFFICIENT_SUFFIX = {"token": "_tok", "sequence": "_seq"}

@@ -4,7 +4,7 @@
     bash run_experiments.sh --check --dry-run         # no GPU needed: every part, its sizes and budget, the total
 
 Parts, each with its time budget printed before it starts (hcstudy/check_parts.py runs all but FSDP in one process,
-benchmarks/gpu_check_worker.py, with the trainer passed in):
+`python -m hcstudy.check_parts`):
   environment   bf16 on the card; flash-attn installed, else PyTorch SDPA's flash backend run
   timings       every arm (baseline, hc, mhc, mhc-lite, identity-hc) built once at width 2048, depth 4, 8 x 1024 tokens
                 a step and timed on every --kernels path it has (reference, fused, triton): the trainer's auto
@@ -35,7 +35,6 @@ from hcstudy.config_flags import OneLineErrorParser
 from hcstudy.contract import STATUS_FILE, ConfigError, check_path, check_result, write_json_atomic
 
 PROG = "run_experiments.sh --check"
-WORKER = ROOT / "benchmarks" / "gpu_check_worker.py"
 GRACE_S = 30            # past its deadline a worker is killed: its parts stop themselves at the deadline
 RESTARTS = 2            # a worker that died (a crash, not a failed part) is started again for the parts not yet run
 
@@ -89,7 +88,7 @@ def quiet_env():
 
 
 def worker_command(args, budget, deadline=0.0, events=None, skip=(), plan_only=False):
-    return [sys.executable, str(WORKER), "--budget", f"{budget:.1f}", "--deadline", f"{deadline:.1f}",
+    return [sys.executable, "-m", "hcstudy.check_parts", "--budget", f"{budget:.1f}", "--deadline", f"{deadline:.1f}",
             *(["--events", str(events)] if events else []), *(f"--skip={name}" for name in skip),
             *(["--plan-only"] if plan_only else []), *(["--cpu-tiny"] if args.cpu_tiny else [])]
 

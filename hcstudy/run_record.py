@@ -9,27 +9,29 @@ import sys
 
 import torch
 
-from hcstudy import ROOT
+from hcstudy import ROOT, arms
+from hcstudy.planner import gpus
 from hcstudy.planner.estimate import parameter_summary
 
 
-def announce(trainer, params: dict, record: dict, held_out: str, warning_lines: list[str]) -> None:
-    """train.log's opening: what runs where, the model, the batch, the data, and what seldom means what was meant."""
-    cfg, log = trainer.cfg, trainer.log
+def announce(cfg, log, record: dict, params: dict, streams_read: int, held_out: str, warning_lines: list[str]) -> None:
+    """train.log's opening (`log`: the run's RunLog): what runs where (`record`: run_record's), the model, the batch,
+    the data (`streams_read`: the data streams this process reads), and what seldom means what was meant."""
+    world, micro = record["world_size"], record["config"]["micro_batch_size"]
     log.info(f"run {cfg.run_name}: {cfg.residual} depth {cfg.depth} width {cfg.width} streams "
-             f"{1 if cfg.residual == 'baseline' else cfg.expansion} on {trainer.dist.world} x {record['device_name']} "
+             f"{cfg.expansion if arms.ARMS[cfg.residual].streams else 1} on {world} x {record['device_name']} "
              f"({record['dtype']}, {record['attention']} attention)")
     log.info(f"streams' kernels: {record['kernels']} ({record['kernels_reason']})")
     log.info(f"cross-entropy: {record['cross_entropy']} ({record['cross_entropy_reason']})")
     log.info(f"model: {parameter_summary(params)}")
     log.info(f"tokens per step: {cfg.tokens_per_step:,} = {cfg.batch_size} sequences x {cfg.seq_len}; micro-batch "
-             f"{trainer.micro} x {trainer.accum} accumulation steps x {trainer.dist.world} process(es)")
+             f"{micro} x {cfg.batch_size // (micro * world)} accumulation steps x {world} process(es)")
     log.info(f"run: {cfg.steps:,} steps, {cfg.steps * cfg.tokens_per_step:,} tokens, "
-             f"{trainer.flops_per_token:.3g} FLOPs per token")
+             f"{gpus.flops_per_token(cfg, params):.3g} FLOPs per token")
     loader = f"{cfg.data_workers} loader process(es)" if cfg.data_workers else "a loader thread"
-    read = len(set(trainer.loader.batches.owners))
-    shared = ", shared between processes" if cfg.data_streams % trainer.dist.world else ""
-    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({read} read by this process{shared}, {loader} each), "
+    shared = ", shared between processes" if cfg.data_streams % world else ""
+    log.info(f"data: {cfg.data}, {cfg.data_streams} streams ({streams_read} read by this process{shared}, {loader} "
+             "each), "
              f"data seed {cfg.data_seed}")
     log.info(f"held out for validation and the probe: {held_out}")
     for line in warning_lines:

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hcstudy import contract  # noqa: E402
+from hcstudy import contract, optim  # noqa: E402
 import train_c4  # noqa: E402
+from hcstudy.distributed import unwrap
 
 
 def injected() -> tuple[str, int]:
@@ -43,22 +44,28 @@ def forward_fault(what: str):
 
 
 def install(what: str, at_step: int) -> None:
-    micro_steps, run = train_c4.Trainer.micro_steps, train_c4.Trainer.run
+    optimizer_step, run = train_c4.Trainer.optimizer_step, train_c4.Trainer.run
 
-    def faulty_micro_steps(self, stop):
+    def faulty_optimizer_step(self, stop):
         if self.step + 1 != at_step or what == "none":
-            return micro_steps(self, stop)
-        model = train_c4.unwrap(self.model)
+            return optimizer_step(self, stop)
+        model = unwrap(self.model)
         handle = (model.wte if what == "data" else model).register_forward_hook(forward_fault(what)) \
             if what != "grad" else None
+        accumulate = optim.accumulate
+
+        def accumulate_then_fault(*args):       # the gradients made, before the clip reads them
+            result = accumulate(*args)
+            if what == "grad":
+                next(self.model.parameters()).grad.fill_(float("inf"))
+            return result
+        optim.accumulate = accumulate_then_fault
         try:
-            result = micro_steps(self, stop)
+            return optimizer_step(self, stop)
         finally:
+            optim.accumulate = accumulate
             if handle is not None:
                 handle.remove()
-        if what == "grad":
-            next(self.model.parameters()).grad.fill_(float("inf"))
-        return result
 
     def run_on_failing_devices(self, stop):
         failing = set(filter(None, os.environ.get("TRAIN_C4_FAIL_DEVICES", "").split(",")))
@@ -68,7 +75,7 @@ def install(what: str, at_step: int) -> None:
                                          "TRAIN_C4_FAIL_DEVICES)")
         return run(self, stop)
 
-    train_c4.Trainer.micro_steps, train_c4.Trainer.run = faulty_micro_steps, run_on_failing_devices
+    train_c4.Trainer.optimizer_step, train_c4.Trainer.run = faulty_optimizer_step, run_on_failing_devices
 
 
 if __name__ == "__main__":

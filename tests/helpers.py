@@ -4,11 +4,11 @@ import os
 
 import torch
 
-import train_c4 as T
+from hcstudy.config import parse_config
 
 
 def tiny_config(residual, **overrides):
-    cfg = T.parse_config(["--preset", "tiny", "--residual", residual])
+    cfg = parse_config(["--preset", "tiny", "--residual", residual])
     return dataclasses.replace(cfg, **overrides)
 
 

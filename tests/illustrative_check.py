@@ -3,7 +3,9 @@ not a measurement. Its rehearsals are rows of shapes the --full matrix plans for
 the configs the trainer parses): the baseline at depth 48 and mHC at depth 32 trained, HC at depth 48 ran out of
 memory at its planned micro-batch 2, mHC at depth 48 one above its plan."""
 from hcstudy import gpu_check
+from hcstudy.config import parse_config
 from hcstudy.contract import rehearsal_row
+from hcstudy.model import count_parameters
 from hcstudy.planner import gpus, rehearsed
 
 GPU = gpus.ASSUMED_GPU
@@ -16,10 +18,10 @@ ROWS = [("baseline", 48, 4, 32, "reference", "ok", 1.41, [1.39, 1.44], 55.0, 58.
         ("mhc", 48, 3, 30, "triton", "oom", None, None, 78.8, 66.7, [1.70, 3.11], True)]
 
 
-def row(trainer, method, depth, micro, batch, path, status, step, spread, peak, planned, modelled, over_plan):
-    cfg = trainer.parse_config(["--residual", method, "--depth", str(depth), "--batch-size", str(batch),
+def row(method, depth, micro, batch, path, status, step, spread, peak, planned, modelled, over_plan):
+    cfg = parse_config(["--residual", method, "--depth", str(depth), "--batch-size", str(batch),
                                 "--micro-batch-size", str(micro)])
-    flops = gpus.flops_per_token(cfg, trainer.count_parameters(cfg))
+    flops = gpus.flops_per_token(cfg, count_parameters(cfg))
     tokens_per_s = cfg.batch_size * cfg.seq_len / step if step else None
     return rehearsal_row(
         gpu=GPU, method=method, depth=depth, width=cfg.width, seq_len=cfg.seq_len, batch_size=batch, micro_batch=micro,
@@ -31,8 +33,8 @@ def row(trainer, method, depth, micro, batch, path, status, step, spread, peak, 
         planned_alloc_gib=planned, modelled_step_s=modelled)
 
 
-def write(out, trainer, rows=ROWS) -> list:
+def write(out, rows=ROWS) -> list:
     """{out}/gpu_check/result.json with these rows (and no timings), as the check writes it; the rows."""
-    made = [row(trainer, *values) for values in rows]
+    made = [row(*values) for values in rows]
     gpu_check.write_result(out, {"gpu": GPU, "illustrative": LABEL}, {}, {}, made)
     return made

@@ -6,19 +6,22 @@ import sys
 
 import torch
 
-import train_c4 as T
+from hcstudy.config import parse_config
+from hcstudy.distributed import end_distributed, setup_distributed, wrap_model
+from hcstudy.failures import exit_process
+from hcstudy.model import GPT
 from helpers import randomize_mixing
 
 idx = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
-dist, worst = T.setup_distributed(), {}
+dist, worst = setup_distributed(), {}
 for residual in sys.argv[1:]:
-    cfg = T.parse_config(["--preset", "tiny", "--residual", residual, "--parallel", "fsdp"])
+    cfg = parse_config(["--preset", "tiny", "--residual", residual, "--parallel", "fsdp"])
     results = {}
     for kernels in ("reference", "fused", "triton"):
         torch.manual_seed(0)
-        model = T.GPT(cfg, kernels=kernels)
+        model = GPT(cfg, kernels=kernels)
         randomize_mixing(model)
-        wrapped = T.wrap_model(model, cfg, dist, torch.float32)
+        wrapped = wrap_model(model, cfg, dist, torch.float32)
         part = idx.chunk(dist.world)[dist.rank]
         _, loss = wrapped(part, part)
         loss.backward()
@@ -33,5 +36,5 @@ for residual in sys.argv[1:]:
                                           "parameters": len(grads_ref), "taken": taken}
 if dist.is_main:
     print(json.dumps(worst))
-T.end_distributed()
-T.exit_process(0)
+end_distributed()
+exit_process(0)

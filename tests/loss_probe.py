@@ -9,25 +9,28 @@ import sys
 
 import torch
 
-import train_c4 as T
+from hcstudy.config import parse_config
+from hcstudy.distributed import end_distributed, setup_distributed, wrap_model
+from hcstudy.failures import exit_process
+from hcstudy.model import GPT
 from helpers import randomize_mixing
 
 parallel, precision = sys.argv[1:3]
 torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend="aot_eager")
 idx = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
-dist, results, worst = T.setup_distributed(), {}, {}
+dist, results, worst = setup_distributed(), {}, {}
 dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 for loss in ("plain", "fused"):
     for compiled in (False, True):
-        cfg = T.parse_config(["--preset", "tiny", "--residual", "mhc", "--parallel", parallel, "--dtype", precision,
+        cfg = parse_config(["--preset", "tiny", "--residual", "mhc", "--parallel", parallel, "--dtype", precision,
                               "--cross-entropy", loss, *(["--compile", "--compile-scope", "model"] * compiled)])
         torch.manual_seed(0)
         torch._dynamo.reset()
         from torch._dynamo.utils import counters
         counters.clear()
-        model = T.GPT(cfg, loss=loss)
+        model = GPT(cfg, loss=loss)
         randomize_mixing(model)
-        wrapped = T.wrap_model(model, cfg, dist, dtype)
+        wrapped = wrap_model(model, cfg, dist, dtype)
         part = idx.chunk(dist.world)[dist.rank]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             _, value = wrapped(part, part)
@@ -44,5 +47,5 @@ for (loss, compiled), (value, grads, breaks) in results.items():
         "loss": (loss_ref - value).abs().item(), "grad": max(errors), "parameters": len(grads), "graph_breaks": breaks}
 if dist.is_main:
     print(json.dumps(worst))
-T.end_distributed()
-T.exit_process(0)
+end_distributed()
+exit_process(0)

@@ -4,14 +4,17 @@ import sys
 
 import torch
 
-import train_c4 as T
+from hcstudy.config import parse_config
+from hcstudy.distributed import end_distributed, setup_distributed, unwrap, wrap_model
+from hcstudy.failures import exit_process
+from hcstudy.model import GPT
 
 residual, parallel = sys.argv[1:3]
-cfg = T.parse_config(["--preset", "tiny", "--residual", residual, "--parallel", parallel, "--dtype", "bf16"])
-dist = T.setup_distributed()
+cfg = parse_config(["--preset", "tiny", "--residual", residual, "--parallel", parallel, "--dtype", "bf16"])
+dist = setup_distributed()
 torch.manual_seed(0)
-wrapped = T.wrap_model(T.GPT(cfg), cfg, dist, torch.bfloat16)
-block, seen = T.unwrap(wrapped).blocks[0], {}
+wrapped = wrap_model(GPT(cfg), cfg, dist, torch.bfloat16)
+block, seen = unwrap(wrapped).blocks[0], {}
 
 
 def watch(name):
@@ -26,5 +29,5 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
     wrapped(torch.zeros(2, 8, dtype=torch.long)).float().sum().backward()
 if dist.is_main:
     print(json.dumps(seen))
-T.end_distributed()
-T.exit_process(0)
+end_distributed()
+exit_process(0)

@@ -1,11 +1,12 @@
-"""Which path runs the streams (--kernels): reference (the formulas of train_c4.py), fused (hand-written backwards,
-fused.py) or triton (GPU kernels, triton_ops.py): what the flag asks, what the GPU check timed fastest on this card,
-and the self-check that must agree before the triton path is taken."""
+"""Which path runs the streams (--kernels): reference (the arm's formulas, hcstudy/arms/), or a kernel path the arm
+registers (fused: hand-written backwards, fused.py; triton: GPU kernels, triton_ops.py): what the flag asks, what
+the GPU check timed fastest on this card, and the self-check that must agree before the triton path is taken."""
 
 import dataclasses
 
 import torch
 
+from hcstudy import arms
 from hcstudy.contract import ConfigError, error_line, load_check, timed_steps
 
 # the public study's variants that change the connections' maths, not only their initial values
@@ -19,14 +20,13 @@ def study_variants(cfg) -> list[str]:
 
 
 def supports(cfg, path: str = "fused") -> bool:
-    """Whether a path has the run's arm. fused: HC's and mHC's per-token coefficients as the papers write them;
-    triton (triton_ops.py): those of every arm with streams; reference: all. Every other arm and the public
-    study's variants run the formulas (config.json's "kernels"); train_c4.validate refuses an explicit
-    --kernels fused or triton for the study's variants (study_variants)."""
+    """Whether a path has the run's arm: the formulas (reference) always; a kernel path where the arm's file
+    registers it (its declaration's `kernels`) and the run asks for the papers' per-token coefficients. The public
+    study's variants run the formulas (config.json's "kernels"); config.validate refuses an explicit --kernels fused
+    or triton for them (study_variants)."""
     papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \
         and not cfg.mhc_tanh and not study_variants(cfg)
-    arms = {"fused": ("baseline", "hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}
-    return path == "reference" or (path in arms and cfg.residual in arms[path] and papers)
+    return path == "reference" or (path in arms.ARMS[cfg.residual].kernels and papers)
 
 
 def triton_kernels():
@@ -39,7 +39,7 @@ def triton_kernels():
 def asked_path(cfg, on_gpu: bool) -> str:
     """The path --kernels asks for, before any timing or self-check: auto means fused on the CPU (docs/benchmarks.md
     times it faster than the formulas there) and triton on a GPU; the baseline has only its one stream."""
-    if cfg.residual == "baseline" or cfg.kernels == "reference":
+    if not arms.ARMS[cfg.residual].streams or cfg.kernels == "reference":
         return "reference"
     return "fused" if cfg.kernels == "fused" or not on_gpu and cfg.kernels == "auto" else "triton"
 
@@ -49,8 +49,8 @@ def kernel_path(cfg, device: torch.device, make_connection) -> tuple[str, str]:
     where the path has the arm; auto: on CUDA the path --check timed fastest for this arm on this GPU (its
     result.json in --out), else asked_path's. A triton path, however chosen, that fails to import, compile or agree
     with the formulas (make_connection(path) builds one connection to compare) falls back to the formulas."""
-    if cfg.residual == "baseline" or cfg.kernels == "reference":
-        return "reference", "the baseline's one stream" if cfg.residual == "baseline" else "--kernels reference"
+    if not arms.ARMS[cfg.residual].streams or cfg.kernels == "reference":
+        return "reference", "--kernels reference" if arms.ARMS[cfg.residual].streams else "the baseline's one stream"
     timed = measured_path(cfg, device) if cfg.kernels == "auto" and device.type == "cuda" else None
     path, why = timed or asked_reason(cfg, device)
     if not supports(cfg, path):

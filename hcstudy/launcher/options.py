@@ -10,9 +10,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hcstudy import arms
 from hcstudy.config_flags import OneLineErrorParser
 from hcstudy.contract import (EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK,
                               EXIT_OOM, METHODS)
+
+PILOT = ",".join(arms.in_pilot())
 
 PROG = "run_experiments.sh"
 # the launcher's own exit statuses
@@ -26,7 +29,7 @@ MODES = {   # methods, depths, seeds, steps, trainer preset
     "demo": ("baseline,hc,mhc", "4", "42", None, "demo"),
     "demo-all": (",".join(METHODS), "4", "42", None, "demo"),
     # the streams' readings against depth on a CPU, under an hour on 2 cores (docs/pilot.md)
-    "pilot": ("baseline,hc,mhc,identity-hc", "2,4,8", "42,123", None, "demo"),
+    "pilot": (PILOT, "2,4,8", "42,123", None, "demo"),
 }
 # The trainer flags the launcher sets for each run: the run's identity and where it lives.
 OWN_TRAINER_FLAGS = ("--residual", "--depth", "--seed", "--run-name", "--out", "--steps", "--sinkhorn-iters",
@@ -123,9 +126,9 @@ def build_parser():
             ("stress", "the stress arm: hc,mhc x depths 32,48,64 x seed 42 with --preset stress (lr 3e-4, 3000 "
                        "steps), runs named {method}_d{depth}_s{seed}_stress: it shares --out with the main matrix"),
             ("demo", "baseline,hc,mhc with --preset demo (bundled corpus, CPU minutes), depth 4, then the table"),
-            ("demo-all", "every residual arm (baseline,hc,mhc,mhc-lite,identity-hc) as --demo does"),
-            ("pilot", "baseline,hc,mhc,identity-hc x depths 2,4,8 x seeds 42,123 as --demo does (24 CPU runs, under "
-                      "an hour on 2 cores; docs/pilot.md), then the table and the depth trend")):
+            ("demo-all", f"every residual arm ({','.join(METHODS)}) as --demo does"),
+            ("pilot", f"{PILOT} x depths 2,4,8 x seeds 42,123 as --demo does ({len(arms.in_pilot()) * 6} CPU runs, "
+                      "about an hour on 2 cores; docs/pilot.md), then the table and the depth trend")):
         m.add_argument(f"--{mode}", dest="mode", action="append_const", const=mode, help=help_text)
     # the trainer's names, each taking a list (the plural names are the same flags)
     m.add_argument("--residual", "--methods", dest="methods", metavar="LIST",

@@ -13,8 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from hcstudy.contract import EXIT_BAD_CONFIG, load_check
+from hcstudy.contract import EXIT_BAD_CONFIG, ConfigError, load_check
 from hcstudy.kernels import choice, cross_entropy, triton_library
+from hcstudy.model import GPT
 from hcstudy.planner import rehearsed
 from hcstudy.planner.gpus import ASSUMED_GPU
 
@@ -142,7 +143,7 @@ def _saved_per_token(gpt: type, cfg: Config, width: int, depth: int, bf16: bool,
 
 def profile_key(cfg: Config, checkpointing: bool) -> Config:
     """The settings activation_profile depends on, all others at their defaults: one measurement serves every
-    depth, width, batch and seed (type(cfg) is train_c4.Config, so this file needs no import of it). The streams'
+    depth, width, batch and seed (type(cfg) is hcstudy.config.Config). The streams'
     path: the one a GPU run asks for (profiled_path; the triton path's operators allocate their outputs on the CPU
     and launch nothing there)."""
     return type(cfg)(residual=cfg.residual, expansion=cfg.expansion, heads=cfg.heads, tokenizer=cfg.tokenizer,
@@ -475,3 +476,18 @@ def _fits_one_step(cfg: Config, device: torch.device, local: nn.Module, dtype: t
         states = idx = loss = None      # released before the next, smaller trial allocates its own
         local.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
+
+
+def batch_plan(cfg: Config, world: int, on_gpu: bool | None = None, card: float | None = None,
+               gpu: str | None = None) -> tuple[int, int, str]:
+    """(micro-batch, accumulation steps, why auto chose it): every optimizer step sees --batch-size sequences;
+    auto is resolve_micro_batch's, for a GPU (default: where CUDA is; `gpu` its name) or the CPU."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    micro, why = resolve_micro_batch(GPT, cfg, world, on_gpu, card, gpu)
+    # the streams each process reads from (ranks share streams when the world size does not divide them)
+    read = min(len({p % cfg.data_streams for p in range(rank, cfg.batch_size, world)}) for rank in range(world))
+    if cfg.data_workers > read:
+        raise ConfigError(f"--data-workers {cfg.data_workers} exceeds the {read} data stream(s) each of {world} "
+                          "process(es) reads (a loader process owns whole streams); lower --data-workers, or raise "
+                          "--data-streams and --batch-size")
+    return micro, cfg.batch_size // (micro * world), why

@@ -8,9 +8,13 @@ from pathlib import Path
 
 import torch
 
+from hcstudy.config import parse_config
 from hcstudy.contract import JobAnswer, PlanJob, TrainerError, plan_answer
+from hcstudy.data import resolve_data_files
+from hcstudy.model import GPT, count_parameters, embedding_rows
 from hcstudy.planner.gpus import ASSUMED_GPU, GPU_MEMORY_GIB, flops_per_token
-from hcstudy.planner.memory import DEFAULT_GPU_MEMORY_GIB, GiB, PlanError, check_memory, memory_plan, shape_key
+from hcstudy.planner.memory import (DEFAULT_GPU_MEMORY_GIB, GiB, PlanError, batch_plan, check_memory, memory_plan,
+                                    shape_key)
 from hcstudy.planner.run_time import (CHECKPOINT_GBPS, FORWARD_SHARE, MEASURED_BASIS, STARTUP_S, gpu_rates,
                                       measured_step, planned_path, rates_text, run_time)
 from hcstudy.run_folder import changes_text, check_resumable
@@ -75,15 +79,15 @@ def node_answer(gpu: str, jobs: list[JobAnswer]) -> dict:
         "high end: the slow ones (docs/planning.md)"])
 
 
-def answer_jobs(request, trainer) -> dict:
+def answer_jobs(request) -> dict:
     """--plan-jobs, run_experiments.sh's check before its first launch (JSON in and out, docs/planning.md): each
-    job's flags judged by the trainer's own checks (`trainer`: train_c4, passed in by it), then planned for the
-    launcher's node by job_plan."""
+    job's flags judged by the trainer's own checks (config.parse_config), then planned for the launcher's node by
+    job_plan."""
     gpu, world, answers = request.gpu or ASSUMED_GPU, request.world, []
-    parameters = functools.cache(trainer.count_parameters)      # one build per model shape, not one per job
+    parameters = functools.cache(count_parameters)      # one build per model shape, not one per job
     for job in request.jobs:
         try:
-            cfg = trainer.parse_config(job.flags)
+            cfg = parse_config(job.flags)
             # a run the launcher would skip as finished is compared as a resume would be: refused when its settings
             # changed, or with --allow-changed-settings planned and launched, so that the trainer continues it
             changes = check_resumable(Path(cfg.out) / cfg.run_name, cfg) if job.finished else {}
@@ -91,11 +95,11 @@ def answer_jobs(request, trainer) -> dict:
                 answers.append(JobAnswer(finished=True))
                 continue
             card = card_bytes(cfg, gpu, request.card_gib)
-            micro, _, _ = trainer.batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card, gpu=gpu)
+            micro, _, _ = batch_plan(cfg, world, on_gpu=gpu != "cpu", card=card, gpu=gpu)
             if gpu == "cpu":
-                check_memory(cfg, trainer.embedding_rows(cfg), micro, world, torch.device("cpu"))
-            trainer.resolve_data_files(cfg.data, cfg.val_data)
-            plan = job_plan(trainer.GPT, cfg, parameters(shape_key(cfg)), micro, world, gpu, card, job)
+                check_memory(cfg, embedding_rows(cfg), micro, world, torch.device("cpu"))
+            resolve_data_files(cfg.data, cfg.val_data)
+            plan = job_plan(GPT, cfg, parameters(shape_key(cfg)), micro, world, gpu, card, job)
             answers.append(dataclasses.replace(plan, changes=changes_text(changes)))
         except (TrainerError, PlanError) as error:
             answers.append(JobAnswer(error=str(error)))

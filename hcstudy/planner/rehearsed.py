@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hcstudy import arms
+
 from hcstudy.contract import rehearsals_on
 
 # Config's "model" group holds every setting of the model's maths and kernels; beyond it these move a step's time
@@ -17,11 +19,11 @@ NOT_THE_STEP = ("preset", "kernels")
 
 
 def step_config(cfg) -> dict:
-    """Every setting of `cfg` (train_c4.Config) a step's time and memory depend on, as JSON values: what a job must
-    share with a rehearsal row (its `config`) to be priced from it."""
+    """Every setting of `cfg` (config.Config) a step's time and memory depend on, as JSON values: what a job must
+    share with a rehearsal row (its `config`) to be priced from it: the model's (its arm's own among them)."""
+    also = (*arms.declared_settings(), *STEP_FIELDS_BEYOND_MODEL)
     return {field.name: getattr(cfg, field.name) for field in dataclasses.fields(cfg)
-            if field.name not in NOT_THE_STEP and (field.metadata.get("group") == "model"
-                                                   or field.name in STEP_FIELDS_BEYOND_MODEL)}
+            if field.name not in NOT_THE_STEP and (field.metadata.get("group") == "model" or field.name in also)}
 
 
 def measured_row(check: dict, cfg, micro: int, path: str, gpu: str, world: int = 1) -> dict | None:

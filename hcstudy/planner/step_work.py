@@ -6,12 +6,12 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import math
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hcstudy import arms
 from hcstudy.kernels import triton_library
 from hcstudy.planner.memory import STATE_BYTES, count_parameter_numels, cuda_autocast
 
@@ -167,7 +167,8 @@ def _counted_width(cfg: Config) -> int:
     """The smaller counted width: a multiple of the heads, twice what the mixing's matmuls have in place of the width
     (the coefficients per token, the counted tokens times the streams), so that KernelCounter tells them apart."""
     n = cfg.expansion
-    coefficients = 2 * n + (math.factorial(n) if cfg.residual == "mhc-lite" else n * n)
+    arm = arms.formulas(cfg.residual)
+    coefficients = 2 * n + max(n * n, getattr(arm, "res_logit_count", lambda n: 0)(n))
     return cfg.heads * -(-2 * max(coefficients, 2 * COUNT_SEQ * n) // cfg.heads)
 
 

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hcstudy import arms
 from hcstudy.contract import ARM_DEFAULTS
 from hcstudy.report.aggregate import THRESHOLDS, peak_of, summary_arm
 from hcstudy.report.published import PUBLISHED
@@ -18,11 +19,7 @@ from hcstudy.report.tables import seeds_text
 
 # One line width for all, and a marker shape each at staggered points: baseline and mHC coincide at a gain of 1
 # and their losses lie within 1 %, so neither colour nor width alone keeps both lines visible.
-METHOD_STYLE = {"baseline": {"color": "0.15", "ls": (0, (4, 3)), "marker": "o", "zorder": 4},
-                "hc": {"color": "tab:red", "ls": "-", "marker": "^", "zorder": 3},
-                "mhc": {"color": "tab:blue", "ls": "-", "marker": "s", "zorder": 2},
-                "mhc-lite": {"color": "tab:green", "ls": "-", "marker": "D", "zorder": 2},
-                "identity-hc": {"color": "tab:purple", "ls": (0, (1, 2)), "marker": "v", "zorder": 4}}
+METHOD_STYLE = {name: arm.style for name, arm in arms.ARMS.items()}        # each arm's declaration
 LINE_WIDTH, MARKS = 1.5, 8      # markers per line
 # a method's further arms (other coefficients, iterations or preset) take these colours in turn, dashed when
 # their coefficients are per sequence

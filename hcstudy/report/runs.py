@@ -15,12 +15,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hcstudy import arms
 from hcstudy.contract import (ARM_DEFAULTS, COEFFICIENT_SUFFIX, CONFIG_FILE, METHODS, METRICS_FILE, RUN_NAME,
                               RUN_NAME_SUFFIX, SEED_STUDY_MODEL, STATUS_FILE, STREAM_KEYS, STREAM_LAYER_KEYS,
                               STUDY_TRAIN_KEY, arm_settings, named_arm, open_regular, read_json)
 
 CORE_METHODS = METHODS[:3]         # the verdict says when one of these is missing at a depth
-METHOD_LABEL = {"baseline": "baseline", "hc": "HC", "mhc": "mHC", "mhc-lite": "mHC-lite", "identity-hc": "identity-HC"}
+METHOD_LABEL = {name: arm.label for name, arm in arms.ARMS.items()}     # each arm's declaration
 
 
 PRESET_OF_SUFFIX = {suffix: preset for preset, suffix in RUN_NAME_SUFFIX.items()}

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from hcstudy.kernels import fused as fused_module
-import train_c4 as T
+from hcstudy.distributed import Dist, wrap_model
+from hcstudy.metrics import instability_probe
+from hcstudy.model import GPT
 from helpers import randomize_mixing, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +31,7 @@ def test_compiled_blocks_agree_with_eager_without_graph_breaks(residual):
     def compile_blocks(model):
         for block in model.blocks:
             block.compile()
-    counters = compiled_against_eager(lambda: T.GPT(tiny_config(residual, depth=2, sinkhorn_iters=3)), compile_blocks)
+    counters = compiled_against_eager(lambda: GPT(tiny_config(residual, depth=2, sinkhorn_iters=3)), compile_blocks)
     # steady state: one graph serves both blocks, nothing fell back to eager
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
 
@@ -72,10 +74,10 @@ def test_the_whole_model_compiled_agrees_with_eager_in_one_graph(monkeypatch, re
     cfg = tiny_config(residual, depth=2, sinkhorn_iters=3, compile=True, compile_scope="model")
 
     def compile_as_the_trainer(model):
-        T.wrap_model(model, cfg, T.Dist(0, 1, torch.device("cpu")), torch.float32)
+        wrap_model(model, cfg, Dist(0, 1, torch.device("cpu")), torch.float32)
         assert model._compiled_call_impl is not None
         assert all(block._compiled_call_impl is None for block in model.blocks)
-    counters = compiled_against_eager(lambda: T.GPT(cfg, loss=loss), compile_as_the_trainer)
+    counters = compiled_against_eager(lambda: GPT(cfg, loss=loss), compile_as_the_trainer)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["total"] == counters["frames"]["ok"]
 
@@ -84,15 +86,15 @@ def test_compiled_probe_needs_one_graph_whatever_the_depth():
     """The probe collects every block's H_res. Passed in as a list, the list made dynamo guard on its length:
     one graph per block, past the recompile limit (8) at depth > 6, so the deep models fell back to eager."""
     from torch._dynamo.utils import counters
-    model = T.GPT(tiny_config("hc", depth=10))
+    model = GPT(tiny_config("hc", depth=10))
     idx = torch.randint(0, 256, (2, 16))
-    eager = T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), with_layers=True)
+    eager = instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), with_layers=True)
     torch._dynamo.reset()
     counters.clear()
     for block in model.blocks:
         block.compile()
     for _ in range(2):
-        compiled = T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), with_layers=True)
+        compiled = instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), with_layers=True)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert counters["frames"]["total"] == counters["frames"]["ok"]           # no frame gave up and ran eager
     assert compiled["layer_gain_fwd"] == pytest.approx(eager["layer_gain_fwd"], rel=1e-5)

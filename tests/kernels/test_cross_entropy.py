@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hcstudy.kernels import cross_entropy
-import train_c4 as T
+from hcstudy.model import GPT
 from helpers import randomize_mixing, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_the_fused_loss_equals_the_plain_one_with_every_gradient_in_fp32(residua
     results = {}
     for loss in ("plain", "fused"):
         torch.manual_seed(0)
-        model = T.GPT(tiny_config(residual), loss=loss)
+        model = GPT(tiny_config(residual), loss=loss)
         randomize_mixing(model)
         logits, value = model(idx, idx)
         value.backward()

@@ -12,7 +12,11 @@ import torch
 from hcstudy.kernels import choice
 
 from hcstudy.kernels import fused as fused_module
-import train_c4 as T
+from hcstudy.arms.mhc import sinkhorn
+from hcstudy.config import parse_config
+from hcstudy.metrics import instability_probe
+from hcstudy.model import Block, GPT
+from hcstudy.stream_mixing import stream_update
 from helpers import randomize_mixing, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +30,7 @@ def block_step(residual, kernels, x0, grad_out, dtype=torch.float32, autocast=Fa
     the input's gradient and every parameter's."""
     torch.manual_seed(0)
     cfg = tiny_config(residual, **overrides)
-    block = T.Block(cfg, 1, False, kernels).to(dtype)
+    block = Block(cfg, 1, False, kernels).to(dtype)
     randomize_mixing(block)
     x = x0.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -65,7 +69,7 @@ def test_hc_folded_norm_stays_close_when_streams_have_large_means():
     tensor's largest entry apart (the formulas themselves are 7e-5 from fp64 there), against 1.3e-6 at mean 1."""
     x0 = state(torch.float32, True, mean=30.0)
     grad_out = torch.randn(x0.shape, generator=torch.Generator().manual_seed(2))
-    fast, ref = (block_step("hc", fk, x0, grad_out) for fk in (True, False))
+    fast, ref = (block_step("hc", fk, x0, grad_out) for fk in ("fused", "reference"))
     for name in ref:
         torch.testing.assert_close(fast[name], ref[name], rtol=0, atol=1e-3 * ref[name].abs().max().item(), msg=name)
 
@@ -77,7 +81,7 @@ def test_fused_block_equals_the_formulas_under_bf16_autocast(residual):
     flips one bf16 bit somewhere stays inside the tolerance."""
     x0 = state(torch.float32, True, shape=(2, 8, 1 if residual == "baseline" else 4, 16))
     grad_out = torch.randn(x0.shape, generator=torch.Generator().manual_seed(2))
-    fast, ref = (block_step(residual, fk, x0, grad_out, autocast=True) for fk in (True, False))
+    fast, ref = (block_step(residual, fk, x0, grad_out, autocast=True) for fk in ("fused", "reference"))
     assert fast["output"].dtype == torch.float32                         # the streams are never rounded to bf16
     assert_equal_steps(fast, ref, 5e-3, 1e-3)
 
@@ -99,7 +103,7 @@ def test_fused_stream_update_equals_the_formula(dtype, transposed_res):
             out = fused_module.stream_update(x, H_pre.movedim(-1, 0), H_post.movedim(-1, 0),
                                       H_res_used.movedim((-2, -1), (0, 1)), sublayer)
         else:
-            out = T.stream_update(x, H_pre, H_post, H_res_used, sublayer)
+            out = stream_update(x, H_pre, H_post, H_res_used, sublayer)
         out.backward(grad_out)
         results.append([out.detach(), x.grad, H_pre.grad, H_post.grad, H_res.grad]
                        + [p.grad.clone() for p in sublayer.parameters()])
@@ -116,7 +120,7 @@ def test_fused_sinkhorn_equals_the_loop(dtype, scale):
     logits = (scale * torch.randn(64, 4, 4, generator=generator)).to(dtype)
     grad_out = torch.randn(64, 4, 4, generator=generator).to(dtype)
     fast_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    fast, ref = fused_module.sinkhorn(fast_in, 20), T.sinkhorn(ref_in, 20)
+    fast, ref = fused_module.sinkhorn(fast_in, 20), sinkhorn(ref_in, 20)
     torch.testing.assert_close(fast, ref, rtol=0, atol=1e-15 if dtype == torch.float64 else 1e-6)
     fast.backward(grad_out)
     ref.backward(grad_out)
@@ -130,9 +134,9 @@ def test_the_probe_reads_the_same_gains_on_both_paths(residual):
     probes = []
     for kernels in ("fused", "reference"):
         torch.manual_seed(0)
-        model = T.GPT(tiny_config(residual, depth=2), kernels=kernels)
+        model = GPT(tiny_config(residual, depth=2), kernels=kernels)
         randomize_mixing(model)
-        probes.append(T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), True))
+        probes.append(instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), True))
     fast, ref = probes
     assert fast.keys() == ref.keys() and ("amax_bwd_converged" in fast) == (residual == "mhc")
     for key in ref:
@@ -149,7 +153,7 @@ def test_auto_takes_the_fused_path_on_the_cpu_and_never_on_cuda(tmp_path):
                                              never_checked)[0]}
     assert pick == {"auto": {"cpu": "fused"}, "reference": {"cpu": "reference", "cuda": "reference"},
                     "fused": {"cpu": "fused", "cuda": "fused"}}
-    assert T.parse_config([]).kernels == "auto"
+    assert parse_config([]).kernels == "auto"
 
 
 @pytest.mark.parametrize("kernels", ["reference", "fused"])
@@ -163,7 +167,7 @@ def test_one_block_compiles_to_one_graph_and_matches_eager(residual, kernels):
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        block = T.Block(tiny_config(residual, sinkhorn_iters=3), 1, False, kernels)
+        block = Block(tiny_config(residual, sinkhorn_iters=3), 1, False, kernels)
         randomize_mixing(block)
         run = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
         x = x0.clone().requires_grad_()

@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import train_c4 as T
+from hcstudy import arms, stream_mixing
+from hcstudy.model import GPT
 from helpers import randomize_mixing, tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fused import block_step, state  # noqa: E402
 
 U = 2.0 ** -8
-ARMS = ("baseline", "hc", "mhc", "mhc-lite", "identity-hc")
-PATHS = {"reference": ARMS, "fused": ("hc", "mhc"), "triton": ("hc", "mhc", "mhc-lite", "identity-hc")}
-CASES = [(arm, path) for path, arms in PATHS.items() for arm in arms]
+ARMS = arms.METHODS
+# every arm on every path it registers (the registry's): a new arm is held to this bound as it lands
+CASES = [(name, path) for name, arm in arms.ARMS.items() for path in arm.paths]
 
 
 def connection(arm, path, n=4, width=16):
@@ -38,7 +39,7 @@ def connection(arm, path, n=4, width=16):
         pytest.importorskip("triton", reason="triton is not installed (bash setup.sh --dev installs it)")
     cfg = tiny_config(arm, width=width, expansion=n, stream_dtype="bf16")
     torch.manual_seed(0)
-    conn = T.CONNECTIONS[arm](cfg, 1, path)
+    conn = arms.connection(arm)(cfg, 1, path)
     randomize_mixing(torch.nn.ModuleDict({"x_conn": conn}))
     weight = torch.randn(width, generator=torch.Generator().manual_seed(3))
     return conn, lambda u: torch.tanh(u * weight.to(u.dtype))
@@ -80,7 +81,7 @@ def test_rounding_twice_is_caught(monkeypatch):
     conn, sublayer = connection("mhc", "reference")
     x = bf16_state("mhc")
     exact = exact_output(conn, sublayer, x)
-    monkeypatch.setattr(T, "stream_update", rounding_twice)
+    monkeypatch.setattr(stream_mixing, "stream_update", rounding_twice)
     assert not rounded_once(conn(x, sublayer)[0], exact)
 
 
@@ -126,7 +127,7 @@ def test_the_kernels_equal_the_formulas_at_bf16_streams(arm, path):
 @pytest.mark.parametrize("arm", ["baseline", "mhc"])
 def test_the_model_stores_its_state_in_the_stream_dtype(arm):
     cfg = tiny_config(arm, stream_dtype="bf16")
-    model = T.GPT(cfg)
+    model = GPT(cfg)
     seen = []
     model.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
     model.blocks[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))

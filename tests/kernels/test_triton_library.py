@@ -10,7 +10,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-import train_c4 as T
+from hcstudy import arms
+from hcstudy.model import GPT, STREAM_DTYPES
 from helpers import randomize_mixing, tiny_config
 
 pytest.importorskip("triton", reason="triton is not installed (bash setup.sh --dev installs it)")
@@ -25,7 +26,7 @@ def tiny_gpt(arm, checkpointing, kernels_path="triton"):
     torch.manual_seed(0)
     cfg = tiny_config(arm, depth=2, sinkhorn_iters=3, expansion=3 if arm == "mhc-lite" else 4,
                       activation_checkpointing=checkpointing)
-    model = T.GPT(cfg, kernels=kernels_path)
+    model = GPT(cfg, kernels=kernels_path)
     assert model.kernels == kernels_path
     randomize_mixing(model)
     return model
@@ -127,9 +128,9 @@ def test_each_operator_passes_torch_library_opcheck(arm, stream_dtype, project, 
     if not project:
         monkeypatch.setattr(kernels, "PROJECTED_LOGITS", 0)
     cfg = tiny_config(arm, width=24, expansion=3, sinkhorn_iters=3, stream_dtype=stream_dtype)
-    conn = T.CONNECTIONS[arm](cfg, 1, "triton")
+    conn = arms.connection(arm)(cfg, 1, "triton")
     randomize_mixing(torch.nn.ModuleDict({"x_conn": conn}))
-    x = torch.randn(2, 5, 3, 48).to(T.STREAM_DTYPES[stream_dtype])[..., ::2].requires_grad_()
+    x = torch.randn(2, 5, 3, 48).to(STREAM_DTYPES[stream_dtype])[..., ::2].requires_grad_()
     with Recorder() as recorder:
         out, _ = conn(x, torch.tanh)
         out.float().sum().backward()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hcstudy import arms
 from hcstudy.kernels import choice
 import train_c4 as T
 from helpers import tiny_config
@@ -34,11 +35,11 @@ def connections(arm, n, width, **overrides):
     """The same randomised connection on the formulas' path (fp64 and fp32) and on the Triton path (fp32)."""
     cfg = tiny_config(arm, width=width, expansion=n, **overrides)
     torch.manual_seed(0)
-    reference = T.CONNECTIONS[arm](cfg, 1, "reference")
+    reference = arms.connection(arm)(cfg, 1, "reference")
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    fast = T.CONNECTIONS[arm](cfg, 1, "triton")
+    fast = arms.connection(arm)(cfg, 1, "triton")
     fast.load_state_dict(reference.state_dict())
     assert fast.kernels == "triton"
     return copy.deepcopy(reference).double().to(DEVICE), reference.to(DEVICE), fast.to(DEVICE)
@@ -198,7 +199,7 @@ def test_two_runs_give_the_same_bits():
 
 def test_the_self_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     cfg = tiny_config("mhc", width=24, expansion=3)
-    make = lambda path: T.CONNECTIONS["mhc"](cfg, 1, path)          # noqa: E731
+    make = lambda path: arms.connection("mhc")(cfg, 1, path)          # noqa: E731
     before = torch.random.get_rng_state()
     assert kernels.self_check(make, DEVICE) is None
     assert torch.equal(torch.random.get_rng_state(), before)        # the model's init must not depend on the path
@@ -209,7 +210,7 @@ def test_the_self_check_passes_and_catches_a_wrong_kernel(monkeypatch):
 
 def test_the_path_a_run_takes_and_why(monkeypatch, tmp_path):
     cfg = tiny_config("mhc", width=24, expansion=3, out=str(tmp_path))
-    make = lambda path: T.CONNECTIONS["mhc"](cfg, 1, path)          # noqa: E731
+    make = lambda path: arms.connection("mhc")(cfg, 1, path)          # noqa: E731
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     path, why = choice.kernel_path(T.dataclasses.replace(cfg, kernels="triton"), cpu, make)
     assert path == "triton" and "interpreter" in why

@@ -17,7 +17,7 @@ from hcstudy.report import command  # noqa: E402
 from hcstudy.report import plots  # noqa: E402
 from hcstudy.report import published  # noqa: E402
 from hcstudy.report import runs as report_runs  # noqa: E402
-import train_c4 as T  # noqa: E402
+from hcstudy.config import parse_config
 from test_launcher import launch, launcher_env, needs_bash  # noqa: E402
 
 ALL_LISTS = ["--residual", "baseline,hc,mhc,mhc-lite,identity-hc", "--sinkhorn-iters", "5,20,100",
@@ -100,7 +100,7 @@ def test_a_preset_after_the_separator_names_the_runs(tmp_path):
 def test_a_study_setting_turned_back_after_the_separator_names_the_run_as_the_trainer_does(tmp_path, method, extra):
     opt, jobs = jobs_of(tmp_path, "--residual", method, "--depth", "4", "--seed", "1", "--", "--preset",
                         "demo,seed-study", *extra)
-    alone = T.parse_config(["--residual", method, "--depth", "4", "--seed", "1", "--preset", "demo,seed-study",
+    alone = parse_config(["--residual", method, "--depth", "4", "--seed", "1", "--preset", "demo,seed-study",
                             *extra])
     assert [j.name for j in jobs] == [alone.run_name]
 
@@ -110,13 +110,13 @@ def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):
     _, every = jobs_of(tmp_path, "--demo-all")
     assert [j.name for j in demo] == ["baseline_d4_s42", "hc_d4_s42", "mhc_d4_s42"]
     assert [j.name for j in every] == ["baseline_d4_s42", "hc_d4_s42", "mhc_d4_s42", "mhc-lite_d4_s42",
-                                       "identity-hc_d4_s42"]
+                                       "identity-hc_d4_s42", "kromhc_d4_s42"]
 
 
 def test_the_pilot_is_the_documented_cpu_matrix(tmp_path):
     opt, jobs = jobs_of(tmp_path, "--pilot")
-    assert opt.preset == "demo" and len(jobs) == 24
-    assert {j.name for j in jobs} == {f"{m}_d{d}_s{s}" for m in ("baseline", "hc", "mhc", "identity-hc")
+    assert opt.preset == "demo" and len(jobs) == 30
+    assert {j.name for j in jobs} == {f"{m}_d{d}_s{s}" for m in ("baseline", "hc", "mhc", "identity-hc", "kromhc")
                                       for d in (2, 4, 8) for s in (42, 123)}
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import illustrative_check
-import train_c4
+from hcstudy.config import parse_config
+from hcstudy.model import count_parameters
 from hcstudy import check_parts, contract, gpu_check
 from hcstudy.kernels import choice
 from hcstudy.planner import gpus, rehearsed, run_time
@@ -34,7 +35,7 @@ def tiny():
         patch.setattr(check_parts, "METHODS", ("baseline", "hc", "mhc"))
         patch.setattr(check_parts, "REQUIRED_ARMS", ("baseline", "mhc"))
         patch.setattr(check_parts.Context, "modelled", lambda self, cfg, micro, path: list(MODELLED))
-        ctx = check_parts.Context(train_c4, tiny=True, plan_only=False)
+        ctx = check_parts.Context(tiny=True, plan_only=False)
         yield ctx, check_parts.plan_parts(ctx, 1000.0)
 
 
@@ -153,8 +154,8 @@ def test_a_required_part_keeps_its_time_from_the_optional_ones_before_it(tiny, m
 
 
 def timing(step_s, method="hc"):
-    cfg = train_c4.parse_config([*check_parts.SMALL, "--residual", method])
-    flops = gpus.flops_per_token(cfg, train_c4.count_parameters(cfg))
+    cfg = parse_config([*check_parts.SMALL, "--residual", method])
+    flops = gpus.flops_per_token(cfg, count_parameters(cfg))
     return {"step_s": step_s, "step_s_spread": [step_s, step_s], "steps_timed": 5, "tokens_per_s": 8192 / step_s,
             "mfu": 0.3, "mem_peak_gb": 12.0, "flops_per_token": flops}
 
@@ -163,7 +164,7 @@ def test_result_json_gives_the_planner_each_methods_fastest_step_and_keeps_the_r
     table = {"baseline": {"reference/eager": timing(0.3, "baseline")},
              "hc": {"reference/eager": timing(0.5), "fused/eager": timing(0.4), "triton/eager": None},
              "mhc": {"reference/eager": None}}
-    rows = illustrative_check.write(tmp_path, train_c4)
+    rows = illustrative_check.write(tmp_path)
     result = json.loads((tmp_path / "gpu_check" / "result.json").read_text())
     assert result["rehearsals"] == json.loads(json.dumps(rows)) and result["format"] == 2
     gpu_check.write_result(tmp_path, {"gpu": H100}, {"bf16": "PASS"}, table, rows)
@@ -182,7 +183,7 @@ def test_result_json_is_read_by_the_kernel_choice_and_the_planner(tmp_path):
     table = {"hc": {"reference/eager": timing(0.5), "fused/eager": timing(0.4)}}
     gpu_check.write_result(tmp_path, {"gpu": H100}, {}, table, [])
     check = contract.load_check(tmp_path)
-    cfg = train_c4.parse_config([*check_parts.SMALL, "--residual", "hc"])
+    cfg = parse_config([*check_parts.SMALL, "--residual", "hc"])
     assert choice.fastest_timed(cfg, check, H100) == ("fused", 0.4)
     assert choice.fastest_timed(cfg, check, "NVIDIA H200") is None      # timed on another card
     rate = run_time.measured_rate(check, cfg, "fused", H100)
@@ -199,7 +200,7 @@ def test_the_rehearsed_losses_become_what_cross_entropy_auto_takes(tmp_path):
 
     def row(variant, step_s, status="ok", depth=32, method="baseline"):
         return dict(method=method, depth=depth, variant=list(variant), step_s=step_s, status=status)
-    cfg = train_c4.parse_config(["--residual", "baseline"])
+    cfg = parse_config(["--residual", "baseline"])
     for rows, expected in (([row((), 0.50), row(check_parts.FUSED_LOSS, 0.42)], "fused"),
                            ([row((), 0.40), row(check_parts.FUSED_LOSS, 0.42)], "plain"),
                            ([row((), 0.50), row(check_parts.FUSED_LOSS, None, "oom")], "plain"),
@@ -218,8 +219,8 @@ def plan_event(parts):
 
 def test_the_events_become_verdicts_a_process_that_died_in_a_part_a_failed_row(tiny, capsys):
     ctx, parts = tiny
-    rows = [illustrative_check.row(train_c4, *values) for values in illustrative_check.ROWS]
-    base = illustrative_check.row(train_c4, "baseline", 32, 8, 32, "reference", "ok", 0.98, [0.97, 1.0], 50.0, 51.5,
+    rows = [illustrative_check.row(*values) for values in illustrative_check.ROWS]
+    base = illustrative_check.row("baseline", 32, 8, 32, "reference", "ok", 0.98, [0.97, 1.0], 50.0, 51.5,
                                   [0.74, 1.22], False)
     compiled = dict(base, compile=True, status="failed", reason="BackendCompilerFailed: ...", variant=["--compile"])
     died = dataclasses.replace(by_name(parts)["rehearsal mhc d3"], name="rehearsal mhc d48",

@@ -23,6 +23,11 @@ from hcstudy.planner import estimate, gpus
 from hcstudy.planner import memory as memory_module
 from hcstudy.planner import run_time
 import train_c4 as T
+from hcstudy.config import parse_config
+from hcstudy.kernels import choice
+from hcstudy.model import GPT, count_parameters
+from hcstudy.optim import decay_groups
+from hcstudy.planner.memory import batch_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CARD = 80 * memory_module.GiB
@@ -39,9 +44,9 @@ def nbytes(tensors) -> int:
 @pytest.mark.parametrize("flags", SMALL_CONFIGS)
 def test_parameter_counts_equal_the_real_model(residual, flags):
     flags = flags[:-2] if residual == "baseline" and flags else flags    # no --expansion: the baseline has no streams
-    cfg = T.parse_config(["--preset", "tiny", "--residual", residual, *flags])
-    model = T.GPT(cfg)
-    counts, numels = T.count_parameters(cfg), memory_module.parameter_numels(T.GPT, cfg)
+    cfg = parse_config(["--preset", "tiny", "--residual", residual, *flags])
+    model = GPT(cfg)
+    counts, numels = count_parameters(cfg), memory_module.parameter_numels(GPT, cfg)
     assert counts["total"] == numels["total"] == sum(p.numel() for p in model.parameters())
     assert counts["embedding"] == model.wte.weight.numel() + model.wpe.weight.numel()
     assert counts["streams"] == sum(p.numel() for name, p in model.named_parameters() if "_conn." in name)
@@ -52,15 +57,15 @@ def test_parameter_counts_equal_the_real_model(residual, flags):
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
 def test_weight_gradient_optimizer_and_cast_terms_equal_the_real_tensors(residual):
     flags = ["--preset", "tiny", "--residual", residual, "--tokenizer", "gpt2"]
-    cfg = T.parse_config(flags)
+    cfg = parse_config(flags)
     torch.manual_seed(0)
-    model = T.GPT(cfg)
-    optimizer = torch.optim.AdamW(T.decay_groups(model, cfg.weight_decay), lr=1e-3)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=1e-3)
     idx = torch.randint(0, model.wte.num_embeddings, (2, cfg.seq_len))
     model(idx, idx)[1].backward()
     optimizer.step()
     params = list(model.parameters())
-    memory = memory_module.memory_plan(T.GPT, cfg, micro=2)
+    memory = memory_module.memory_plan(GPT, cfg, micro=2)
     assert memory.terms["weights"] == nbytes(params)
     assert memory.terms["gradients"] == nbytes(p.grad for p in params)
     assert memory.terms["optimizer"] == nbytes(v for state in optimizer.state.values() for v in state.values())
@@ -68,9 +73,9 @@ def test_weight_gradient_optimizer_and_cast_terms_equal_the_real_tensors(residua
     matmul = [m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear) and "_conn" not in name]
     assert memory.terms["autocast weight cache"] == nbytes(matmul) // 2
     P = sum(p.numel() for p in params)
-    fsdp = memory_module.memory_plan(T.GPT, T.parse_config([*flags, "--parallel", "fsdp"]), 2, world=2)
+    fsdp = memory_module.memory_plan(GPT, parse_config([*flags, "--parallel", "fsdp"]), 2, world=2)
     assert fsdp.terms["weights"] == 4 * P / 2 and "autocast weight cache" not in fsdp.terms
-    assert memory_module.memory_plan(T.GPT, cfg, 2, world=2).terms["ddp buckets"] == 4 * P
+    assert memory_module.memory_plan(GPT, cfg, 2, world=2).terms["ddp buckets"] == 4 * P
 
 
 @pytest.mark.parametrize("residual", ["baseline", "mhc"])
@@ -80,8 +85,8 @@ def test_bf16_streams_plan_no_more_memory_than_fp32_and_less_under_checkpointing
     formulas; on the triton path (auto's on a GPU) the same bytes less, beside u and y, whose dtypes do not change."""
     def plan(dtype, *flags):
         kernels = ["--kernels", flags[0]] if flags and residual != "baseline" else []
-        cfg = T.parse_config(["--depth", "32", "--residual", residual, "--stream-dtype", dtype, *flags[1:], *kernels])
-        return memory_module.memory_plan(T.GPT, cfg, micro=4)
+        cfg = parse_config(["--depth", "32", "--residual", residual, "--stream-dtype", dtype, *flags[1:], *kernels])
+        return memory_module.memory_plan(GPT, cfg, micro=4)
 
     assert plan("bf16").allocated <= plan("fp32").allocated
     held, plans = "act: checkpointed inputs", {}
@@ -93,7 +98,7 @@ def test_bf16_streams_plan_no_more_memory_than_fp32_and_less_under_checkpointing
     assert fp32_auto.terms[held] - bf16_auto.terms[held] == fp32.terms[held] - bf16.terms[held]
 
 
-def autograd_saved_bytes(model: T.GPT, idx: torch.Tensor, bf16: bool) -> int:
+def autograd_saved_bytes(model: GPT, idx: torch.Tensor, bf16: bool) -> int:
     """Ground truth, counted independently of the planner: every storage one forward saves for the backward,
     once, less the parameters and autocast's bf16 copies of them (2-D tensors shaped like a weight); with
     activation checkpointing also the inputs the checkpoints hold (captured as the connections start on the
@@ -141,12 +146,12 @@ def test_activation_term_is_within_15_percent_of_what_autograd_saves(residual, d
     flags = ["--residual", residual, "--dtype", dtype, "--tokenizer", tokenizer, "--width", "40", "--heads", "4",
              "--depth", "5", "--seq-len", "24"] + (["--activation-checkpointing"] if checkpointing else []) + \
             (["--kernels", kernels] if residual != "baseline" else [])
-    cfg = T.parse_config(flags)
-    memory = memory_module.memory_plan(T.GPT, cfg, micro=3)
+    cfg = parse_config(flags)
+    memory = memory_module.memory_plan(GPT, cfg, micro=3)
     predicted = sum(v for k, v in memory.terms.items() if k.startswith("act:") and k != "act: backward peak")
     torch.manual_seed(0)
     path = {"auto": "triton"}.get(kernels, kernels) if residual != "baseline" else "reference"
-    model = T.GPT(cfg, kernels=path)
+    model = GPT(cfg, kernels=path)
     assert model.kernels == path
     measured = autograd_saved_bytes(model, torch.randint(0, model.wte.num_embeddings, (3, 24)), dtype == "bf16")
     error = predicted / measured - 1
@@ -158,19 +163,19 @@ def test_activation_term_is_within_15_percent_of_what_autograd_saves(residual, d
 def test_the_fit_is_linear_in_width_and_depth_and_per_token():
     """A third width, a fourth depth and other token counts land on the fitted lines (to the byte, up to the
     per-sequence position indices)."""
-    cfg = T.parse_config(["--residual", "mhc", "--heads", "4", "--tokenizer", "byte", "--dtype", "bf16"])
+    cfg = parse_config(["--residual", "mhc", "--heads", "4", "--tokenizer", "byte", "--dtype", "bf16"])
     profiled = memory_module.profile_key(cfg, False)
-    fit = memory_module.activation_profile(T.GPT, profiled)
+    fit = memory_module.activation_profile(GPT, profiled)
     per_token = lambda k, C: fit[k][0] * C + fit[k][1]  # noqa: E731
     for width, depth, micro, seq in ((24, 4, 3, 20), (32, 2, 1, 40)):
-        measured = memory_module._saved_per_token(T.GPT, profiled, width, depth, True, micro, seq)
+        measured = memory_module._saved_per_token(GPT, profiled, width, depth, True, micro, seq)
         total = sum(v for k, v in measured.items() if k != "weight_casts")
         planned = depth * per_token("block", width) + per_token("rest", width) + per_token("loss", width)
         assert total == pytest.approx(planned, rel=2e-3)
 
 
 def plan_for(depth: int, micro: int) -> memory_module.MemoryPlan:
-    return memory_module.memory_plan(T.GPT, T.parse_config(["--depth", str(depth), "--dtype", "bf16"]), micro, card=CARD)
+    return memory_module.memory_plan(GPT, parse_config(["--depth", str(depth), "--dtype", "bf16"]), micro, card=CARD)
 
 
 def test_depth_32_fits_80_gb_at_micro_batch_8_and_depth_48_does_not(capsys):
@@ -196,8 +201,8 @@ def test_the_fused_loss_plans_no_logits_and_lets_auto_take_a_larger_micro_batch_
     head's gradients (fused_loss_peak) instead of two fp32 buffers of the whole logits; every other term the same.
     auto (no --check timings in --out) plans plain; with the check's timings for this card, the faster one."""
     flags = ["--depth", "32", "--residual", residual, "--dtype", "bf16", "--out", str(tmp_path), *path]
-    plain, fused = (T.parse_config([*flags, "--cross-entropy", loss]) for loss in ("plain", "fused"))
-    plans = {cfg.cross_entropy: memory_module.memory_plan(T.GPT, cfg, 8, card=CARD) for cfg in (plain, fused)}
+    plain, fused = (parse_config([*flags, "--cross-entropy", loss]) for loss in ("plain", "fused"))
+    plans = {cfg.cross_entropy: memory_module.memory_plan(GPT, cfg, 8, card=CARD) for cfg in (plain, fused)}
     logits = 8 * 1024 * 50304 * 4                                  # fp32 (tokens x vocabulary)
     assert plans["plain"].terms["act: log-probabilities"] == pytest.approx(logits, rel=1e-3)
     assert plans["plain"].terms["act: backward peak"] == pytest.approx(2 * logits, rel=1e-3)
@@ -206,41 +211,41 @@ def test_the_fused_loss_plans_no_logits_and_lets_auto_take_a_larger_micro_batch_
     assert plans["fused"].terms["act: backward peak"] == peak and peak < 0.25 * logits      # 0.36 of 1.5 GiB
     same = {k for k in plans["plain"].terms if not k.startswith(("act: log", "act: backward", "overhead: frag"))}
     assert all(plans["plain"].terms[k] == plans["fused"].terms[k] for k in same)
-    micro = {cfg.cross_entropy: memory_module.auto_micro_batch(T.GPT, cfg, 1, CARD)[0] for cfg in (plain, fused)}
+    micro = {cfg.cross_entropy: memory_module.auto_micro_batch(GPT, cfg, 1, CARD)[0] for cfg in (plain, fused)}
     assert micro["fused"] > micro["plain"]
     assert memory_module.memory_floor(fused, 50304, 8, 1, "fused") < memory_module.memory_floor(plain, 50304, 8, 1)
-    auto = T.parse_config(flags)
+    auto = parse_config(flags)
     assert memory_module.planned_loss(auto)[0] == "plain"
     (tmp_path / "gpu_check").mkdir()
     (tmp_path / "gpu_check" / "result.json").write_text(json.dumps(
         {"gpu": gpus.ASSUMED_GPU, "cross_entropy": {"plain": {"step_s": 0.5}, "fused": {"step_s": 0.45}}}))
     assert memory_module.planned_loss(auto)[0] == "fused"
-    assert memory_module.memory_plan(T.GPT, auto, 8, card=CARD).terms == plans["fused"].terms
+    assert memory_module.memory_plan(GPT, auto, 8, card=CARD).terms == plans["fused"].terms
 
 
 def test_auto_picks_the_largest_micro_batch_within_the_margin_and_less_for_deeper_models():
     picked = {}
     for depth in (32, 48):
-        cfg = T.parse_config(["--depth", str(depth), "--dtype", "bf16"])
-        micro, memory = memory_module.auto_micro_batch(T.GPT, cfg, 1, CARD)
+        cfg = parse_config(["--depth", str(depth), "--dtype", "bf16"])
+        micro, memory = memory_module.auto_micro_batch(GPT, cfg, 1, CARD)
         assert memory.total <= (1 - memory_module.AUTO_MARGIN) * CARD and 32 % micro == 0
         larger = [d for d in memory_module.divisors_descending(32) if d > micro]
-        assert all(memory_module.memory_plan(T.GPT, cfg, d, 1, CARD).total > (1 - memory_module.AUTO_MARGIN) * CARD for d in larger)
+        assert all(memory_module.memory_plan(GPT, cfg, d, 1, CARD).total > (1 - memory_module.AUTO_MARGIN) * CARD for d in larger)
         picked[depth] = micro
     assert picked[48] < picked[32]
     with pytest.raises(memory_module.PlanError, match="micro-batch 1 already needs"):
-        memory_module.auto_micro_batch(T.GPT, T.parse_config(["--depth", "48"]), 1, 40 * memory_module.GiB)
+        memory_module.auto_micro_batch(GPT, parse_config(["--depth", "48"]), 1, 40 * memory_module.GiB)
 
 
 def test_batch_plan_resolves_auto_on_cuda_from_the_plan_and_on_the_cpu_by_a_cap():
-    cfg = T.parse_config(["--depth", "48", "--gpu-memory-gb", "80"])
+    cfg = parse_config(["--depth", "48", "--gpu-memory-gb", "80"])
     assert cfg.micro_batch_size == "auto"                  # the c4 preset's default
-    micro, accum, why = T.batch_plan(cfg, 1, on_gpu=False)
+    micro, accum, why = batch_plan(cfg, 1, on_gpu=False)
     assert (micro, accum) == (8, 4) and "CPU" in why
-    assert T.batch_plan(T.parse_config(["--batch-size", "12"]), 1, on_gpu=False)[:2] == (6, 2)
-    micro, accum, why = T.batch_plan(cfg, 1, on_gpu=True)
-    assert micro * accum == 32 and micro == memory_module.auto_micro_batch(T.GPT, cfg, 1)[0] and "planned" in why
-    assert T.parse_config(["--preset", "demo"]).micro_batch_size == "16"     # presets keep their numbers
+    assert batch_plan(parse_config(["--batch-size", "12"]), 1, on_gpu=False)[:2] == (6, 2)
+    micro, accum, why = batch_plan(cfg, 1, on_gpu=True)
+    assert micro * accum == 32 and micro == memory_module.auto_micro_batch(GPT, cfg, 1)[0] and "planned" in why
+    assert parse_config(["--preset", "demo"]).micro_batch_size == "16"     # presets keep their numbers
 
 
 @pytest.mark.slow
@@ -282,17 +287,17 @@ def test_the_levers_are_priced_and_named_the_fused_loss_with_its_recomputed_logi
     """The fused loss adds its backward's second pass over the head (2 x vocabulary x width FLOPs a token); compiling
     the blocks or the whole model is priced as eager until --check times it, each under its own key."""
     flags = ["--depth", "32", "--residual", "baseline", "--micro-batch-size", "8", "--tokenizer", "byte"]
-    plain, fused = (T.parse_config([*flags, "--cross-entropy", loss]) for loss in ("plain", "fused"))
-    params, rates = T.count_parameters(plain), run_time.gpu_rates(gpus.ASSUMED_GPU)
-    costs = [run_time.step_cost(T.GPT, cfg, params, "reference", 8, 1, rates) for cfg in (plain, fused)]
+    plain, fused = (parse_config([*flags, "--cross-entropy", loss]) for loss in ("plain", "fused"))
+    params, rates = count_parameters(plain), run_time.gpu_rates(gpus.ASSUMED_GPU)
+    costs = [run_time.step_cost(GPT, cfg, params, "reference", 8, 1, rates) for cfg in (plain, fused)]
     assert costs[1].flops - costs[0].flops == 32 * 1024 * 2 * 256 * 2048 and costs[1].bytes == costs[0].bytes
     for scope, mode in (("blocks", "compile"), ("model", "compile-model")):
-        cfg = T.parse_config([*flags, "--compile", "--compile-scope", scope])
-        assert T.choice.timed_mode(cfg) == mode
-        _, basis = run_time.step_seconds(T.GPT, cfg, params, 8, 1, gpus.ASSUMED_GPU, "reference")
+        cfg = parse_config([*flags, "--compile", "--compile-scope", scope])
+        assert choice.timed_mode(cfg) == mode
+        _, basis = run_time.step_seconds(GPT, cfg, params, 8, 1, gpus.ASSUMED_GPU, "reference")
         assert basis.endswith(f"as eager (compile of the {scope} not modelled)")
-    assert T.choice.timed_mode(plain) == "eager"
-    lever = T.parse_config([*flags, "--cross-entropy", "fused", "--compile", "--compile-scope", "model"])
+    assert choice.timed_mode(plain) == "eager"
+    lever = parse_config([*flags, "--cross-entropy", "fused", "--compile", "--compile-scope", "model"])
     assert estimate.levers_line(lever) == ("planned for: the fused cross-entropy (--cross-entropy fused); torch.compile "
                                            "of the whole model (its step priced as eager until --check times it)")
     assert estimate.levers_line(plain).endswith("; no torch.compile (eager)")
@@ -448,7 +453,7 @@ def test_dry_run_takes_the_gpu_checks_timing_and_gpu_type(tmp_path):
 def test_dry_run_prices_rehearsed_jobs_as_measured_and_refuses_a_micro_batch_that_ran_out_of_memory(tmp_path):
     """tests/illustrative_check.py's result.json (made up): the baseline at depth 48 and mHC at depth 32 trained,
     HC at depth 48 ran out of memory at its planned micro-batch 2."""
-    illustrative_check.write(tmp_path / "runs", T)
+    illustrative_check.write(tmp_path / "runs")
     r = launcher(tmp_path, "--dry-run", "--seeds", "1")
     assert r.returncode == 0, r.stderr
     lines = {line.split()[0]: line for line in r.stdout.splitlines() if re.match(r"\w+_d\d+_s1 ", line)}
@@ -494,8 +499,8 @@ def test_demo_dry_run_calibrates_on_the_cpu(tmp_path):
 def test_the_estimate_prints_the_modelled_mfu_of_its_step_range():
     """MFU = tokens a step x FLOPs a token (the head's included) / (seconds x the card's bf16 peak x GPUs): the slow end
     of the step gives the low MFU; a card without a known peak (the CPU) prints none."""
-    cfg = T.parse_config(["--residual", "baseline", "--depth", "32"])
-    params = T.count_parameters(cfg)
+    cfg = parse_config(["--residual", "baseline", "--depth", "32"])
+    params = count_parameters(cfg)
     h100 = "NVIDIA H100 80GB HBM3"
     work = cfg.tokens_per_step * gpus.flops_per_token(cfg, params) / gpus.gpu_peak_flops(h100)
     assert estimate.mfu_text(cfg, params, (work / 0.5, work / 0.25), h100, 1) == ", MFU 25-50%"

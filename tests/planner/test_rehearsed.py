@@ -7,6 +7,8 @@ import pytest
 
 import illustrative_check
 import train_c4
+from hcstudy.config import parse_config
+from hcstudy.planner.memory import batch_plan
 from hcstudy.contract import PlanJob, PlanRequest, load_check
 from hcstudy.launcher import dry_run
 from hcstudy.planner import plan_jobs, rehearsed, run_time
@@ -16,9 +18,9 @@ TINY = ["--preset", "tiny", "--residual", "mhc"]
 
 
 def tiny_row(micro, status="ok", path="triton", batch=4, flags=(), **changes):
-    cfg = train_c4.parse_config([*TINY, "--batch-size", str(batch), "--micro-batch-size", str(micro), *flags])
+    cfg = parse_config([*TINY, "--batch-size", str(batch), "--micro-batch-size", str(micro), *flags])
     step = [0.010, [0.009, 0.012]] if status == "ok" else [None, None]
-    row = illustrative_check.row(train_c4, "mhc", 2, micro, batch, path, status, *step, 0.1, 0.1, [0.005, 0.02],
+    row = illustrative_check.row("mhc", 2, micro, batch, path, status, *step, 0.1, 0.1, [0.005, 0.02],
                                  False)
     return dict(row, config=rehearsed.step_config(cfg), width=cfg.width, seq_len=cfg.seq_len, **changes)
 
@@ -26,14 +28,14 @@ def tiny_row(micro, status="ok", path="triton", batch=4, flags=(), **changes):
 def test_a_rehearsal_prices_only_its_own_shape_and_an_out_of_memory_error_every_larger_micro_batch():
     check = {"gpu": H100, "rehearsals": [tiny_row(2), tiny_row(4, "oom"), tiny_row(3, "oom", batch=3),
                                          tiny_row(1, "oom", gpu="NVIDIA H200")]}
-    cfg = train_c4.parse_config([*TINY, "--micro-batch-size", "2"])
+    cfg = parse_config([*TINY, "--micro-batch-size", "2"])
     assert rehearsed.measured_row(check, cfg, 2, "triton", H100) == check["rehearsals"][0]
     # a schedule, a seed, the run folder do not move a step: the same shape
-    same = train_c4.parse_config([*TINY, "--micro-batch-size", "2", "--lr", "1e-3", "--seed", "7", "--steps", "9"])
+    same = parse_config([*TINY, "--micro-batch-size", "2", "--lr", "1e-3", "--seed", "7", "--steps", "9"])
     assert rehearsed.measured_row(check, same, 2, "triton", H100) is not None
     for other in ([*TINY, "--sinkhorn-iters", "5"], [*TINY, "--stream-dtype", "bf16"], [*TINY, "--compile"],
                   [*TINY, "--batch-size", "8"], [*TINY, "--activation-checkpointing"]):
-        assert rehearsed.measured_row(check, train_c4.parse_config(other), 2, "triton", H100) is None, other
+        assert rehearsed.measured_row(check, parse_config(other), 2, "triton", H100) is None, other
     assert rehearsed.measured_row(check, cfg, 1, "triton", H100) is None                 # another micro-batch
     assert rehearsed.measured_row(check, cfg, 2, "fused", H100) is None                  # another path
     assert rehearsed.measured_row(check, cfg, 2, "triton", "NVIDIA H200") is None        # another card
@@ -41,17 +43,17 @@ def test_a_rehearsal_prices_only_its_own_shape_and_an_out_of_memory_error_every_
     # out of memory at 3 (global batch 3) and at 4: any global batch, the smallest
     assert rehearsed.out_of_memory_at(check, cfg, H100) == 3
     assert rehearsed.out_of_memory_at(check, cfg, "NVIDIA H200") == 1
-    assert rehearsed.out_of_memory_at(check, train_c4.parse_config([*TINY, "--depth", "3"]), H100) is None
+    assert rehearsed.out_of_memory_at(check, parse_config([*TINY, "--depth", "3"]), H100) is None
     assert rehearsed.out_of_memory_at({"rehearsals": "junk"}, cfg, H100) is None
 
 
 def plan(out, *jobs):
     request = PlanRequest("", 1, None, [PlanJob([*flags, "--out", str(out)], check=load_check(out)) for flags in jobs])
-    return plan_jobs.answer_jobs(request, train_c4)
+    return plan_jobs.answer_jobs(request)
 
 
 def test_the_planner_prices_a_rehearsed_job_from_its_step_keeps_auto_below_a_failure_and_refuses_one_asked(tmp_path):
-    illustrative_check.write(tmp_path, train_c4, rows=[])
+    illustrative_check.write(tmp_path, rows=[])
     check = load_check(tmp_path)
     check["rehearsals"] = [tiny_row(2), tiny_row(4, "oom")]
     illustrative_check.gpu_check.write_json_atomic(tmp_path / "gpu_check" / "result.json", check)
@@ -72,7 +74,7 @@ def test_the_planner_prices_a_rehearsed_job_from_its_step_keeps_auto_below_a_fai
 
 
 def test_estimate_prices_a_rehearsed_shape_and_refuses_a_micro_batch_that_ran_out_of_memory(tmp_path, capsys):
-    illustrative_check.write(tmp_path, train_c4, rows=[])
+    illustrative_check.write(tmp_path, rows=[])
     check = load_check(tmp_path)
     check["rehearsals"] = [tiny_row(2), tiny_row(4, "oom")]
     illustrative_check.gpu_check.write_json_atomic(tmp_path / "gpu_check" / "result.json", check)
@@ -88,13 +90,13 @@ def test_estimate_prices_a_rehearsed_shape_and_refuses_a_micro_batch_that_ran_ou
 
 
 def test_the_trainers_auto_micro_batch_on_a_gpu_stays_below_a_rehearsals_failure(tmp_path):
-    illustrative_check.write(tmp_path, train_c4, rows=[])
+    illustrative_check.write(tmp_path, rows=[])
     check = load_check(tmp_path)
     check["rehearsals"] = [tiny_row(2, "oom")]
     illustrative_check.gpu_check.write_json_atomic(tmp_path / "gpu_check" / "result.json", check)
-    cfg = train_c4.parse_config([*TINY, "--micro-batch-size", "auto", "--out", str(tmp_path)])
-    micro, _, why = train_c4.batch_plan(cfg, 1, on_gpu=True, card=80 * 2 ** 30, gpu=H100)
+    cfg = parse_config([*TINY, "--micro-batch-size", "auto", "--out", str(tmp_path)])
+    micro, _, why = batch_plan(cfg, 1, on_gpu=True, card=80 * 2 ** 30, gpu=H100)
     assert micro == 1 and "below the 2 the GPU check saw run out of memory" in why
-    assert train_c4.batch_plan(cfg, 1, on_gpu=True, card=80 * 2 ** 30, gpu="NVIDIA H200")[0] == 4
+    assert batch_plan(cfg, 1, on_gpu=True, card=80 * 2 ** 30, gpu="NVIDIA H200")[0] == 4
     with pytest.raises(Exception, match="ran out of memory at micro-batch 2"):
-        train_c4.batch_plan(dataclasses.replace(cfg, micro_batch_size="2"), 1, on_gpu=True, card=80 * 2 ** 30, gpu=H100)
+        batch_plan(dataclasses.replace(cfg, micro_batch_size="2"), 1, on_gpu=True, card=80 * 2 ** 30, gpu=H100)

@@ -8,13 +8,14 @@ import torch
 from hcstudy.planner import run_time
 
 from hcstudy.planner import step_work
-import train_c4 as T
+from hcstudy.config import Config, parse_config
+from hcstudy.model import GPT, MLP, count_parameters
 
 H100 = "NVIDIA H100 80GB HBM3"
 
 
 def work(residual: str, path: str, **settings):
-    return step_work.step_work(T.GPT, step_work.work_key(T.Config(residual=residual, **settings)), path)
+    return step_work.step_work(GPT, step_work.work_key(Config(residual=residual, **settings)), path)
 
 
 def test_an_elementwise_op_is_one_launch_moving_its_inputs_and_output():
@@ -57,7 +58,7 @@ def test_a_triton_operator_counts_as_its_kernel_alone():
 
 def test_one_more_op_in_a_block_counts_its_launches_and_bytes_as_the_formula_says(monkeypatch):
     plain = work("baseline", "reference")
-    monkeypatch.setattr(T.MLP, "forward", lambda self, x: self.proj(torch.nn.functional.gelu(self.fc(x))).neg())
+    monkeypatch.setattr(MLP, "forward", lambda self, x: self.proj(torch.nn.functional.gelu(self.fc(x))).neg())
     step_work.step_work.cache_clear()
     try:
         more = work("baseline", "reference")
@@ -71,10 +72,10 @@ def test_one_more_op_in_a_block_counts_its_launches_and_bytes_as_the_formula_say
 
 @pytest.mark.slow
 def test_the_fit_in_width_predicts_a_count_at_another_width():
-    key = step_work.work_key(T.Config(residual="mhc", dtype="bf16"))
-    fitted = step_work.step_work(T.GPT, key, "reference")
+    key = step_work.work_key(Config(residual="mhc", dtype="bf16"))
+    fitted = step_work.step_work(GPT, key, "reference")
     width = 3 * step_work._counted_width(key)
-    counts = {d: step_work.count_steps(T.GPT, key, "reference", width, d) for d in (1, 2)}
+    counts = {d: step_work.count_steps(GPT, key, "reference", width, d) for d in (1, 2)}
     per_token = {d: (c[2][1] - c[1][1]) / step_work.COUNT_SEQ for d, c in counts.items()}
     assert per_token[2] - per_token[1] == pytest.approx(fitted.block_bytes_per_token(width))
     assert counts[2][1][0] - counts[1][1][0] == fitted.launches[0]
@@ -110,35 +111,35 @@ def test_the_triton_kernels_bytes_are_counted_in_full(monkeypatch):
 
 
 def test_a_step_is_bound_by_its_largest_term_and_host_time_overlaps_on_a_gpu():
-    big = T.parse_config(["--depth", "32", "--batch-size", "32"])
-    params = T.count_parameters(big)
-    cost = run_time.step_cost(T.GPT, big, params, "triton", 8, 1, run_time.gpu_rates(H100))
+    big = parse_config(["--depth", "32", "--batch-size", "32"])
+    params = count_parameters(big)
+    cost = run_time.step_cost(GPT, big, params, "triton", 8, 1, run_time.gpu_rates(H100))
     assert cost.dominant in ("matmuls", "memory")
     device = [sum(cost.terms[t][i] for t in ("matmuls", "memory", "launch gaps")) for i in (0, 1)]
     assert cost.seconds == pytest.approx(tuple(device)) and cost.seconds[0] < cost.seconds[1]
-    small = T.parse_config(["--preset", "demo"])                # a tiny model: the host issues ops slower than
-    tiny = run_time.step_cost(T.GPT, small, T.count_parameters(small), "reference", 16, 1, run_time.gpu_rates(H100))
+    small = parse_config(["--preset", "demo"])                # a tiny model: the host issues ops slower than
+    tiny = run_time.step_cost(GPT, small, count_parameters(small), "reference", 16, 1, run_time.gpu_rates(H100))
     assert tiny.dominant == "host" and tiny.seconds == pytest.approx(tiny.terms["host"])   # the GPU runs them
     faster = dataclasses.replace(run_time.gpu_rates(H100), bandwidth=tuple(2 * b for b in run_time.gpu_rates(H100).bandwidth))
-    assert run_time.step_cost(T.GPT, big, params, "triton", 8, 1, faster).terms["memory"] == pytest.approx(
+    assert run_time.step_cost(GPT, big, params, "triton", 8, 1, faster).terms["memory"] == pytest.approx(
         tuple(t / 2 for t in cost.terms["memory"]))
 
 
 def test_the_planned_path_follows_kernels_and_the_checks_fastest_timing():
-    mhc, gpu = T.Config(residual="mhc"), "NVIDIA H200"
+    mhc, gpu = Config(residual="mhc"), "NVIDIA H200"
     assert run_time.planned_path(mhc, gpu, None) == "triton" and run_time.planned_path(mhc, "cpu", None) == "fused"
-    assert run_time.planned_path(T.Config(residual="baseline"), gpu, None) == "reference"
-    assert run_time.planned_path(T.Config(residual="mhc", kernels="fused"), gpu, None) == "fused"
+    assert run_time.planned_path(Config(residual="baseline"), gpu, None) == "reference"
+    assert run_time.planned_path(Config(residual="mhc", kernels="fused"), gpu, None) == "fused"
     check = {"gpu": gpu, "timings": {"mhc": {"reference/eager": {"step_s": 1.0}, "fused/eager": {"step_s": 0.5},
                                              "triton/eager": None}}}
     assert run_time.planned_path(mhc, gpu, check) == "fused"
     assert run_time.planned_path(mhc, "NVIDIA H100 80GB HBM3", check) == "triton"       # timed on another card
-    assert run_time.planned_path(T.Config(residual="mhc", coefficients="sequence"), gpu, None) == "reference"
+    assert run_time.planned_path(Config(residual="mhc", coefficients="sequence"), gpu, None) == "reference"
 
 
 def test_the_cpu_is_priced_at_its_own_timed_rates():
-    demo = T.parse_config(["--preset", "demo", "--residual", "mhc"])
-    estimate = run_time.run_time(T.GPT, demo, T.count_parameters(demo), 16, 1, "cpu", "fused")
+    demo = parse_config(["--preset", "demo", "--residual", "mhc"])
+    estimate = run_time.run_time(GPT, demo, count_parameters(demo), 16, 1, "cpu", "fused")
     assert estimate is not None and 0 < estimate.step[0] < estimate.step[1] and estimate.total[0] > 600 * estimate.step[0]
     rates = run_time.device_rates(run_time.device_config(demo, "cpu"), 16, "cpu")
     assert not rates.overlapped and all(r > 0 for r in (*rates.flops, *rates.bandwidth, *rates.host))

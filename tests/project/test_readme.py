@@ -23,10 +23,6 @@ def commands():
     return [line for line in lines + re.findall(r"`([^`\n]+)`", README) if line]
 
 
-def test_readme_is_at_most_15_kb():
-    assert len(README.encode()) <= 15_000
-
-
 def test_every_python_command_uses_the_venv():
     """Outside the venv `python train_c4.py` fails (no tiktoken); setup.sh puts everything in .venv."""
     bare = [c for c in commands() if re.search(r"(?<![\w/.-])python3?\s", c)]

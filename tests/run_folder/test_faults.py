@@ -23,6 +23,13 @@ from hcstudy import consolidate
 from hcstudy import failures
 from hcstudy import run_folder
 import train_c4 as T
+from hcstudy.config import parse_config
+from hcstudy.contract import ConfigError, TrainerError
+from hcstudy.data import ByteTokenizer, DataFiles, DocumentStream, RankBatches, fixed_sequences, resolve_data_files
+from hcstudy.distributed import Dist
+from hcstudy.model import GPT
+from hcstudy.optim import decay_groups
+from hcstudy.run_folder import rng_state
 from helpers import Exploit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,9 +57,9 @@ def doc(i, text=None):
 
 
 def loader(files, streams=1):
-    cfg = T.parse_config(["--preset", "tiny", "--data-streams", str(streams), "--batch-size", "2",
+    cfg = parse_config(["--preset", "tiny", "--data-streams", str(streams), "--batch-size", "2",
                           "--micro-batch-size", "2"])
-    return T.RankBatches([str(f) for f in files], T.ByteTokenizer(), cfg, rank=0, world=1, micro=2)
+    return RankBatches([str(f) for f in files], ByteTokenizer(), cfg, rank=0, world=1, micro=2)
 
 
 def test_bad_lines_are_skipped_and_counted_and_big_documents_pass(tmp_path):
@@ -62,7 +69,7 @@ def test_bad_lines_are_skipped_and_counted_and_big_documents_pass(tmp_path):
     lines[5] = doc(5, text="   ")                                   # an empty document
     lines[7] = doc(7, text="x" * 10_000_000)                        # a 10 MB single document
     shard(tmp_path / "c4-train.00000-of-00001.json.gz", lines)
-    stream = T.DocumentStream([str(tmp_path / "c4-train.00000-of-00001.json.gz")], 0, 1, seed=None, buffer_size=0)
+    stream = DocumentStream([str(tmp_path / "c4-train.00000-of-00001.json.gz")], 0, 1, seed=None, buffer_size=0)
     documents = []
     for text in stream:
         if stream.epoch:
@@ -80,7 +87,7 @@ def test_bad_lines_are_skipped_and_counted_and_big_documents_pass(tmp_path):
 def test_an_unusable_shard_is_a_clear_error_not_a_hang(tmp_path, content):
     path = tmp_path / "c4-train.00000-of-00001.json.gz"
     shard(path, [], raw=content)
-    with pytest.raises(T.ConfigError, match="unreadable|no usable document"):
+    with pytest.raises(ConfigError, match="unreadable|no usable document"):
         loader([path]).next_batch()
 
 
@@ -123,7 +130,7 @@ WRITE_ERRORS = {
 
 @pytest.mark.parametrize("kind", sorted(WRITE_ERRORS))
 def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path, monkeypatch, kind):
-    one = T.Dist(0, 1, torch.device("cpu"))
+    one = Dist(0, 1, torch.device("cpu"))
     run_folder.write_checkpoint(tmp_path, 10, {"model.pt": {"w": torch.ones(3)}}, one, keep=2)
     real_save = torch.save
 
@@ -132,7 +139,7 @@ def test_every_kind_of_write_failure_is_one_line_naming_what_is_intact(tmp_path,
         raise WRITE_ERRORS[kind]
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(T.TrainerError) as failure:
+    with pytest.raises(TrainerError) as failure:
         run_folder.write_checkpoint(tmp_path, 20, {"model.pt": {"w": torch.zeros(3)}}, one, keep=2)
     message = str(failure.value)
     assert "\n" not in message and "could not write checkpoint step-20" in message
@@ -171,7 +178,7 @@ def test_a_status_or_metrics_write_failure_is_one_line_and_leaves_no_temp_file(t
 
     log.metrics_file.close()
     log.metrics_file = OverQuota()
-    with pytest.raises(T.TrainerError, match=r"could not append step 3 .*Disk quota exceeded.*intact"):
+    with pytest.raises(TrainerError, match=r"could not append step 3 .*Disk quota exceeded.*intact"):
         log.metrics({"step": 3})
 
 
@@ -253,7 +260,7 @@ def test_random_command_lines_give_a_run_or_one_line_error(tmp_path):
     outcomes = collections.Counter()
 
     def preflight_only(cfg):
-        T.preflight(cfg, T.Dist(0, 1, torch.device("cpu")))
+        T.preflight(cfg, Dist(0, 1, torch.device("cpu")))
 
     @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.dictionaries(st.sampled_from(sorted(FLAGS)), st.none(), max_size=6).flatmap(
@@ -359,17 +366,17 @@ train_c4.Trainer.optimizer_step = _step
 def sharded_checkpoint(out, step=10):
     """A tiny HC run folder with one FSDP-format checkpoint (DCP files), written in this process."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    cfg = T.parse_config(["--preset", "tiny", "--residual", "hc", "--out", str(out)])
-    model = T.GPT(cfg)
-    optimizer = torch.optim.AdamW(T.decay_groups(model, cfg.weight_decay), lr=cfg.lr)
+    cfg = parse_config(["--preset", "tiny", "--residual", "hc", "--out", str(out)])
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr)
     idx = torch.zeros(2, cfg.seq_len, dtype=torch.long)
     model(idx, idx)[1].backward()
     optimizer.step()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     run_dir = out / cfg.run_name
     files = {"train_state.pt": {"step": step, "tokens": step * cfg.tokens_per_step, "config": dataclasses.asdict(cfg),
-                                "batch_sizes": [[0, cfg.batch_size]]}, "rank0.pt": {"rng": T.rng_state()}}
-    run_folder.write_checkpoint(run_dir, step, files, T.Dist(0, 1, torch.device("cpu")), keep=2,
+                                "batch_sizes": [[0, cfg.batch_size]]}, "rank0.pt": {"rng": rng_state()}}
+    run_folder.write_checkpoint(run_dir, step, files, Dist(0, 1, torch.device("cpu")), keep=2,
                        sharded={"model": model_state, "optimizer": optimizer_state})
     (run_dir / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
     return run_dir / "checkpoints" / f"step-{step}", model_state, optimizer_state
@@ -400,9 +407,9 @@ def test_crafted_dcp_metadata_is_refused_before_a_resume_loads_it(tmp_path):
     witness = tmp_path / "pwned"
     replace_and_reseal(folder, f"{run_folder.SHARDED}/.metadata", pickle.dumps(Exploit(witness)))
     said = []
-    assert run_folder.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), said.append) is None
+    assert run_folder.read_checkpoint(folder.parent.parent, Dist(0, 1, torch.device("cpu")), said.append) is None
     assert "step-10 cannot be loaded safely" in said[0] and not witness.exists()
-    with pytest.raises(T.ConfigError, match="cannot be loaded safely"):         # the load itself, had it got there
+    with pytest.raises(ConfigError, match="cannot be loaded safely"):         # the load itself, had it got there
         run_folder.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
     assert not witness.exists()
 
@@ -416,15 +423,15 @@ def test_a_crafted_non_tensor_entry_in_dcp_shards_never_runs(tmp_path):
     shutil.rmtree(folder / run_folder.SHARDED)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / run_folder.SHARDED, no_dist=True)
     optimizer_state["param_groups"][0]["lr"] = 0.0
-    with pytest.raises(T.ConfigError, match="cannot be loaded safely"):
+    with pytest.raises(ConfigError, match="cannot be loaded safely"):
         run_folder.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
     assert not witness.exists()
 
 
 def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
     folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
-    assert run_folder.read_checkpoint(folder.parent.parent, T.Dist(0, 1, torch.device("cpu")), print) is not None
-    consolidate.consolidate(folder, tmp_path / "out.pt", T)
+    assert run_folder.read_checkpoint(folder.parent.parent, Dist(0, 1, torch.device("cpu")), print) is not None
+    consolidate.consolidate(folder, tmp_path / "out.pt")
     state = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(state["wte.weight"], model_state["wte.weight"])
 
@@ -462,11 +469,11 @@ def test_every_bad_value_of_the_probe_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_a_held_out_set_too_small_for_evaluation_is_a_warning_naming_it(tmp_path, capsys):
     shard(tmp_path / "c4-validation.00000-of-00001.json.gz", [doc(0, text="one tiny document")])
-    tiny = T.DataFiles(train=[], val=[str(tmp_path / "c4-validation.00000-of-00001.json.gz")], held_out_slice=False)
-    T.fixed_sequences(tiny, T.ByteTokenizer(), 32, 8)
+    tiny = DataFiles(train=[], val=[str(tmp_path / "c4-validation.00000-of-00001.json.gz")], held_out_slice=False)
+    fixed_sequences(tiny, ByteTokenizer(), 32, 8)
     err = capsys.readouterr().err
     assert err.startswith("warning: the held-out set (c4-validation.00000-of-00001.json.gz) is smaller")
-    T.fixed_sequences(T.resolve_data_files("sample"), T.ByteTokenizer(), 32, 8)   # the bundled one is large enough
+    fixed_sequences(resolve_data_files("sample"), ByteTokenizer(), 32, 8)   # the bundled one is large enough
     assert capsys.readouterr().err == ""
 
 

@@ -14,11 +14,16 @@ import torch
 from hcstudy import consolidate
 from hcstudy import run_folder
 import train_c4 as T
+from hcstudy.config import Config, parse_config
+from hcstudy.contract import ConfigError, TrainerError
+from hcstudy.distributed import Dist
+from hcstudy.model import GPT
+from hcstudy.optim import make_optimizer
 from helpers import Exploit
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "mhc_d2_s42"
-ONE = T.Dist(0, 1, torch.device("cpu"))
+ONE = Dist(0, 1, torch.device("cpu"))
 
 
 def run(out, *args, env=None):
@@ -100,7 +105,7 @@ def test_the_lock_names_its_live_holder_never_a_pid_written_in_the_file(tmp_path
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(T.ConfigError) as refused:
+        with pytest.raises(ConfigError) as refused:
             run_folder.lock_run_folder(tmp_path)
     finally:
         holder.communicate("")
@@ -110,7 +115,7 @@ def test_the_lock_names_its_live_holder_never_a_pid_written_in_the_file(tmp_path
 def test_a_lock_whose_holder_the_kernel_does_not_name_says_how_to_find_it(tmp_path, monkeypatch):
     holder = run_folder.lock_run_folder(tmp_path)
     monkeypatch.setattr(run_folder, "lock_holder", lambda lock: None)     # a holder on another node
-    with pytest.raises(T.ConfigError, match=r"in use by another process \(`fuser .*/\.lock` names it\)"):
+    with pytest.raises(ConfigError, match=r"in use by another process \(`fuser .*/\.lock` names it\)"):
         run_folder.lock_run_folder(tmp_path)
     holder.close()
 
@@ -128,7 +133,7 @@ def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tm
     folder, files, marker = run_folder.read_checkpoint(run_dir, ONE, print)
     assert folder.name == "step-20" and files["train_state.pt"]["step"] == marker["step"] == 20
     assert (run_dir / "checkpoints" / "rejected-step-20").is_dir()      # kept aside, never loaded
-    exported = consolidate.consolidate(run_dir, tmp_path / "w.pt", T)
+    exported = consolidate.consolidate(run_dir, tmp_path / "w.pt")
     assert "checkpoints/step-20" in exported
 
 
@@ -229,7 +234,7 @@ def test_the_checkpoint_write_failure_line_reads_as_one_sentence(tmp_path, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(T.TrainerError) as failure:
+    with pytest.raises(TrainerError) as failure:
         run_folder.write_checkpoint(tmp_path, 10, {"model.pt": {}}, ONE, keep=2)
     assert "metrics.jsonl is intact (no earlier checkpoint exists)" in str(failure.value)
     assert "and so is" not in str(failure.value)
@@ -272,9 +277,9 @@ def test_consolidate_creates_a_missing_output_folder(finished, tmp_path):
 
 def test_consolidate_writes_safetensors_beside_a_config(finished, tmp_path):
     from safetensors.torch import load_file
-    consolidate.consolidate(finished / RUN, tmp_path / "w.pt", T)
-    cfg = T.Config(**json.loads((tmp_path / "w.json").read_text()))
-    model = T.GPT(cfg)
+    consolidate.consolidate(finished / RUN, tmp_path / "w.pt")
+    cfg = Config(**json.loads((tmp_path / "w.json").read_text()))
+    model = GPT(cfg)
     missing = model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=False).missing_keys
     assert missing == ["lm_head.weight"] and model.lm_head.weight is model.wte.weight     # tied to the embedding
     reference = torch.load(tmp_path / "w.pt", weights_only=True)
@@ -371,13 +376,13 @@ def test_a_dcp_checkpoint_with_a_refused_payload_falls_back_to_the_previous_one(
     code, _, stderr = torchrun_fsdp(tmp_path, "--steps", "20")
     assert code == 0, stderr
     folder, witness = tmp_path / RUN / "checkpoints" / "step-20", tmp_path / "pwned"
-    cfg = T.parse_config(["--preset", "tiny"])
-    model = T.GPT(cfg)
+    cfg = parse_config(["--preset", "tiny"])
+    model = GPT(cfg)
     for module in model.modules():                     # as FSDP holds them: scalars as 1-element vectors
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() == 0:
                 setattr(module, name, torch.nn.Parameter(param.detach().reshape(1)))
-    optimizer = T.make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg)
     model(*[torch.zeros(2, cfg.seq_len, dtype=torch.long)] * 2)[1].backward()
     optimizer.step()
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -422,7 +427,7 @@ def test_the_run_folders_files_are_never_opened_through_a_link(tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("data\n")
     (tmp_path / "train.log").symlink_to(victim)
-    with pytest.raises(T.ConfigError, match="train.log is a symbolic link"):
+    with pytest.raises(ConfigError, match="train.log is a symbolic link"):
         run_folder.open_own(tmp_path / "train.log", "a")
     assert victim.read_text() == "data\n"
 
@@ -437,7 +442,7 @@ def test_a_checkpoints_link_swapped_in_during_the_run_is_never_written_through(t
     run_folder.write_checkpoint(run_dir, 4, {"train_state.pt": {"step": 4}}, ONE, keep=5, sharded=shards, held=held)
     os.replace(run_dir / "checkpoints", outside)
     (run_dir / "checkpoints").symlink_to(outside)
-    with pytest.raises(T.ConfigError, match=r"checkpoints was replaced during the run by a symbolic link"):
+    with pytest.raises(ConfigError, match=r"checkpoints was replaced during the run by a symbolic link"):
         run_folder.write_checkpoint(run_dir, 8, {"train_state.pt": {"step": 8}}, ONE, keep=5, sharded=shards, held=held)
     assert [p.name for p in outside.iterdir()] == ["step-4"]
 
@@ -628,7 +633,8 @@ def test_the_token_count_adds_up_across_a_change_of_batch_size(finished, tmp_pat
 PENDING_TOKENS_DATA_STATE = """
 def pending_tokens(self):       # a data stream's state as checkpoints held it before they held positions
     return {"documents": self.documents.state_dict(), "tokens": self.tokens[self.offset:].clone(), "offset": 0}
-train_c4.TokenWindows.state_dict = pending_tokens
+import hcstudy.data
+hcstudy.data.TokenWindows.state_dict = pending_tokens
 """
 # what an interrupted run and the same run uninterrupted must both have logged (the CPU's resumes are bit-exact)
 EXACT_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "amax_fwd", "amax_bwd")
@@ -666,7 +672,7 @@ def test_a_checkpoint_of_the_earlier_format_resumes_exactly_and_consolidates(ear
     settings and the batch sizes from the step resumed."""
     out, run_dir = copy_of(earlier[0], tmp_path)
     step_8 = run_dir / "checkpoints" / "step-8"
-    assert str(step_8) in consolidate.consolidate(step_8, tmp_path / "w.pt", T)
+    assert str(step_8) in consolidate.consolidate(step_8, tmp_path / "w.pt")
     if case == "config.json gone":
         (run_dir / "config.json").unlink()
     code, stdout, stderr = run(out, "--steps", "12", "--ckpt-every", "4")

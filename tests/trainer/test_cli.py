@@ -14,13 +14,16 @@ import pytest
 import torch
 
 import train_c4 as T
+from hcstudy.config import Config, build_parser, odd_settings, parse_config
+from hcstudy.contract import ConfigError
+from hcstudy.distributed import Dist
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_flag_states_its_facts_once_in_its_config_field():
-    parser = T.build_parser()
-    for field in dataclasses.fields(T.Config):
+    parser = build_parser()
+    for field in dataclasses.fields(Config):
         facts = field.metadata
         assert facts["group"] and facts["help"], field.name
         action = next(a for a in parser._actions if a.dest == field.name)
@@ -36,10 +39,10 @@ def test_every_flag_states_its_facts_once_in_its_config_field():
                                              ("--batch-size", 1, 65536), ("--data-timeout", 10, 1e6)])
 def test_bounds_are_inclusive(flag, low, high):
     for value in (low, high):
-        T.parse_config(["--preset", "tiny", flag, str(value), "--heads", "1"])
+        parse_config(["--preset", "tiny", flag, str(value), "--heads", "1"])
     for value in (low - 1, high + 1):
-        with pytest.raises(T.ConfigError, match=f"{flag} must be from"):
-            T.parse_config(["--preset", "tiny", flag, str(value)])
+        with pytest.raises(ConfigError, match=f"{flag} must be from"):
+            parse_config(["--preset", "tiny", flag, str(value)])
 
 
 BAD_INPUT = [
@@ -79,20 +82,20 @@ BAD_INPUT = [
 
 
 def test_a_presets_own_fields_stay_silent_and_negative_numbers_are_values():
-    assert T.parse_config(["--preset", "seed-study", "--residual", "hc"]).coefficients == "sequence"
-    assert T.parse_config(["--preset", "tiny", "--residual", "baseline"]).expansion == 4
-    assert T.parse_config(["--mhc-gate-init", "-1e6", "--mhc-pre-bias", "-.5", "--mhc-res-diag", "-2"]).mhc_gate_init \
+    assert parse_config(["--preset", "seed-study", "--residual", "hc"]).coefficients == "sequence"
+    assert parse_config(["--preset", "tiny", "--residual", "baseline"]).expansion == 4
+    assert parse_config(["--mhc-gate-init", "-1e6", "--mhc-pre-bias", "-.5", "--mhc-res-diag", "-2"]).mhc_gate_init \
         == -1e6
-    assert T.parse_config(["--mhc-pre-bias", "-.5"]).mhc_pre_bias == -0.5
-    with pytest.raises(T.ConfigError, match="--seed must be from 0"):
-        T.parse_config(["--seed", "-1"])
+    assert parse_config(["--mhc-pre-bias", "-.5"]).mhc_pre_bias == -0.5
+    with pytest.raises(ConfigError, match="--seed must be from 0"):
+        parse_config(["--seed", "-1"])
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUT)
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_created(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.chdir(tmp_path)
-    preflight_only = lambda cfg: T.preflight(cfg, T.Dist(0, 1, torch.device("cpu")))    # noqa: E731
+    preflight_only = lambda cfg: T.preflight(cfg, Dist(0, 1, torch.device("cpu")))    # noqa: E731
     with mock.patch.object(T, "train", preflight_only):
         code = T.main(["--preset", "tiny", *args])
     err = capsys.readouterr().err
@@ -109,8 +112,8 @@ def test_an_empty_out_writes_nothing_into_the_current_folder(tmp_path):
 
 
 def test_odd_but_runnable_settings_are_named():
-    assert T.odd_settings(T.parse_config(["--preset", "tiny"])) == []
-    odd = T.odd_settings(T.parse_config(["--preset", "tiny", "--steps", "3", "--warmup", "1000",
+    assert odd_settings(parse_config(["--preset", "tiny"])) == []
+    odd = odd_settings(parse_config(["--preset", "tiny", "--steps", "3", "--warmup", "1000",
                                          "--data-streams", "1000"]))
     assert odd == ["--warmup 1000 exceeds --steps 3: the lr never reaches --lr",
                    "--data-streams 1000 exceeds --batch-size 4: streams 4 to 999 are never read"]
@@ -148,6 +151,6 @@ def test_sigterm_while_the_trainer_starts_exits_75(tmp_path):
 
 
 def test_names_a_flag_allows_are_taken_in_any_case_and_free_text_is_kept():
-    cfg = T.parse_config(["--residual", "HC", "--dtype", "FP32", "--preset", "Tiny", "--run-name", "MyRun",
+    cfg = parse_config(["--residual", "HC", "--dtype", "FP32", "--preset", "Tiny", "--run-name", "MyRun",
                           "--out", "Runs/X"])
     assert (cfg.residual, cfg.dtype, cfg.preset, cfg.run_name, cfg.out) == ("hc", "fp32", "tiny", "MyRun", "Runs/X")

@@ -14,6 +14,10 @@ import torch
 from hcstudy import c4_download
 from hcstudy import readahead
 import train_c4 as T
+from hcstudy.config import parse_config
+from hcstudy.contract import ConfigError, DataUnavailable
+from hcstudy.data import ByteTokenizer, DocumentStream, RankBatches, in_held_out_slice, resolve_data_files
+from hcstudy.planner.memory import batch_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +44,7 @@ def one_epoch(stream):
 @pytest.mark.parametrize("shards", [4, 3])                  # whole shards per stream, or every 4th line
 def test_streams_read_disjoint_documents_whose_union_is_everything(tmp_path, shards):
     files = write_shards(tmp_path, shards=shards)
-    per_stream = [one_epoch(T.DocumentStream(files, rank=v, world=4, seed=3, buffer_size=5)) for v in range(4)]
+    per_stream = [one_epoch(DocumentStream(files, rank=v, world=4, seed=3, buffer_size=5)) for v in range(4)]
     everything = [d for stream in per_stream for d in stream]
     assert len(everything) == len(set(everything)) == shards * 30
 
@@ -54,11 +58,11 @@ def first_documents(windows, count):
 
 def test_two_ranks_times_two_loader_processes_read_disjoint_documents_whose_union_is_everything(tmp_path):
     files = write_shards(tmp_path)
-    cfg = T.parse_config(["--preset", "tiny", "--seq-len", "64", "--batch-size", "8", "--data-streams", "4",
+    cfg = parse_config(["--preset", "tiny", "--seq-len", "64", "--batch-size", "8", "--data-streams", "4",
                           "--shuffle-buffer", "0"])
     documents = []
     for rank in range(2):
-        batches = T.RankBatches(files, T.ByteTokenizer(), cfg, rank=rank, world=2, micro=4)   # a step per batch
+        batches = RankBatches(files, ByteTokenizer(), cfg, rank=rank, world=2, micro=4)   # a step per batch
         loader, by_stream = readahead.Loader(batches, workers=2, timeout=60), {v: [] for v in batches.streams}
         for _ in range(15):
             x, y = loader.next_batch()
@@ -73,10 +77,10 @@ def test_two_ranks_times_two_loader_processes_read_disjoint_documents_whose_unio
 @pytest.mark.parametrize("kind", ["thread", "processes"])
 def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_path, kind):
     files = write_shards(tmp_path)
-    cfg = T.parse_config(["--preset", "tiny", "--seq-len", "16", "--data-streams", "2", "--shuffle-buffer", "8"])
+    cfg = parse_config(["--preset", "tiny", "--seq-len", "16", "--data-streams", "2", "--shuffle-buffer", "8"])
 
     def fresh():
-        return T.RankBatches(files, T.ByteTokenizer(), cfg, rank=0, world=1, micro=2)
+        return RankBatches(files, ByteTokenizer(), cfg, rank=0, world=1, micro=2)
 
     reference = fresh()
     expected = [reference.next_batch() for _ in range(80)]
@@ -96,28 +100,28 @@ def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_p
 def test_a_batch_smaller_than_the_stream_count_resumes_exactly_through_loader_processes(tmp_path):
     """8 streams, 4 sequences per step: streams 4-7 are never read, yet their state must be saved."""
     files = write_shards(tmp_path, shards=8)
-    cfg = T.parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4"])
-    reference = T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2)
+    cfg = parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4"])
+    reference = RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2)
     expected = [reference.next_batch()[0] for _ in range(12)]
-    loader = readahead.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    loader = readahead.Loader(RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
     seen = [loader.next_batch()[0] for _ in range(6)]
     state = loader.state_dict()
     loader.close()
-    resumed = T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2)
+    resumed = RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2)
     resumed.load_state_dict([state])
     seen += [resumed.next_batch()[0] for _ in range(6)]
     assert all(torch.equal(a, b) for a, b in zip(seen, expected))
-    with pytest.raises(T.ConfigError, match="exceeds the 4 data stream"):
-        T.batch_plan(T.parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4",
+    with pytest.raises(ConfigError, match="exceeds the 4 data stream"):
+        batch_plan(parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4",
                                      "--data-workers", "5"]), world=1)
 
 
 def test_a_loader_process_error_arrives_as_one_clean_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("not json\n{\"no_text\": 1}\n")
-    cfg = T.parse_config(["--preset", "tiny", "--data-streams", "2"])
-    loader = readahead.Loader(T.RankBatches([str(bad)], T.ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
-    with pytest.raises(T.ConfigError, match="holds no usable document") as error:
+    cfg = parse_config(["--preset", "tiny", "--data-streams", "2"])
+    loader = readahead.Loader(RankBatches([str(bad)], ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
+    with pytest.raises(ConfigError, match="holds no usable document") as error:
         loader.next_batch()
     assert "Traceback" not in str(error.value)
     loader.close()
@@ -126,17 +130,17 @@ def test_a_loader_process_error_arrives_as_one_clean_error(tmp_path):
 @pytest.mark.parametrize("workers", [0, 1])               # the thread, a loader process
 def test_a_stalled_loader_raises_instead_of_hanging(tmp_path, monkeypatch, workers):
     files = write_shards(tmp_path)
-    monkeypatch.setattr(T.RankBatches, "read_step", lambda self, streams: time.sleep(3))   # inherited by the fork
-    cfg = T.parse_config(["--preset", "tiny"])
-    loader = readahead.Loader(T.RankBatches(files, T.ByteTokenizer(), cfg, 0, 1, 2), workers=workers, timeout=1)
-    with pytest.raises(T.DataUnavailable, match="--data-timeout"):
+    monkeypatch.setattr(RankBatches, "read_step", lambda self, streams: time.sleep(3))   # inherited by the fork
+    cfg = parse_config(["--preset", "tiny"])
+    loader = readahead.Loader(RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2), workers=workers, timeout=1)
+    with pytest.raises(DataUnavailable, match="--data-timeout"):
         loader.next_batch()
     loader.close()
 
 
 def test_hub_errors_are_retried_with_backoff_from_the_saved_position(tmp_path, monkeypatch):
     files = write_shards(tmp_path, shards=1)
-    stream = T.DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
+    stream = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0)
     stream.remote = True
     opened, delays = [], []
     real_open = stream._open_epoch
@@ -159,17 +163,17 @@ def test_hub_errors_are_retried_with_backoff_from_the_saved_position(tmp_path, m
 
 
 def test_hub_gives_up_with_exit_6_after_the_retries(tmp_path, monkeypatch):
-    stream = T.DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
+    stream = DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
     stream.remote = True
     monkeypatch.setattr(stream, "_open_epoch", lambda: (_ for _ in ()).throw(TimeoutError("read timed out")))
     monkeypatch.setattr(T.time, "sleep", lambda seconds: None)
-    with pytest.raises(T.DataUnavailable, match="after 7 attempt"):
+    with pytest.raises(DataUnavailable, match="after 7 attempt"):
         next(iter(stream))
 
 
 def test_a_failed_name_lookup_is_not_retried(tmp_path, monkeypatch):
     """No name server for the hub is no rate limit: exit 6 at once, not after two minutes of retries."""
-    stream = T.DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
+    stream = DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
     stream.remote = True
     lookup = OSError("[Errno -2] Name or service not known")
     refused = ConnectionError("HTTPSConnectionPool(host='huggingface.co', port=443): Max retries exceeded")
@@ -177,7 +181,7 @@ def test_a_failed_name_lookup_is_not_retried(tmp_path, monkeypatch):
     monkeypatch.setattr(stream, "_open_epoch", lambda: (_ for _ in ()).throw(refused))
     delays = []
     monkeypatch.setattr(T.time, "sleep", delays.append)
-    with pytest.raises(T.DataUnavailable, match=r"^the hub cannot be reached \(ConnectionError: .*--prefetch-c4"):
+    with pytest.raises(DataUnavailable, match=r"^the hub cannot be reached \(ConnectionError: .*--prefetch-c4"):
         next(iter(stream))
     assert delays == []
 
@@ -186,8 +190,8 @@ def test_a_failed_name_lookup_is_not_retried(tmp_path, monkeypatch):
 @pytest.mark.parametrize("variable", ["HF_HOME", "HF_DATASETS_CACHE"])
 def test_local_files_are_read_without_a_writable_hugging_face_cache(variable):
     """The bundled sample needs no cache: an unwritable HF_HOME or HF_DATASETS_CACHE does not stop it."""
-    read = ("import sys, train_c4 as T; files = T.resolve_data_files('sample').train; "
-            "stream = T.DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0); print(next(iter(stream))[:20])")
+    read = ("import sys, train_c4 as T; files = resolve_data_files('sample').train; "
+            "stream = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0); print(next(iter(stream))[:20])")
     result = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, cwd=ROOT, timeout=120,
                             env={**os.environ, variable: "/proc/nope"})
     assert result.returncode == 0 and result.stdout.strip(), result.stderr[-2000:]
@@ -196,18 +200,18 @@ def test_local_files_are_read_without_a_writable_hugging_face_cache(variable):
 def test_an_unwritable_hugging_face_cache_is_named_as_the_cause_for_the_hub(tmp_path, monkeypatch):
     import datasets
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path("/proc/nope/datasets"))
-    stream = T.DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
+    stream = DocumentStream(write_shards(tmp_path, shards=1), rank=0, world=1, seed=None, buffer_size=0)
     stream.remote = True
     refused = FileNotFoundError(2, "No such file or directory", "/proc/nope")
     monkeypatch.setattr(stream, "_open_epoch", lambda: (_ for _ in ()).throw(refused))
     monkeypatch.setattr(T.time, "sleep", lambda seconds: pytest.fail("a cache that cannot be written is not retried"))
-    with pytest.raises(T.ConfigError, match=r"Hugging Face cache cannot be written .*/proc/nope.*HF_HOME"):
+    with pytest.raises(ConfigError, match=r"Hugging Face cache cannot be written .*/proc/nope.*HF_HOME"):
         next(iter(stream))
 
 
 def test_the_hub_unreachable_at_the_start_leaves_failed_with_the_reason(tmp_path, monkeypatch, capsys):
     def unreachable(*args):
-        raise T.DataUnavailable("the hub cannot be reached (ConnectionError: ...)")
+        raise DataUnavailable("the hub cannot be reached (ConnectionError: ...)")
 
     monkeypatch.setattr(T, "fixed_sequences", unreachable)
     assert T.main(["--preset", "tiny", "--out", str(tmp_path), "--run-name", "r"]) == 6
@@ -249,10 +253,10 @@ def test_offline_hub_fails_fast_with_exit_6_and_a_way_out(tmp_path):
 
 
 def test_validation_set_is_fixed_whatever_the_model_seed():
-    data = T.resolve_data_files("sample")
-    first = T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=6)
+    data = resolve_data_files("sample")
+    first = T.fixed_sequences(data, ByteTokenizer(), seq_len=32, count=6)
     torch.manual_seed(123)
-    second = T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=6)
+    second = T.fixed_sequences(data, ByteTokenizer(), seq_len=32, count=6)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     assert bytes(first[0][0].tolist()).decode().startswith("As You Like It")
 
@@ -265,16 +269,16 @@ def document_ids(windows):
 
 def test_without_validation_files_a_fixed_slice_is_held_out_and_never_trained_on(tmp_path):
     write_shards(tmp_path, shards=2, docs=400)
-    data = T.resolve_data_files(str(tmp_path / "c4-train.*.json.gz"))
+    data = resolve_data_files(str(tmp_path / "c4-train.*.json.gz"))
     assert data.held_out_slice and data.val == data.train
     everything = {f"doc-{shard}-{doc} " for shard in range(2) for doc in range(400)}
-    held_out = {d for d in everything if T.in_held_out_slice(d * 5)}
+    held_out = {d for d in everything if in_held_out_slice(d * 5)}
     assert 0 < len(held_out) < 20                                # about 1 in 100
-    val = T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=8)
+    val = T.fixed_sequences(data, ByteTokenizer(), seq_len=32, count=8)
     assert document_ids(val[0]) and document_ids(val[0]) <= held_out
-    assert torch.equal(val[0], T.fixed_sequences(data, T.ByteTokenizer(), seq_len=32, count=8)[0])
-    cfg = T.parse_config(["--preset", "tiny", "--data-streams", "2", "--batch-size", "4"])
-    batches = T.RankBatches(data.train, T.ByteTokenizer(), cfg, 0, 1, 4, skip_held_out=data.held_out_slice)
+    assert torch.equal(val[0], T.fixed_sequences(data, ByteTokenizer(), seq_len=32, count=8)[0])
+    cfg = parse_config(["--preset", "tiny", "--data-streams", "2", "--batch-size", "4"])
+    batches = RankBatches(data.train, ByteTokenizer(), cfg, 0, 1, 4, skip_held_out=data.held_out_slice)
     trained = set()
     for _ in range(1000):                     # an epoch is about 300 batches; a second one repeats the first
         trained |= document_ids(batches.next_batch()[0])
@@ -286,10 +290,10 @@ def test_without_validation_files_a_fixed_slice_is_held_out_and_never_trained_on
 def test_val_data_names_the_held_out_files_and_is_never_trained_on(tmp_path):
     train = write_shards(tmp_path, shards=2)
     held = write_shards(tmp_path / "held", shards=1, prefix="other")
-    data = T.resolve_data_files(str(tmp_path / "*.json.gz"), val_data=str(tmp_path / "held"))
+    data = resolve_data_files(str(tmp_path / "*.json.gz"), val_data=str(tmp_path / "held"))
     assert (data.train, data.val, data.held_out_slice) == (train, held, False)
-    assert T.resolve_data_files(str(tmp_path / "*.json.gz"), val_data=train[0]).train == train[1:]
-    with pytest.raises(T.ConfigError, match="--val-data .* matches no file"):
-        T.resolve_data_files("sample", val_data=str(tmp_path / "nothing*.json"))
-    with pytest.raises(T.ConfigError, match="leaves no training file"):
-        T.resolve_data_files(train[0], val_data=train[0])
+    assert resolve_data_files(str(tmp_path / "*.json.gz"), val_data=train[0]).train == train[1:]
+    with pytest.raises(ConfigError, match="--val-data .* matches no file"):
+        resolve_data_files("sample", val_data=str(tmp_path / "nothing*.json"))
+    with pytest.raises(ConfigError, match="leaves no training file"):
+        resolve_data_files(train[0], val_data=train[0])

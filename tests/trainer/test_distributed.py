@@ -18,7 +18,9 @@ import torch
 
 from hcstudy import consolidate
 from hcstudy import run_folder
-import train_c4 as T
+from hcstudy.config import parse_config
+from hcstudy.distributed import Dist
+from hcstudy.model import GPT
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--preset", "tiny", "--residual", "hc", "--steps", "20"]
@@ -92,9 +94,9 @@ def weights(run_dir: Path, out: Path, command_line: bool = False) -> dict:
                                        str(run_dir / "checkpoints" / "step-20"), str(out)), wait=True)
         assert code == 0, stderr
     else:                                                            # the same function, without a start-up
-        consolidate.consolidate(run_dir / "checkpoints" / "step-20", out, T)
+        consolidate.consolidate(run_dir / "checkpoints" / "step-20", out)
     state = torch.load(out, weights_only=True)
-    T.GPT(T.parse_config(ARGS)).load_state_dict(state)              # strict: every key and shape
+    GPT(parse_config(ARGS)).load_state_dict(state)              # strict: every key and shape
     return state
 
 
@@ -154,7 +156,7 @@ def test_two_processes_match_one_process_and_resume_exactly(parallel, single, tm
         path = whole / "checkpoints" / "step-20" / shard
         path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 0xFF]))
         problems = []
-        folder, _, marker = run_folder.read_checkpoint(whole, T.Dist(0, 1, torch.device("cpu")), problems.append)
+        folder, _, marker = run_folder.read_checkpoint(whole, Dist(0, 1, torch.device("cpu")), problems.append)
         assert folder.name == "step-10" and marker["format"] == "sharded"
         assert problems == [f"checkpoint step-20 has a corrupted {shard} (checksum mismatch); falling back to the "
                             "previous one"]
@@ -177,7 +179,7 @@ def test_fsdp_checkpoint_of_four_processes_resumes_on_two_and_on_three(tmp_path)
     assert code == 0, stderr
     whole = tmp_path / "whole" / RUN
     reference = metrics(whole)
-    consolidate.consolidate(whole, tmp_path / "whole.pt", T)
+    consolidate.consolidate(whole, tmp_path / "whole.pt")
     whole_weights = torch.load(tmp_path / "whole.pt", weights_only=True)
     for processes, loader in ((2, []), (3, ["--data-workers", "1"])):
         resumed = tmp_path / f"on{processes}" / RUN
@@ -190,7 +192,7 @@ def test_fsdp_checkpoint_of_four_processes_resumes_on_two_and_on_three(tmp_path)
         assert [r.get("tokens") for r in metrics(resumed)] == [r.get("tokens") for r in reference]
         for key in ("loss", "grad_norm", "val_loss"):
             assert max_relative(metrics(resumed), reference, key) < LOSS_RTOL, (processes, key)
-        consolidate.consolidate(resumed, tmp_path / f"on{processes}.pt", T)
+        consolidate.consolidate(resumed, tmp_path / f"on{processes}.pt")
         for name, value in torch.load(tmp_path / f"on{processes}.pt", weights_only=True).items():
             torch.testing.assert_close(value, whole_weights[name], rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
 

@@ -10,6 +10,13 @@ from hcstudy import contract
 from hcstudy.kernels import choice
 from hcstudy import run_folder
 import train_c4 as T
+from hcstudy.arms import hc, mhc, mhc_lite
+from hcstudy.arms.mhc import sinkhorn
+from hcstudy.config import Config, PRESETS, parse_config
+from hcstudy.contract import ConfigError
+from hcstudy.metrics import instability_probe
+from hcstudy.model import GPT
+from hcstudy.run_folder import check_resumable
 from helpers import randomize_mixing, tiny_config
 from test_train import deterministic, metrics, trainer
 
@@ -20,7 +27,7 @@ COEFFICIENT_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")
 def train_steps(cfg, steps, lr, seed=0):
     """`steps` AdamW steps of a tiny model on one fixed batch; the model and that batch."""
     torch.manual_seed(seed)
-    model = T.GPT(cfg)
+    model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     idx = torch.randint(0, 256, (4, 16))
     for _ in range(steps):
@@ -35,7 +42,7 @@ def test_identity_hc_logs_gain_one_and_mixes_nothing():
     conn = model.blocks[0].attn_conn
     assert conn.phi.weight.abs().max() > 0 and conn.phi.out_features == 2 * conn.n       # read and write only
     assert not hasattr(conn, "a_res") and not hasattr(conn, "b_res")
-    metrics_ = T.instability_probe(model, idx, NO_AUTOCAST, with_layers=True)
+    metrics_ = instability_probe(model, idx, NO_AUTOCAST, with_layers=True)
     for key in ("amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "min_row_sum", "min_col_sum",
                 "amax_l0_fwd", "amax_l0_bwd"):
         assert abs(metrics_[key] - 1) < 1e-6, key
@@ -45,7 +52,7 @@ def test_identity_hc_logs_gain_one_and_mixes_nothing():
 
 def lite_connection(**overrides):
     cfg = tiny_config("mhc-lite", **overrides)
-    conn = T.MHCLite(cfg, 0)
+    conn = mhc_lite.Connection(cfg, 0)
     with torch.no_grad():
         conn.a_res.fill_(1.0)
     return conn
@@ -75,32 +82,32 @@ def test_mhc_lite_stays_doubly_stochastic_under_bf16_autocast():
 def test_mhc_lite_starts_with_the_diagonal_of_mhc(n):
     """docs/model.md: the identity permutation's logit is chosen so that H_res at init has mHC's diagonal."""
     cfg = tiny_config("mhc-lite", expansion=n, width=16)
-    lite = T.MHCLite(cfg, 0).mixing(torch.zeros(1, math.factorial(n)))[0][0]
-    mhc = T.sinkhorn(T.ManifoldHyperConnection(cfg, 0).b_res.detach(), cfg.sinkhorn_iters)
-    torch.testing.assert_close(lite.diagonal(), mhc.diagonal(), rtol=0, atol=1e-6)
+    lite = mhc_lite.Connection(cfg, 0).mixing(torch.zeros(1, math.factorial(n)))[0][0]
+    paper = sinkhorn(mhc.Connection(cfg, 0).b_res.detach(), cfg.sinkhorn_iters)
+    torch.testing.assert_close(lite.diagonal(), paper.diagonal(), rtol=0, atol=1e-6)
     assert lite.diagonal()[0] > 0.9
 
 
 def test_mhc_lite_gains_stay_at_one_after_thirty_demo_lr_steps():
-    lr = T.PRESETS["demo"]["lr"]
+    lr = PRESETS["demo"]["lr"]
     model, idx = train_steps(tiny_config("mhc-lite", depth=3), steps=30, lr=lr)
     conn = model.blocks[0].attn_conn
-    assert conn.phi.weight.abs().max() > 10 * lr and conn.a_res.item() != T.Config.mhc_gate_init   # it trained
-    metrics_ = T.instability_probe(model, idx, NO_AUTOCAST, with_layers=True)
+    assert conn.phi.weight.abs().max() > 10 * lr and conn.a_res.item() != Config.mhc_gate_init   # it trained
+    metrics_ = instability_probe(model, idx, NO_AUTOCAST, with_layers=True)
     assert abs(metrics_["amax_fwd"] - 1) < 1e-4 and abs(metrics_["amax_bwd"] - 1) < 1e-4, metrics_
     assert "sinkhorn_col_err" not in metrics_                                           # exact: nothing truncated
 
 
 def test_mhc_lite_refuses_an_expansion_with_too_many_permutations():
-    with pytest.raises(T.ConfigError, match="5,040 logits"):
-        T.parse_config(["--preset", "tiny", "--residual", "mhc-lite", "--expansion", "7"])
-    T.parse_config(["--preset", "tiny", "--residual", "mhc", "--expansion", "7"])       # mHC's n x n is fine
+    with pytest.raises(ConfigError, match="5,040 logits"):
+        parse_config(["--preset", "tiny", "--residual", "mhc-lite", "--expansion", "7"])
+    parse_config(["--preset", "tiny", "--residual", "mhc", "--expansion", "7"])       # mHC's n x n is fine
 
 
 def outputs_with_a_changed_future_token(residual, coefficients):
     """The logits of one sequence and of the same sequence with its last token changed."""
     torch.manual_seed(0)
-    model = T.GPT(tiny_config(residual, depth=2, coefficients=coefficients))
+    model = GPT(tiny_config(residual, depth=2, coefficients=coefficients))
     randomize_mixing(model)
     idx = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
     changed = idx.clone()
@@ -119,7 +126,7 @@ def test_sequence_coefficients_let_a_future_token_change_earlier_positions(resid
 
 @pytest.mark.parametrize("residual", COEFFICIENT_ARMS)
 def test_sequence_coefficients_are_one_set_per_sequence(residual):
-    model = T.GPT(tiny_config(residual, depth=2, coefficients="sequence"))
+    model = GPT(tiny_config(residual, depth=2, coefficients="sequence"))
     randomize_mixing(model)
     mixing = []
     model(torch.randint(0, 256, (3, 16)), mixing_out=mixing)
@@ -130,7 +137,7 @@ def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
     cpu = torch.device("cpu")
     for residual in ("mhc-lite", "identity-hc"):
         cfg = tiny_config(residual, kernels="fused")
-        assert not choice.supports(cfg) and T.GPT(cfg, kernels="fused").kernels == "reference"
+        assert not choice.supports(cfg) and GPT(cfg, kernels="fused").kernels == "reference"
     for variant in (dict(coefficients="sequence"), dict(coefficient_norm="flat"), dict(mhc_tanh=True),
                     dict(collapse="first"), dict(mhc_norm_order="norm-first")):
         assert not choice.supports(tiny_config("mhc", **variant), "fused"), variant
@@ -139,39 +146,39 @@ def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
 
 
 def test_seed_study_preset_is_the_studys_choices_and_names_its_runs_as_the_launcher_does():
-    cfg = T.parse_config(["--preset", "seed-study", "--residual", "hc", "--depth", "32"])
+    cfg = parse_config(["--preset", "seed-study", "--residual", "hc", "--depth", "32"])
     assert (cfg.coefficients, cfg.coefficient_norm, cfg.dynamic_init_std, cfg.read_stream, cfg.mhc_tanh,
             cfg.collapse) == ("sequence", "flat", 0.02, "first", True, "first")
     assert cfg.run_name == contract.run_name("hc", 32, 42, "seed-study") == "hc_d32_s42_seed-study"
-    token = T.parse_config(["--preset", "seed-study", "--residual", "mhc", "--coefficients", "token"])
+    token = parse_config(["--preset", "seed-study", "--residual", "mhc", "--coefficients", "token"])
     assert token.run_name == contract.run_name("mhc", 32, 42, "seed-study", 20, "token") == "mhc_d32_s42_tok_seed-study"
-    default = T.parse_config([])                      # the papers' model stays the default
+    default = parse_config([])                      # the papers' model stays the default
     assert (default.coefficients, default.coefficient_norm, default.dynamic_init_std, default.read_stream,
             default.mhc_tanh, default.collapse) == ("token", "stream", 0.0, "rotate", False, "sum")
-    assert T.parse_config(["--residual", "mhc", "--sinkhorn-iters", "100"]).run_name == "mhc_d32_s42_it100"
+    assert parse_config(["--residual", "mhc", "--sinkhorn-iters", "100"]).run_name == "mhc_d32_s42_it100"
 
 
 def test_each_seed_study_choice_shapes_the_model():
     study = dict(read_stream="first", dynamic_init_std=0.01)
     torch.manual_seed(0)
-    hc = T.GPT(tiny_config("hc", depth=2, **study))
-    assert all(conn.A_m_static.argmax() == 0 for block in hc.blocks for conn in (block.attn_conn, block.mlp_conn))
-    assert 0.005 < hc.blocks[0].attn_conn.dynamic.weight.std() < 0.02
-    mhc = T.ManifoldHyperConnection(tiny_config("mhc", **study), 3)
-    assert mhc.b_pre.argmax() == 0
+    study_hc = GPT(tiny_config("hc", depth=2, **study))
+    assert all(conn.A_m_static.argmax() == 0 for block in study_hc.blocks for conn in (block.attn_conn, block.mlp_conn))
+    assert 0.005 < study_hc.blocks[0].attn_conn.dynamic.weight.std() < 0.02
+    study_mhc = mhc.Connection(tiny_config("mhc", **study), 3)
+    assert study_mhc.b_pre.argmax() == 0
     # flat norm: one RMS for the whole state, so scaling one stream changes the coefficients of the others
     x = torch.randn(2, 4, 4, 16)
     louder = x.clone()
     louder[..., 1, :] *= 10
-    flat = T.HyperConnection(tiny_config("hc", coefficient_norm="flat"), 0)
-    per_stream = T.HyperConnection(tiny_config("hc"), 0)
+    flat = hc.Connection(tiny_config("hc", coefficient_norm="flat"), 0)
+    per_stream = hc.Connection(tiny_config("hc"), 0)
     for conn in (flat, per_stream):
         torch.nn.init.normal_(conn.dynamic.weight)
     moved = [(conn.coefficients(louder)[0] - conn.coefficients(x)[0])[..., 0].abs().max()     # stream 0's read
              for conn in (flat, per_stream)]
     assert moved[0] > 1e-4 and moved[1] == 0
     # tanh: the read weights stay within sigmoid(+-a_pre + b_pre) however large the projection
-    tanh = T.ManifoldHyperConnection(tiny_config("mhc", mhc_tanh=True, mhc_gate_init=1.0), 0)
+    tanh = mhc.Connection(tiny_config("mhc", mhc_tanh=True, mhc_gate_init=1.0), 0)
     torch.nn.init.normal_(tanh.phi.weight, std=1e3)
     H_pre = tanh.coefficients(x)[0]
     assert H_pre[..., 1].max() <= torch.sigmoid(torch.tensor(1.0 - 4.0)) + 1e-6
@@ -179,7 +186,7 @@ def test_each_seed_study_choice_shapes_the_model():
 
 def test_collapse_first_reads_stream_zero_only():
     torch.manual_seed(0)
-    model = T.GPT(tiny_config("hc", depth=1, collapse="first"))
+    model = GPT(tiny_config("hc", depth=1, collapse="first"))
     randomize_mixing(model)
     last = []
     model.blocks[-1].register_forward_hook(lambda module, args, out: last.append(out) or out.retain_grad())
@@ -195,9 +202,9 @@ def test_a_run_from_before_these_flags_resumes_and_a_changed_arm_does_not(tmp_pa
            if k not in ("coefficients", "collapse", "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh")}
     (run / "config.json").write_text(json.dumps({"config": old}))
     log = run_folder.RunLog(run, enabled=False)
-    assert T.check_resumable(run, cfg, log) == {}
-    with pytest.raises(T.ConfigError, match="coefficients='token'.*coefficients='sequence'"):
-        T.check_resumable(run, T.dataclasses.replace(cfg, coefficients="sequence"), log)
+    assert check_resumable(run, cfg, log) == {}
+    with pytest.raises(ConfigError, match="coefficients='token'.*coefficients='sequence'"):
+        check_resumable(run, T.dataclasses.replace(cfg, coefficients="sequence"), log)
 
 
 @pytest.mark.slow

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-import train_c4 as T
+from hcstudy.arms import hc
+from hcstudy.arms.mhc import sinkhorn
+from hcstudy.config import parse_config
+from hcstudy.metrics import gain_metrics, instability_probe
+from hcstudy.model import GPT, count_parameters
+from hcstudy.optim import decay_groups
 
 
 from helpers import randomize_mixing, tiny_config  # noqa: E402
@@ -13,7 +18,7 @@ from helpers import randomize_mixing, tiny_config  # noqa: E402
 def test_streams_persist_and_mixing_composes_across_depth(residual):
     torch.manual_seed(0)
     cfg = tiny_config(residual, depth=3, width=16, heads=2)
-    model = T.GPT(cfg)
+    model = GPT(cfg)
     randomize_mixing(model)
     x = torch.randn(2, 5, cfg.expansion, cfg.width)
     for block in model.blocks:
@@ -33,7 +38,7 @@ def test_streams_persist_and_mixing_composes_across_depth(residual):
 
 def test_forward_expands_once_and_collapses_once():
     cfg = tiny_config("hc", depth=2)
-    model = T.GPT(cfg)
+    model = GPT(cfg)
     seen = []
     for block in model.blocks:
         block.register_forward_hook(lambda module, args, out: seen.append((args[0].shape, out.shape)))
@@ -44,7 +49,7 @@ def test_forward_expands_once_and_collapses_once():
 @pytest.mark.parametrize("residual", ["hc", "mhc"])
 def test_the_state_stays_stream_major_through_every_block(residual):
     """(B, T, n, C) stored as (n, B, T, C): each stream one contiguous slab, which hcstudy/kernels/fused.py's speed relies on."""
-    model = T.GPT(tiny_config(residual, depth=2), kernels="fused")
+    model = GPT(tiny_config(residual, depth=2), kernels="fused")
     layouts = []
     for block in model.blocks:
         block.register_forward_hook(lambda module, args, out: layouts.extend(
@@ -55,9 +60,9 @@ def test_the_state_stays_stream_major_through_every_block(residual):
 
 def test_hc_at_init_equals_the_pre_norm_baseline():
     torch.manual_seed(0)
-    base = T.GPT(tiny_config("baseline", depth=3))
+    base = GPT(tiny_config("baseline", depth=3))
     torch.manual_seed(0)
-    hc = T.GPT(tiny_config("hc", depth=3))
+    hc = GPT(tiny_config("hc", depth=3))
     body = {k: v for k, v in base.state_dict().items()}
     missing, unexpected = hc.load_state_dict(body, strict=False)
     assert not unexpected and all("_conn." in k for k in missing)
@@ -71,7 +76,7 @@ def test_hc_at_init_equals_the_pre_norm_baseline():
 def test_sinkhorn_rows_are_exact_and_columns_converge(scale):
     generator = torch.Generator().manual_seed(0)
     logits = scale * torch.randn(500, 4, 4, generator=generator, dtype=torch.float64)
-    P = T.sinkhorn(logits, iters=20)
+    P = sinkhorn(logits, iters=20)
     assert (P >= 0).all()
     assert (P.sum(-1) - 1).abs().max() < 1e-6                 # rows are normalised last: the forward gain is exact
     column_error = (P.sum(-2) - 1).abs().max().item()
@@ -81,7 +86,7 @@ def test_sinkhorn_rows_are_exact_and_columns_converge(scale):
         # 20 iterations leave a truncation error on nearly-permutation matrices (measured max at scale 8:
         # 0.25 over these 500 draws); it must keep shrinking with more iterations
         assert column_error < 0.3
-        assert (T.sinkhorn(logits, iters=500).sum(-2) - 1).abs().max() < column_error / 10
+        assert (sinkhorn(logits, iters=500).sum(-2) - 1).abs().max() < column_error / 10
 
 
 EXTREME_LOGITS = {
@@ -96,7 +101,7 @@ EXTREME_LOGITS = {
 @pytest.mark.parametrize("case", EXTREME_LOGITS)
 def test_sinkhorn_stays_finite_on_extreme_logits(case, dtype):
     logits = EXTREME_LOGITS[case].detach().to(dtype).clone().requires_grad_()
-    P = T.sinkhorn(logits, iters=20)
+    P = sinkhorn(logits, iters=20)
     assert P.dtype == torch.float32                       # bf16 logits are projected in fp32
     assert torch.isfinite(P).all() and (P >= 0).all()
     assert (P.sum(-1) - 1).abs().max() < 1e-5             # every row still sums to 1: no row lost to underflow
@@ -107,19 +112,19 @@ def test_sinkhorn_stays_finite_on_extreme_logits(case, dtype):
 def test_sinkhorn_balances_a_column_the_plain_exponential_loses():
     """exp(-300) underflows in fp32: dividing the plain exponential by its column sums gives 0/0. The
     projection of [[0, -300], [0, -300]] is exactly 1/2 everywhere (the two rows are equal)."""
-    P = T.sinkhorn(EXTREME_LOGITS["a column that underflows"], iters=1)
+    P = sinkhorn(EXTREME_LOGITS["a column that underflows"], iters=1)
     torch.testing.assert_close(P, torch.full((2, 2), 0.5))
 
 
 def test_sinkhorn_gradients_flow_through_every_iteration():
     small = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda m: T.sinkhorn(m, iters=20), (small,))
+    assert torch.autograd.gradcheck(lambda m: sinkhorn(m, iters=20), (small,))
 
 
 def test_mhc_gains_stay_at_one_after_training_a_few_steps():
     torch.manual_seed(0)
     cfg = tiny_config("mhc", depth=3)
-    model = T.GPT(cfg)
+    model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     idx = torch.randint(0, 256, (4, 16))
     for _ in range(5):
@@ -128,7 +133,7 @@ def test_mhc_gains_stay_at_one_after_training_a_few_steps():
         optimizer.step()
         optimizer.zero_grad()
     assert model.blocks[0].attn_conn.phi.weight.abs().max() > 0       # the mixing did train
-    metrics = T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), with_layers=True)
+    metrics = instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), with_layers=True)
     for key in ("amax_fwd", "amax_l0_fwd", "min_row_sum"):
         assert abs(metrics[key] - 1) < 1e-5, key
     assert max(abs(g - 1) for g in metrics["layer_gain_fwd"]) < 1e-5
@@ -136,8 +141,8 @@ def test_mhc_gains_stay_at_one_after_training_a_few_steps():
 
 
 def test_baseline_gains_are_exactly_one():
-    model = T.GPT(tiny_config("baseline", depth=2))
-    metrics = T.instability_probe(model, torch.randint(0, 256, (2, 8)), lambda: torch.autocast("cpu", enabled=False),
+    model = GPT(tiny_config("baseline", depth=2))
+    metrics = instability_probe(model, torch.randint(0, 256, (2, 8)), lambda: torch.autocast("cpu", enabled=False),
                                   with_layers=True)
     assert metrics["layer_gain_fwd"] == [1.0] * 4 and metrics["layer_gain_bwd"] == [1.0] * 4
     assert all(metrics[k] == 1.0 for k in ("amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_l0_fwd"))
@@ -146,13 +151,13 @@ def test_baseline_gains_are_exactly_one():
 def test_hc_reports_the_transpose_of_A_r():
     """A hand-built A_r: rows (where source stream i goes) sum to 3 and 1, columns to 2 and 2."""
     cfg = tiny_config("hc", expansion=2, width=4, heads=1)
-    conn = T.HyperConnection(cfg, sublayer_index=0)
+    conn = hc.Connection(cfg, sublayer_index=0)
     A_r = torch.tensor([[2.0, 1.0], [0.0, 1.0]])
     with torch.no_grad():
         conn.A_r_static.copy_(A_r)
     _, _, H_res, _ = conn.coefficients(torch.randn(1, 1, 2, 4))
     torch.testing.assert_close(H_res[0, 0], A_r.T)
-    metrics = T.gain_metrics(H_res.reshape(1, 1, 2, 2))
+    metrics = gain_metrics(H_res.reshape(1, 1, 2, 2))
     assert metrics["amax_l0_fwd"] == pytest.approx(2.0)   # row sums of A_r^T = column sums of A_r
     assert metrics["amax_l0_bwd"] == pytest.approx(3.0)
 
@@ -162,7 +167,7 @@ def test_composites_match_hand_computed_products():
     H2 = torch.tensor([[2.0, 0.0], [0.0, 0.5]])
     H3 = torch.tensor([[1.0, 0.0], [-1.0, 1.0]])
     H = torch.stack([H1, H2, H3]).unsqueeze(1)             # (L=3, tokens=1, 2, 2)
-    metrics = T.gain_metrics(H)
+    metrics = gain_metrics(H)
     P = [H1, H2 @ H1, H3 @ H2 @ H1]                          # [[1,1],[0,1]], [[2,2],[0,.5]], [[2,2],[-2,-1.5]]
     S = [H3 @ H2 @ H1, H3 @ H2, H3]                          # column sums: (0, .5), (0, .5), (0, 1)
     assert metrics["amax_fwd"] == pytest.approx(4.0)       # max |row sum| of P_2 = 4, of P_3 = 4 and 3.5
@@ -181,8 +186,8 @@ def test_study_recipe_averages_over_tokens_and_multiplies_in_increasing_layer_or
     H = torch.stack([torch.stack([H - 0.5, H + 0.5]) for H in (H1, H2, H3)])
     Q = [H1, H1 @ H2, H1 @ H2 @ H3]                        # not H3 @ H2 @ H1: the study's order
     expected = max(max(q.abs().sum(-1).max().item(), q.abs().sum(-2).max().item()) for q in Q)
-    assert T.gain_metrics(H)["amax_study"] == pytest.approx(expected)
-    assert expected != pytest.approx(T.gain_metrics(torch.stack([H1, H2, H3]).unsqueeze(1))["amax_fwd_abs"])
+    assert gain_metrics(H)["amax_study"] == pytest.approx(expected)
+    assert expected != pytest.approx(gain_metrics(torch.stack([H1, H2, H3]).unsqueeze(1))["amax_fwd_abs"])
 
 
 def test_mhc_probe_separates_sinkhorn_truncation_from_amplification():
@@ -190,13 +195,13 @@ def test_mhc_probe_separates_sinkhorn_truncation_from_amplification():
     gain exceeds 1; the same logits projected to convergence give 1, and the as-used gain stays under the
     bound the per-layer column errors allow."""
     torch.manual_seed(0)
-    model = T.GPT(tiny_config("mhc", depth=3, sinkhorn_iters=3))
+    model = GPT(tiny_config("mhc", depth=3, sinkhorn_iters=3))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("b_res"):
                 p.copy_(4 * torch.randn(p.shape, generator=generator))
-    metrics = T.instability_probe(model, torch.randint(0, 256, (2, 16)), lambda: torch.autocast("cpu", enabled=False),
+    metrics = instability_probe(model, torch.randint(0, 256, (2, 16)), lambda: torch.autocast("cpu", enabled=False),
                                   with_layers=True)
     assert metrics["sinkhorn_col_err"] > 1e-2 and metrics["sinkhorn_row_err"] < 1e-5
     assert metrics["amax_bwd"] > 1.01
@@ -209,11 +214,11 @@ def test_mhc_probe_separates_sinkhorn_truncation_from_amplification():
 
 
 def test_probe_does_not_perturb_training_state():
-    model = T.GPT(tiny_config("mhc", depth=2))
+    model = GPT(tiny_config("mhc", depth=2))
     model.train()
     idx = torch.randint(0, 256, (2, 8))
     rng = torch.get_rng_state()
-    T.instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), True)
+    instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), True)
     assert model.training and torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
 
@@ -221,34 +226,34 @@ def test_probe_does_not_perturb_training_state():
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
 @pytest.mark.parametrize("depth, expected", [(32, 1.73e9), (48, 2.54e9)])
 def test_parameter_counts_of_the_c4_models(residual, depth, expected):
-    cfg = T.parse_config(["--residual", residual, "--depth", str(depth)])
+    cfg = parse_config(["--residual", residual, "--depth", str(depth)])
     assert (cfg.width, cfg.heads, cfg.seq_len) == (2048, 32, 1024)
-    total = T.count_parameters(cfg)["total"]
+    total = count_parameters(cfg)["total"]
     assert abs(total - expected) / expected < 0.02, f"{total:,}"
 
 
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
 def test_meta_count_equals_the_real_model(residual):
     cfg = tiny_config(residual, depth=3, width=32, heads=4)
-    assert T.count_parameters(cfg)["total"] == sum(p.numel() for p in T.GPT(cfg).parameters())
+    assert count_parameters(cfg)["total"] == sum(p.numel() for p in GPT(cfg).parameters())
 
 
 def test_weight_decay_only_on_weight_matrices():
-    model = T.GPT(tiny_config("hc", depth=1))
-    decay, rest = T.decay_groups(model, 0.1)
+    model = GPT(tiny_config("hc", depth=1))
+    decay, rest = decay_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
     assert "blocks.0.attn_conn.dynamic.weight" in decayed and "wte.weight" in decayed
     assert not any(k in n for n in decayed for k in ("static", "s_a", "s_b", "norm", "ln_f"))
-    mhc = T.GPT(tiny_config("mhc", depth=1))
+    mhc = GPT(tiny_config("mhc", depth=1))
     names = {id(p): n for n, p in mhc.named_parameters()}
-    decayed = {names[id(p)] for p in T.decay_groups(mhc, 0.1)[0]["params"]}
+    decayed = {names[id(p)] for p in decay_groups(mhc, 0.1)[0]["params"]}
     assert "blocks.0.mlp_conn.phi.weight" in decayed
     assert not any(k in n for n in decayed for k in ("a_pre", "b_pre", "b_res", "b_post", "a_res"))
     for residual, dynamic in (("hc", "dynamic.weight"), ("mhc", "phi.weight")):       # --no-mixing-decay
-        model = T.GPT(tiny_config(residual, depth=1))
+        model = GPT(tiny_config(residual, depth=1))
         names = {id(p): n for n, p in model.named_parameters()}
-        decay, rest = T.decay_groups(model, 0.1, decay_mixing=False)
+        decay, rest = decay_groups(model, 0.1, decay_mixing=False)
         decayed, kept = {names[id(p)] for p in decay["params"]}, {names[id(p)] for p in rest["params"]}
         assert "wte.weight" in decayed and not any("_conn." in n for n in decayed)
         assert f"blocks.0.attn_conn.{dynamic}" in kept and len(decayed) + len(kept) == len(names)
@@ -260,7 +265,7 @@ def test_activation_checkpointing_gives_identical_gradients(residual):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = T.GPT(tiny_config(residual, activation_checkpointing=checkpointing))
+        model = GPT(tiny_config(residual, activation_checkpointing=checkpointing))
         randomize_mixing(model)
         model(idx, idx)[1].backward()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -271,7 +276,7 @@ def test_activation_checkpointing_gives_identical_gradients(residual):
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc"])
 def test_bf16_autocast_agrees_with_fp32(residual):
     torch.manual_seed(0)
-    model = T.GPT(tiny_config(residual))
+    model = GPT(tiny_config(residual))
     idx = torch.randint(0, 256, (2, 16))
     full = model(idx)
     with torch.autocast("cpu", dtype=torch.bfloat16):

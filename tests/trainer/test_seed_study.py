@@ -9,15 +9,23 @@ import pytest
 import torch
 import torch.nn as nn
 
+from hcstudy import arms, optim
 from hcstudy import contract
 from hcstudy.kernels import choice
 import train_c4 as T
+from hcstudy.arms import hc
+from hcstudy.config import PRESETS, parse_config
+from hcstudy.contract import ConfigError
+from hcstudy.data import ByteTokenizer, GPT2Tokenizer, TokenWindows
+from hcstudy.distributed import Dist, unwrap
+from hcstudy.model import GPT, MLP, PreNorm, kernel_path, padded_vocab_size
+from hcstudy.optim import lr_at, make_optimizer
 
 N, WIDTH, ITERS = 4, 16, 20
 
 
 def study_config(residual, *flags):
-    return T.parse_config(["--preset", "tiny,seed-study", "--residual", residual, "--expansion", str(N), *flags])
+    return parse_config(["--preset", "tiny,seed-study", "--residual", residual, "--expansion", str(N), *flags])
 
 
 class StudyRMSNorm(nn.Module):
@@ -99,7 +107,7 @@ def test_the_preset_starts_where_the_study_starts(residual):
     """At init our connection's biases are the study's (mHC's H_res diagonal 0.711, H_pre 0.88 / 0.5, H_post 1.76 /
     1; HC writes stream 0 only)."""
     cfg = study_config(residual)
-    ours, study = T.CONNECTIONS[residual](cfg, 5), StudyConnection(residual == "mhc")
+    ours, study = arms.connection(residual)(cfg, 5), StudyConnection(residual == "mhc")
     for mine, theirs in counterparts(ours, study)[2:]:
         assert torch.equal(mine.detach().reshape(-1), flat(theirs))     # the biases and the scales 0.01
     if residual == "mhc":
@@ -114,13 +122,13 @@ def test_seed_study_preset_equals_the_studys_layer_in_fp64(residual):
     """Random weights far from init, copied in: the same output and the same gradients, to 1e-10."""
     cfg = study_config(residual)
     torch.manual_seed(0)
-    ours, study = T.CONNECTIONS[residual](cfg, 3).double(), StudyConnection(residual == "mhc").double()
+    ours, study = arms.connection(residual)(cfg, 3).double(), StudyConnection(residual == "mhc").double()
     with torch.no_grad():
         for p in study.parameters():
             p.copy_(p + 0.5 * torch.randn_like(p))
     copy_into(ours, study)
     pairs = counterparts(ours, study)
-    sublayer = T.PreNorm(cfg, T.MLP(cfg)).double()
+    sublayer = PreNorm(cfg, MLP(cfg)).double()
     x = torch.randn(3, 8, N, WIDTH, dtype=torch.float64)
     x_ours, x_study = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ours, _ = ours(x_ours, sublayer)
@@ -143,49 +151,49 @@ def test_the_memory_check_plans_the_vocabulary_the_model_builds(monkeypatch, tmp
     planned = []
     monkeypatch.setattr(T.memory, "check_memory", lambda cfg, vocab, *rest: planned.append(vocab))
     for vocab in ("exact", "padded"):
-        cfg = T.parse_config(["--preset", "tiny", "--tokenizer", "gpt2", "--vocab", vocab, "--out", str(tmp_path)])
-        T.preflight(cfg, T.Dist(0, 1, torch.device("cpu")))
+        cfg = parse_config(["--preset", "tiny", "--tokenizer", "gpt2", "--vocab", vocab, "--out", str(tmp_path)])
+        T.preflight(cfg, Dist(0, 1, torch.device("cpu")))
     assert planned == [50257, 50304]
 
 
 def test_each_difference_is_a_setting_that_turns_back_to_ours():
-    study, ours = study_config("hc"), T.parse_config(["--preset", "tiny", "--residual", "hc"])
+    study, ours = study_config("hc"), parse_config(["--preset", "tiny", "--residual", "hc"])
     assert (study.batch_size, study.steps, study.vocab) == (8, 5000, "exact")
-    assert T.padded_vocab_size("gpt2", study.vocab == "exact") == 50257
+    assert padded_vocab_size("gpt2", study.vocab == "exact") == 50257
     for key, value in contract.SEED_STUDY_MODEL.items():
         assert getattr(study, key) == value != getattr(ours, key), key
         flag = "--" + key.replace("_", "-")
         back = [f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(getattr(ours, key))]
         arm = "hc" if "hc" in contract.ARMS_OF.get(key, ("hc",)) else "mhc"    # an arm the setting applies to
         assert getattr(study_config(arm, *back), key) == getattr(ours, key), key
-    turned_back = T.HyperConnection(study_config("hc", "--hc-write-init", "all"), 0)
+    turned_back = hc.Connection(study_config("hc", "--hc-write-init", "all"), 0)
     assert torch.equal(turned_back.B_static.detach(), torch.ones(N))
-    assert torch.equal(T.HyperConnection(study_config("hc"), 0).B_static.detach(), torch.eye(N)[0])
+    assert torch.equal(hc.Connection(study_config("hc"), 0).B_static.detach(), torch.eye(N)[0])
 
 
 def test_the_study_model_is_trained_as_the_study_trains_it():
     """Output projections and dynamic weights at 0.02 (the study's re-draw), weight decay on every parameter."""
     cfg = dataclasses_replace(study_config("hc"), depth=8, width=64, heads=2)
     torch.manual_seed(0)
-    model = T.GPT(cfg)
+    model = GPT(cfg)
     assert 0.017 < model.blocks[0].mlp.inner.proj.weight.std() < 0.023
     assert 0.017 < model.blocks[0].attn_conn.dynamic.weight.std() < 0.023
-    decayed = T.make_optimizer(model, cfg).param_groups[0]["params"]
+    decayed = make_optimizer(model, cfg).param_groups[0]["params"]
     assert len(decayed) == len(list(model.parameters()))
     turned_back = dataclasses_replace(cfg, proj_init="scaled", weight_decay_on="matrices")
-    ours = T.GPT(turned_back)
+    ours = GPT(turned_back)
     assert ours.blocks[0].mlp.inner.proj.weight.std() < 0.006
-    assert len(T.make_optimizer(ours, turned_back).param_groups[0]["params"]) < len(decayed)
+    assert len(make_optimizer(ours, turned_back).param_groups[0]["params"]) < len(decayed)
 
 
 def test_the_kernels_refuse_the_studys_variants_and_auto_takes_the_formulas():
     for path in ("fused", "triton"):
-        with pytest.raises(T.ConfigError, match=f"--kernels {path} has the papers' HC and mHC only"):
+        with pytest.raises(ConfigError, match=f"--kernels {path} has the papers' HC and mHC only"):
             study_config("mhc", "--kernels", path)
         assert not choice.supports(study_config("mhc"), path)
-        with pytest.raises(T.ConfigError, match=f"--kernels {path} has .* not the study's --mhc-norm-order"):
-            T.parse_config(["--residual", "mhc", "--kernels", path, "--mhc-norm-order", "norm-first"])
-    assert T.kernel_path(study_config("hc"), torch.device("cpu"))[0] == "reference"
+        with pytest.raises(ConfigError, match=f"--kernels {path} has .* not the study's --mhc-norm-order"):
+            parse_config(["--residual", "mhc", "--kernels", path, "--mhc-norm-order", "norm-first"])
+    assert kernel_path(study_config("hc"), torch.device("cpu"))[0] == "reference"
 
 
 def dataclasses_replace(cfg, **changes):
@@ -193,10 +201,10 @@ def dataclasses_replace(cfg, **changes):
 
 
 def test_the_studys_warm_up_starts_at_lr_zero_and_reaches_lr_one_step_later():
-    lrs = {start: [T.lr_at(T.parse_config(["--lr", "8", "--warmup", "4", "--warmup-from", start]), step)
+    lrs = {start: [lr_at(parse_config(["--lr", "8", "--warmup", "4", "--warmup-from", start]), step)
                    for step in range(5)] for start in ("one-step", "zero")}
     assert lrs == {"one-step": [2.0, 4.0, 6.0, 8.0, 8.0], "zero": [0.0, 2.0, 4.0, 6.0, 8.0]}
-    assert T.parse_config([]).warmup_from == "one-step"
+    assert parse_config([]).warmup_from == "one-step"
 
 
 class Documents(list):
@@ -213,9 +221,9 @@ class Documents(list):
 ])
 def test_the_study_joins_documents_with_no_separator(separator, expected):
     documents = Documents(["hi", "abc", "d"] * 2)                   # "hi" is bytes 104 105, "abc" 97 98 99, "d" 100
-    windows = T.TokenWindows(documents, T.ByteTokenizer(), seq_len=3, separator=separator).take(3)
+    windows = TokenWindows(documents, ByteTokenizer(), seq_len=3, separator=separator).take(3)
     assert windows.tolist() == expected
-    gpt2 = T.TokenWindows(Documents(["hello world", "hello"]), T.GPT2Tokenizer(), seq_len=2, separator=separator)
+    gpt2 = TokenWindows(Documents(["hello world", "hello"]), GPT2Tokenizer(), seq_len=2, separator=separator)
     assert gpt2.take(1).tolist() == [[31373, 995, 50256] if separator == "eot" else [31373, 995, 31373]]
 
 
@@ -223,9 +231,9 @@ def test_a_run_without_separators_trains_and_evaluates_on_joined_documents(tmp_p
     """The bundled documents never hold byte 0: with separator none, neither do the training or held-out windows
     of a trainer (a few documents' worth each: about 6 kB a document)."""
     for separator in ("eot", "none"):
-        cfg = T.parse_config(["--preset", "tiny", "--seq-len", "2048", "--doc-separator", separator, "--out",
+        cfg = parse_config(["--preset", "tiny", "--seq-len", "2048", "--doc-separator", separator, "--out",
                               str(tmp_path), "--run-name", separator, "--wandb", "disabled"])
-        trainer = T.build_trainer(cfg, T.Dist(0, 1, torch.device("cpu")))
+        trainer = T.build_trainer(cfg, Dist(0, 1, torch.device("cpu")))
         try:
             training = torch.cat([trainer.loader.next_batch()[0] for _ in range(5)])
         finally:
@@ -240,7 +248,7 @@ def test_under_bf16_autocast_the_studys_norm_first_order_gives_its_coefficients_
     differences = {}
     for order in ("project-first", "norm-first"):
         torch.manual_seed(0)
-        ours, study = T.CONNECTIONS["mhc"](study_config("mhc", "--mhc-norm-order", order), 3), StudyConnection(True)
+        ours, study = arms.connection("mhc")(study_config("mhc", "--mhc-norm-order", order), 3), StudyConnection(True)
         with torch.no_grad():
             for p in study.parameters():
                 p.add_(0.5 * torch.randn_like(p))
@@ -254,29 +262,29 @@ def test_under_bf16_autocast_the_studys_norm_first_order_gives_its_coefficients_
                        study_sinkhorn(study.alpha_res * res.unflatten(-1, (N, N)) + study.b_res))
         differences[order] = max((mine - theirs).abs().max().item() for mine, theirs in zip(H_ours, H_study))
     assert differences["norm-first"] == 0 and differences["project-first"] > 1e-4
-    assert study_config("mhc").mhc_norm_order == "norm-first" and T.parse_config([]).mhc_norm_order == "project-first"
+    assert study_config("mhc").mhc_norm_order == "norm-first" and parse_config([]).mhc_norm_order == "project-first"
 
 
 def test_the_studys_shuffle_buffer_is_set_and_a_presets_own_data_keeps_its_own():
     """10,000 documents a stream over C4; the demo's 64 stays where the demo chose the data, in either order."""
-    buffer = {preset: T.parse_config(["--preset", preset]).shuffle_buffer
+    buffer = {preset: parse_config(["--preset", preset]).shuffle_buffer
               for preset in ("c4", "seed-study", "seed-study,stress", "demo,seed-study", "seed-study,demo", "tiny")}
     assert buffer == {"c4": 1024, "seed-study": 10_000, "seed-study,stress": 10_000, "demo,seed-study": 64,
                       "seed-study,demo": 64, "tiny": 64}
-    assert T.parse_config(["--preset", "demo,seed-study", "--shuffle-buffer", "10000"]).shuffle_buffer == 10_000
-    turned_back = T.parse_config(["--preset", "seed-study", "--residual", "hc", "--shuffle-buffer", "1024"])
+    assert parse_config(["--preset", "demo,seed-study", "--shuffle-buffer", "10000"]).shuffle_buffer == 10_000
+    turned_back = parse_config(["--preset", "seed-study", "--residual", "hc", "--shuffle-buffer", "1024"])
     assert (turned_back.shuffle_buffer, turned_back.run_name) == (1024, "hc_d32_s42_seed-study")   # a size, as --steps
 
 
 # --- presets compose, and a run is named after its settings --------------------------------------------------
 
 def test_presets_compose_in_order_with_explicit_flags_last():
-    listed = T.parse_config(["--preset", "demo,seed-study", "--residual", "hc", "--steps", "3"])
-    repeated = T.parse_config(["--preset", "demo", "--preset", "seed-study", "--residual", "hc", "--steps", "3"])
+    listed = parse_config(["--preset", "demo,seed-study", "--residual", "hc", "--steps", "3"])
+    repeated = parse_config(["--preset", "demo", "--preset", "seed-study", "--residual", "hc", "--steps", "3"])
     assert listed == repeated and listed.preset == "demo,seed-study"
     assert (listed.width, listed.data, listed.batch_size, listed.steps, listed.hc_dynamic) == (
         128, "sample", 8, 3, "state")
-    assert T.parse_config(["--preset", "seed-study,demo"]).batch_size == 16       # the later preset wins
+    assert parse_config(["--preset", "seed-study,demo"]).batch_size == 16       # the later preset wins
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -286,7 +294,7 @@ def test_presets_compose_in_order_with_explicit_flags_last():
                                      "--micro-batch-size 16"),
 ])
 def test_presets_that_cannot_compose_are_one_line_and_exit_2(argv, message, monkeypatch, capsys):
-    monkeypatch.setitem(T.PRESETS, "odd-batch", {"batch_size": 12})
+    monkeypatch.setitem(PRESETS, "odd-batch", {"batch_size": 12})
     assert T.main(argv) == contract.EXIT_BAD_CONFIG
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -297,19 +305,19 @@ def test_a_run_is_named_after_its_settings_however_they_were_asked():
         arg for key, value in contract.SEED_STUDY_MODEL.items() if "hc" in contract.ARMS_OF.get(key, ("hc",))
         for arg in ([f"--{key.replace('_', '-')}"] if value is True else [f"--{key.replace('_', '-')}", str(value)])]
     for argv in (["--preset", "seed-study"], ["--preset", "demo,seed-study", "--depth", "32"], by_flags):
-        assert T.parse_config([*argv, "--residual", "hc"]).run_name == "hc_d32_s42_seed-study", argv
-    assert T.parse_config(["--preset", "seed-study", "--preset", "stress", "--residual", "hc"]).run_name == \
+        assert parse_config([*argv, "--residual", "hc"]).run_name == "hc_d32_s42_seed-study", argv
+    assert parse_config(["--preset", "seed-study", "--preset", "stress", "--residual", "hc"]).run_name == \
         "hc_d32_s42_seed-study-stress"
-    assert T.parse_config(["--residual", "hc", "--depth", "48", "--seed", "123"]).run_name == "hc_d48_s123"
-    assert T.parse_config(["--preset", "stress", "--residual", "mhc"]).run_name == "mhc_d32_s42_stress"
+    assert parse_config(["--residual", "hc", "--depth", "48", "--seed", "123"]).run_name == "hc_d48_s123"
+    assert parse_config(["--preset", "stress", "--residual", "mhc"]).run_name == "mhc_d32_s42_stress"
     # one setting turned back: no longer the study's model, so not named after it
-    assert T.parse_config(["--preset", "seed-study", "--residual", "hc", "--hc-write-init", "all"]).run_name == \
+    assert parse_config(["--preset", "seed-study", "--residual", "hc", "--hc-write-init", "all"]).run_name == \
         "hc_d32_s42_seq"
-    assert T.parse_config(["--preset", "seed-study", "--residual", "mhc", "--no-mhc-tanh"]).run_name == \
+    assert parse_config(["--preset", "seed-study", "--residual", "mhc", "--no-mhc-tanh"]).run_name == \
         "mhc_d32_s42_seq"
     for residual, back in (("hc", ["--warmup-from", "one-step"]), ("mhc", ["--doc-separator", "eot"]),
                            ("mhc", ["--mhc-norm-order", "project-first"])):
-        assert T.parse_config(["--preset", "seed-study", "--residual", residual, *back]).run_name == \
+        assert parse_config(["--preset", "seed-study", "--residual", residual, *back]).run_name == \
             f"{residual}_d32_s42_seq", back
 
 
@@ -327,8 +335,8 @@ def study_reading(H_means):
 def test_the_study_reading_comes_from_the_training_forwards_of_the_whole_batch(residual, tmp_path):
     """Four micro-batches of two: the batch mean of each H_res from the forwards that trained, one forward each."""
     cfg = study_config(residual, "--micro-batch-size", "2", "--out", str(tmp_path), "--wandb", "disabled")
-    trainer = T.build_trainer(cfg, T.Dist(0, 1, torch.device("cpu")))
-    model, batches, forwards = T.unwrap(trainer.model), [], []
+    trainer = T.build_trainer(cfg, Dist(0, 1, torch.device("cpu")))
+    model, batches, forwards = unwrap(trainer.model), [], []
     try:
         with torch.no_grad():
             for name, p in model.named_parameters():       # far from init, so that the streams really mix
@@ -337,7 +345,8 @@ def test_the_study_reading_comes_from_the_training_forwards_of_the_whole_batch(r
         next_batch = trainer.loader.next_batch
         trainer.loader.next_batch = lambda: batches.append(next_batch()) or batches[-1]
         model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-        loss, stop, reading = trainer.micro_steps(types.SimpleNamespace(requested=False)).tolist()
+        loss, stop, reading = optim.accumulate(trainer.model, trainer.loader, trainer.accum, trainer.dist, trainer.dtype,
+                                               types.SimpleNamespace(requested=False)).tolist()
     finally:
         trainer.loader.close()
     assert len(batches) == len(forwards) == 4 and stop == 0
@@ -372,7 +381,7 @@ def test_mixing_precision_autocast_mixes_under_the_runs_bf16_and_keeps_fp32_stre
     for precision in ("fp32", "autocast"):
         cfg = study_config(residual, "--mixing-precision", precision)
         torch.manual_seed(1)
-        conn, sublayer = T.CONNECTIONS[residual](cfg, 0), T.PreNorm(cfg, T.MLP(cfg))
+        conn, sublayer = arms.connection(residual)(cfg, 0), PreNorm(cfg, MLP(cfg))
         with torch.no_grad():
             for p in conn.parameters():
                 p.add_(0.3 * torch.randn_like(p))

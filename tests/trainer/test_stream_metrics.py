@@ -8,17 +8,20 @@ import math
 import pytest
 import torch
 
-import train_c4 as T
+from hcstudy.arms import mhc_lite
+from hcstudy.contract import STREAM_KEYS, STREAM_LAYER_KEYS
+from hcstudy.metrics import instability_probe, permutation_distance, state_metrics, stream_gram, stream_metrics
+from hcstudy.model import GPT
 from helpers import tiny_config
 
 
 def gram(*streams):
     """The Gram matrix of one token whose n streams are the given vectors: (1, 1, n, n), one connection."""
-    return T.stream_gram(torch.tensor(streams, dtype=torch.float64)[None, None])
+    return stream_gram(torch.tensor(streams, dtype=torch.float64)[None, None])
 
 
 def readings(G):
-    dominance, streams, rank = T.state_metrics(G)[:, 0].tolist()
+    dominance, streams, rank = state_metrics(G)[:, 0].tolist()
     return dominance, streams, rank
 
 
@@ -50,7 +53,7 @@ def test_the_readings_are_token_means_and_their_depth_max_mean_and_min_after_the
     held, spread = gram([1.0, 0.0], [0.0, 0.0]), gram([1.0, 0.0], [0.0, 1.0])
     G = torch.cat([torch.cat([held, held], 1), torch.cat([held, spread], 1), torch.cat([spread, spread], 1)])
     H = torch.eye(2, dtype=torch.float64).expand(3, 2, 2, 2)                # 3 connections, 2 tokens
-    m = T.stream_metrics(G, H)
+    m = stream_metrics(G, H)
     assert m["layer_stream_dominance"] == pytest.approx([1, 0.75, 0.5])
     assert m["stream_dominance"] == pytest.approx(0.75) and m["stream_dominance_mean"] == pytest.approx(0.625)
     assert m["layer_effective_streams"] == pytest.approx([1, 1.5, 2]) and m["effective_streams_min"] == pytest.approx(1.5)
@@ -62,7 +65,7 @@ def mixing(H, depth=3, n=4):
     """stream_metrics' mixing readings for H (n, n) at every sublayer of `depth` and one token."""
     G = torch.eye(n, dtype=torch.float64).expand(depth, 1, n, n)
     keys = ("res_to_identity", "res_to_identity_mean", "composite_to_uniform", "composite_to_permutation")
-    m = T.stream_metrics(G, H.expand(depth, 1, n, n))
+    m = stream_metrics(G, H.expand(depth, 1, n, n))
     return tuple(m.get(key) for key in keys)
 
 
@@ -91,39 +94,39 @@ def test_the_nearest_permutation_of_hc_like_matrices_is_found_among_all_of_them(
     M = torch.randn(50, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
     perms = [torch.eye(4, dtype=torch.float64)[list(p)] for p in itertools.permutations(range(4))]
     brute = torch.stack([torch.stack([(m - P).abs().sum() for P in perms]).min() for m in M])
-    assert torch.allclose(T.permutation_distance(M), brute, rtol=1e-12)
+    assert torch.allclose(permutation_distance(M), brute, rtol=1e-12)
 
 
 def test_per_token_distances_are_averaged_over_the_tokens():
     H = torch.stack([torch.eye(3), torch.full((3, 3), 1 / 3)]).double().expand(2, 2, 3, 3)    # 2 sublayers
-    m = T.stream_metrics(torch.eye(3, dtype=torch.float64).expand(2, 2, 3, 3), H)
+    m = stream_metrics(torch.eye(3, dtype=torch.float64).expand(2, 2, 3, 3), H)
     assert m["layer_res_to_identity"] == pytest.approx([0.5, 0.5])
     assert m["composite_to_uniform"] == pytest.approx(0.5) and m["composite_to_permutation"] == pytest.approx(0.5)
 
 
 def test_too_many_permutations_to_score_leave_that_reading_out():
-    n = T.MHC_LITE_MAX_EXPANSION + 1
-    m = T.stream_metrics(torch.eye(n, dtype=torch.float64).expand(2, 1, n, n), torch.eye(n).expand(2, 1, n, n))
+    n = mhc_lite.MAX_EXPANSION + 1
+    m = stream_metrics(torch.eye(n, dtype=torch.float64).expand(2, 1, n, n), torch.eye(n).expand(2, 1, n, n))
     assert "composite_to_permutation" not in m and m["composite_to_uniform"] == pytest.approx(1)
 
 
 @pytest.mark.parametrize("residual", ["baseline", "hc", "mhc", "mhc-lite", "identity-hc"])
 def test_the_probe_logs_them_for_every_arm_with_streams(residual):
     cfg = tiny_config(residual=residual)
-    model = T.GPT(cfg)
+    model = GPT(cfg)
     tokens = torch.randint(0, 100, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    m = T.instability_probe(model, tokens, contextlib.nullcontext, with_layers=True)
+    m = instability_probe(model, tokens, contextlib.nullcontext, with_layers=True)
     if residual == "baseline":
-        assert not {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} & m.keys()
+        assert not {*STREAM_KEYS, *STREAM_LAYER_KEYS} & m.keys()
         return
-    assert {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} <= m.keys() and len(m["layer_effective_rank"]) == 2 * cfg.depth
+    assert {*STREAM_KEYS, *STREAM_LAYER_KEYS} <= m.keys() and len(m["layer_effective_rank"]) == 2 * cfg.depth
     # every stream starts as a copy of the embedding: shares 1/n, rank one
     assert m["layer_stream_dominance"][0] == pytest.approx(1 / cfg.expansion)
     assert m["layer_effective_rank"][0] == pytest.approx(1, abs=1e-5)
     if residual in ("hc", "identity-hc"):                   # H_res = I at initialisation
         assert (m["res_to_identity"], m["composite_to_permutation"]) == (0, 0)
-    without = T.instability_probe(model, tokens, contextlib.nullcontext, with_layers=False)
-    assert set(T.STREAM_KEYS) <= without.keys() and not set(T.STREAM_LAYER_KEYS) & without.keys()
+    without = instability_probe(model, tokens, contextlib.nullcontext, with_layers=False)
+    assert set(STREAM_KEYS) <= without.keys() and not set(STREAM_LAYER_KEYS) & without.keys()
 
 
 def test_a_learned_diagonal_reads_as_docs_model_md_says():

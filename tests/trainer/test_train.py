@@ -18,6 +18,9 @@ import torch
 from hcstudy import config_flags as flags
 from hcstudy import wandb_log
 import train_c4 as T
+from hcstudy.config import Config, PRESETS, build_parser, parse_config
+from hcstudy.contract import ConfigError, STREAM_KEYS, STREAM_LAYER_KEYS
+from hcstudy.data import ByteTokenizer, GPT2Tokenizer, RankBatches, make_loader, resolve_data_files
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINING_KEYS = {"step", "time", "loss", "lr", "grad_norm", "clipped", "tokens", "tokens_per_s", "mfu", "mem_peak_gb"}
@@ -62,7 +65,7 @@ def test_a_run_writes_every_documented_file_and_key(tmp_path):
     assert all(TRAINING_KEYS <= r.keys() for r in records[1:])
     assert PROBE_KEYS | {"layer_gain_fwd", "layer_gain_bwd"} <= records[-1].keys()
     assert len(records[-1]["layer_gain_fwd"]) == 4 and "val_loss" in records[10]
-    assert {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} <= records[-1].keys() and set(T.STREAM_KEYS) <= records[5].keys()
+    assert {*STREAM_KEYS, *STREAM_LAYER_KEYS} <= records[-1].keys() and set(STREAM_KEYS) <= records[5].keys()
     assert len(records[-1]["layer_effective_rank"]) == 4 and "layer_effective_rank" not in records[5]
     assert records[-1]["loss"] < records[1]["loss"]
     assert "tokens per step: 128" in (run / "train.log").read_text()
@@ -174,13 +177,13 @@ def test_a_bf16_stream_run_records_its_precision_and_refuses_a_resume_in_fp32(tm
 
 
 def test_help_groups_every_flag_and_lists_the_presets():
-    text = T.build_parser().format_help()
+    text = build_parser().format_help()
     sections = {block.split(":\n", 1)[0]: block for block in text.split("\n\n")}
-    for field in dataclasses.fields(T.Config):                   # each flag in its own group's section, only there
+    for field in dataclasses.fields(Config):                   # each flag in its own group's section, only there
         holding = [title for title, block in sections.items()
                    if re.search(rf"^  {flags.flag(field.name)}( |,|$)", block, re.MULTILINE)]
         assert holding == [field.metadata["group"]], (field.name, holding)
-    for name in T.PRESETS:
+    for name in PRESETS:
         assert f"\n  {name}: " in text
     assert "stress: --lr 0.0003, --steps 3000" in text
 
@@ -222,7 +225,7 @@ def test_mhc_run_writes_the_truncation_and_converged_keys(tmp_path):
     for key in ("sinkhorn_row_err", "sinkhorn_col_err", "sinkhorn_bwd_bound", "amax_fwd_converged",
                 "amax_bwd_converged", "amax_study", "amax_study_converged", "sinkhorn_converged_iters"):
         assert key in last, key
-    assert len(last["layer_sinkhorn_col_err"]) == 4 and {*T.STREAM_KEYS, *T.STREAM_LAYER_KEYS} <= last.keys()
+    assert len(last["layer_sinkhorn_col_err"]) == 4 and {*STREAM_KEYS, *STREAM_LAYER_KEYS} <= last.keys()
     assert abs(last["amax_bwd_converged"] - 1) < 1e-3 and last["amax_bwd"] <= last["sinkhorn_bwd_bound"] + 1e-9
     config = json.loads((tmp_path / "mhc_d2_s42" / "config.json").read_text())
     assert config["precision"]["residual_streams"] == "fp32"
@@ -318,17 +321,17 @@ def test_training_files_alone_hold_out_the_same_slice_in_every_run_and_after_a_r
 
 
 def test_gpt2_tokenizer_is_the_real_one_offline():
-    tokenizer = T.GPT2Tokenizer()
+    tokenizer = GPT2Tokenizer()
     assert tokenizer.encode_batch(["hello world"]) == [[31373, 995]]
     assert tokenizer.eot == 50256
 
 
 def sample_batches(rank=0, world=1, data_seed=7, batch=8, micro=4, streams=4, separator="eot"):
-    train_files = T.resolve_data_files("sample").train
-    cfg = T.parse_config(["--preset", "tiny", "--seq-len", "64", "--data-seed", str(data_seed), "--batch-size",
+    train_files = resolve_data_files("sample").train
+    cfg = parse_config(["--preset", "tiny", "--seq-len", "64", "--data-seed", str(data_seed), "--batch-size",
                           str(batch), "--data-streams", str(streams), "--shuffle-buffer", "16", "--doc-separator",
                           separator])
-    return T.RankBatches(train_files, T.ByteTokenizer(), cfg, rank, world, micro)
+    return RankBatches(train_files, ByteTokenizer(), cfg, rank, world, micro)
 
 
 @pytest.mark.parametrize("separator", ["eot", "none"])
@@ -368,7 +371,7 @@ def test_a_data_position_past_its_documents_or_not_a_count_is_refused():
         stream["taken"] = 10 ** 12
     loader = sample_batches()
     loader.load_state_dict([state])
-    with pytest.raises(T.ConfigError, match="lies past the"):
+    with pytest.raises(ConfigError, match="lies past the"):
         loader.next_batch()
     state["streams"]["0"]["taken"] = -1
     with pytest.raises(ValueError, match="a data position of -1"):
@@ -424,8 +427,8 @@ def test_any_world_size_that_divides_the_batch_reads_the_single_process_batches(
             ranks = [sample_batches(rank=r, world=world, batch=12, micro=12 // world) for r in range(world)]
             for rank in ranks:
                 rank.load_state_dict([single.state_dict()])
-    cfg = T.parse_config(["--preset", "tiny", "--batch-size", "12", "--data-streams", "4", "--data-workers", "1"])
-    loader = T.make_loader(ranks[-1], cfg, pin_memory=False)
+    cfg = parse_config(["--preset", "tiny", "--batch-size", "12", "--data-streams", "4", "--data-workers", "1"])
+    loader = make_loader(ranks[-1], cfg, pin_memory=False)
     try:
         assert torch.equal(loader.next_batch()[0], single.next_batch()[0][world - 1::world])
     finally:
