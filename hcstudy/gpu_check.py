@@ -6,7 +6,7 @@
 Parts, each with its time budget printed before it starts (hcstudy/check_parts.py runs all but FSDP in one process,
 `python -m hcstudy.check_parts`):
   environment   bf16 on the card; flash-attn installed, else PyTorch SDPA's flash backend run
-  timings       every arm (baseline, hc, mhc, mhc-lite, identity-hc) built once at width 2048, depth 4, 8 x 1024 tokens
+  timings       every arm of the registry (hcstudy/arms/) built once at width 2048, depth 4, 8 x 1024 tokens
                 a step and timed on every --kernels path it has (reference, fused, triton): the trainer's auto
                 takes the fastest timed on this GPU (result.json's timings)
   rehearsals    the study's real sizes, every arm at depths 32 and 48 (baseline, hc, mhc always, the other two when

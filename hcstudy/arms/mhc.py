@@ -9,7 +9,7 @@ Per token, from the flattened state v = vec(x) (n C values), in fp32:
 Gates a_* start at 0.01, phi at 0. Where the paper gives no init (decisions, docs/model.md): b_post = 0,
 b_res = c I (c = 4: H_res's diagonal ~0.95), b_pre +c on stream k mod n and -c elsewhere.
 
-Its family (mhc-lite, identity-hc, kromhc) shares the read and the write (this file's settings and
+Its family (the arms whose Connection subclasses this one) shares the read and the write (this file's settings and
 `Connection.coefficients`) and makes H_res its own way (`mixing`, `res_logit_count`, `res_bias`).
 The public study's variants (--mhc-tanh, --mhc-norm-order norm-first, --sinkhorn-order rows-first, ...) are
 settings of this arm: docs/model.md, "The public study's model".
