@@ -167,6 +167,7 @@ def check_pytest(args: list[str], where: Path) -> bool:
 
 
 def check_benchmark(args: list[str], where: Path) -> bool:
+    """A benchmark is a script of benchmarks/ that starts: its --help exits 0."""
     script = ROOT / args[0]
     assert script.is_file(), args[0]
     done = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True,
