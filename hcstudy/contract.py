@@ -22,14 +22,14 @@ from pathlib import Path
 
 from hcstudy import arms
 
-# The trainer's exit codes (the table in README.md, "Exit codes").
+# The trainer's exit codes (their table: docs/reliability.md).
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA, EXIT_INTERRUPTED = 0, 2, 3, 4, 5, 6, 75
 TRAINER_EXIT_CODES = frozenset({EXIT_OK, EXIT_BAD_CONFIG, EXIT_DIVERGED, EXIT_OOM, EXIT_DEVICE, EXIT_DATA,
                                 EXIT_INTERRUPTED})
 
 
-# A run folder's files (README, "A run's folder"), written by the trainer, read by the launcher and the report; the
-# launcher adds its own record of a halved micro-batch.
+# A run folder's files (docs/reliability.md, "A run's folder"), written by the trainer, read by the launcher and the
+# report; the launcher adds its own record of a halved micro-batch.
 CONFIG_FILE, METRICS_FILE, STATUS_FILE, TRAIN_LOG = "config.json", "metrics.jsonl", "status.json", "train.log"
 CHECKPOINTS, LAUNCHER_FILE = "checkpoints", "launcher.json"
 # A checkpoint folder `checkpoints/step-N` is complete once it holds this marker (with its files' checksums): the

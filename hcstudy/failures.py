@@ -1,5 +1,5 @@
 """Every failure of a run as its exit code and one line (the codes: contract.py; what the launcher does
-with each: README, "Exit codes").
+with each: docs/reliability.md).
 
 A rank that only lost contact with the others takes the reason of the rank that failed first, which that rank notes
 in torchrun's rendezvous store: the launcher then acts on the root cause instead of blaming a GPU

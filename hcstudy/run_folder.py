@@ -1,4 +1,4 @@
-"""A run's folder on disk (README, "A run's folder"), whole after any crash, kill or full disk.
+"""A run's folder on disk (docs/reliability.md, "A run's folder"), whole after any crash, kill or full disk.
 
 Beside train_c4.py, which decides what a run logs and what a checkpoint holds; here is how those files are
 written and read back: atomic writes, the folder's lock, train.log, metrics.jsonl and status.json, checkpoint
@@ -182,7 +182,7 @@ class RunLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
         self.bar = None
-        self.live = {}      # what status.json shows of a running run besides its state (README, "A run's folder")
+        self.live = {}      # what status.json shows of a running run besides its state (docs/reliability.md)
         # freed when the final status.json finds the disk full, so that the final state is still recorded
         self.reserve = run_dir / STATUS_RESERVE
         if enabled:

@@ -1,5 +1,5 @@
-"""Weights & Biases on rank 0 (README, "Weights & Biases"): online with credentials, else offline; a failed start
-falls back to offline with a warning and never stops training; a resumed run continues its W&B run."""
+"""Weights & Biases on rank 0 (docs/reliability.md, "Long matrices"): online with credentials, else offline; a failed
+start falls back to offline with a warning and never stops training; a resumed run continues its W&B run."""
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,5 @@
 """A stand-in for train_c4.py that keeps the trainer's contract with the launcher (hcstudy/contract.py's exit codes, the
-run folder of README.md), for fast launcher tests.
+run folder of docs/reliability.md), for fast launcher tests.
 
 It parses the flags the launcher passes, writes config.json / status.json atomically and appends
 metrics.jsonl like the real trainer, "trains" by sleeping a little per step, saves a step counter as

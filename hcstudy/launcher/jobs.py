@@ -164,4 +164,4 @@ def lock_name(opt):
     return ".launcher.lock" if opt.nodes == 1 else f".launcher.node{opt.node_rank}.lock"
 
 
-DOCUMENTED_NODE_GPUS = 8       # the node README documents: 8 x plan.ASSUMED_GPU (H100 SXM)
+DOCUMENTED_NODE_GPUS = 8       # the node docs/planning.md documents: 8 x plan.ASSUMED_GPU (H100 SXM)

@@ -26,7 +26,7 @@ GPU_MEMORY_GIB = {
     "NVIDIA H200 NVL": 141, "NVIDIA GH200 480GB": 96, "NVIDIA A100-SXM4-40GB": 40, "NVIDIA A100-SXM4-80GB": 80,
     "NVIDIA A100-PCIE-40GB": 40, "NVIDIA A100 80GB PCIe": 80, "NVIDIA B200": 180, "NVIDIA L40S": 48,
 }
-# the documented node's GPU (README: 8 x H100 SXM), what a plan assumes where no GPU can be asked
+# the documented node's GPU (docs/planning.md: 8 x H100 SXM), what a plan assumes where no GPU can be asked
 ASSUMED_GPU = "NVIDIA H100 80GB HBM3"
 
 

@@ -269,7 +269,7 @@ def test_consolidate_of_a_run_without_a_usable_checkpoint_is_one_line_naming_the
 
 @pytest.mark.slow
 def test_consolidate_creates_a_missing_output_folder(finished, tmp_path):
-    """As the README's `w/mhc.pt` on a fresh clone; a folder that cannot be made is one line and exit 2
+    """As docs/distributed.md's `w/mhc.pt` on a fresh clone; a folder that cannot be made is one line and exit 2
     (tests/run_folder/test_faults.py)."""
     assert T.main(["--consolidate", str(finished / RUN), str(tmp_path / "no" / "such" / "w.pt")]) == 0
     assert sorted(p.name for p in (tmp_path / "no" / "such").iterdir()) == ["w.json", "w.pt", "w.safetensors"]
