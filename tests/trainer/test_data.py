@@ -190,7 +190,7 @@ def test_a_failed_name_lookup_is_not_retried(tmp_path, monkeypatch):
 @pytest.mark.parametrize("variable", ["HF_HOME", "HF_DATASETS_CACHE"])
 def test_local_files_are_read_without_a_writable_hugging_face_cache(variable):
     """The bundled sample needs no cache: an unwritable HF_HOME or HF_DATASETS_CACHE does not stop it."""
-    read = ("import sys, train_c4 as T; files = resolve_data_files('sample').train; "
+    read = ("from hcstudy.data import DocumentStream, resolve_data_files; files = resolve_data_files('sample').train; "
             "stream = DocumentStream(files, rank=0, world=1, seed=None, buffer_size=0); print(next(iter(stream))[:20])")
     result = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, cwd=ROOT, timeout=120,
                             env={**os.environ, variable: "/proc/nope"})
