@@ -1,7 +1,7 @@
-"""The GPU check's parts that run in one process with the trainer: the card's environment, every arm's step on
-every kernel path at a small size, and the study's real sizes rehearsed, each at the micro-batch and path the planner
-picks for this card. `run_experiments.sh --check` (hcstudy/gpu_check.py) starts this process as
-`python -m hcstudy.check_parts`.
+"""The GPU check's parts that run in one process with the trainer: the Triton kernels' tests and self-checks on the
+card (hcstudy/check_kernels.py), the card's environment, every arm's step on every kernel path at a small size, and
+the study's real sizes rehearsed, each at the micro-batch and path the planner picks for this card.
+`run_experiments.sh --check` (hcstudy/gpu_check.py) starts this process as `python -m hcstudy.check_parts`.
 
 One process builds each model once and times every path on it, with no data, tokenizer, probe set or run folder:
 each step is the trainer's own optimizer step (hcstudy/optim.py's gradients: every micro-batch's forward and
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hcstudy import arms, optim
+from hcstudy import arms, check_kernels, optim
 from hcstudy.config import parse_config
 from hcstudy.contract import METHODS, error_line, rehearsal_row
 from hcstudy.distributed import Dist, compute_dtype, wrap_model
@@ -118,10 +118,11 @@ class Part:
 
 
 class Context:
-    """What every part needs: the device, the GPU's name the rows and plans are for, one card's bytes, --cpu-tiny."""
+    """What every part needs: the device, the GPU's name the rows and plans are for, one card's bytes, --cpu-tiny,
+    the folder for the parts' own files (the kernel tests' log and report; None: a temporary one)."""
 
-    def __init__(self, tiny: bool, plan_only: bool):
-        self.tiny = tiny
+    def __init__(self, tiny: bool, plan_only: bool, folder: Path | None = None):
+        self.tiny, self.folder = tiny, folder
         cuda = torch.cuda.is_available() and not tiny
         self.device = torch.device("cuda" if cuda else "cpu")
         if cuda:
@@ -186,7 +187,7 @@ def plan_parts(ctx: Context, budget_s: float, check: dict | None = None) -> list
     ({"gpu", "timings"}), from which the planner takes each arm's path."""
     depths = TINY_DEPTHS if ctx.tiny else DEPTHS
     other_arms = [m for m in METHODS if m not in REQUIRED_ARMS]
-    order = [environment_part(), timings_part(ctx)]
+    order = [kernels_part(ctx), environment_part(), timings_part(ctx)]
     for depth in depths:
         order += [plan_rehearsal(ctx, m, depth, check=check, required=m in REQUIRED_ARMS)
                   for m in (*REQUIRED_ARMS, *other_arms)]
@@ -231,6 +232,12 @@ def plan_lines(parts: list[Part], budget_s: float) -> list[str]:
 def optional_priority(part: Part) -> tuple:
     """The levers first (the baseline's MFU, on which every arm's cost rests), then the other arms, shallow first."""
     return not part.variant, int(part.flags[3])
+
+
+def kernels_part(ctx: Context) -> Part:
+    """The first timed part: nothing is timed on a kernel before it is proven on the card (check_kernels.py)."""
+    return Part("kernel tests", "kernels", check_kernels.budget_s(METHODS, ctx.tiny),
+                check_kernels.sizes(METHODS, ctx.tiny))
 
 
 def environment_part() -> Part:
@@ -503,8 +510,9 @@ def unshaped_row(gpu: str, part: Part, status: str, reason: str) -> dict:
 def run_parts(ctx: Context, parts: list[Part], deadline: float, emit, skip: set) -> None:
     """Each included part in order, started only if its budget fits before `deadline` with the later required parts'
     budgets kept free; after the timings the rehearsals' paths are planned anew from them (as --kernels auto takes
-    the fastest path timed). A part not started for time is recorded out of time."""
-    table = {}
+    the fastest path timed, passing over a triton path whose kernel tests failed). A part not started for time is
+    recorded out of time."""
+    check = {"gpu": ctx.gpu, "timings": {}, "kernels": {}}       # what result.json will say, so far
     for i, part in enumerate(parts):
         if part.kind == "overhead" or not part.included or part.name in skip:
             continue
@@ -518,21 +526,24 @@ def run_parts(ctx: Context, parts: list[Part], deadline: float, emit, skip: set)
                 emit({"event": "rehearsal", "row": shape_row(ctx, part, dict(NOT_RUN, status="out-of-time",
                                                                               reason="no time left for its budget"))})
             continue
-        if part.kind == "rehearsal" and table:
-            replan_path(ctx, part, table)
+        if part.kind == "rehearsal" and check["timings"]:
+            replan_path(ctx, part, check)
         print(f"part  {part.name:<34} {part.budget_s:6.0f} s  {part.sizes}", flush=True)
         emit({"event": "start", "part": part.name, "budget_s": part.budget_s})
-        run_part(ctx, part, until, emit, table)
+        run_part(ctx, part, until, emit, check)
         emit({"event": "end", "part": part.name})
 
 
-def run_part(ctx: Context, part: Part, until: float, emit, table: dict) -> None:
-    if part.kind == "environment":
+def run_part(ctx: Context, part: Part, until: float, emit, check: dict) -> None:
+    if part.kind == "kernels":
+        check["kernels"] = check_kernels.prove(ctx, METHODS, until)
+        emit({"event": "kernels", "arms": check["kernels"]})
+    elif part.kind == "environment":
         emit({"event": "environment", **environment(ctx)})
     elif part.kind == "timings":
         def record(event):
             if event["stats"]:
-                table.setdefault(event["method"], {})[f"{event['path']}/eager"] = event["stats"]
+                check["timings"].setdefault(event["method"], {})[f"{event['path']}/eager"] = event["stats"]
             say_timing(event)
             emit(event)
         timings(ctx, until, record)
@@ -542,12 +553,12 @@ def run_part(ctx: Context, part: Part, until: float, emit, table: dict) -> None:
         emit({"event": "rehearsal", "row": row})
 
 
-def replan_path(ctx: Context, part: Part, table: dict) -> None:
+def replan_path(ctx: Context, part: Part, check: dict) -> None:
     """The planner's path for the rehearsal once the timings exist (its fastest timed path, as a run takes it)."""
     if part.error:
         return
     cfg = ctx.config(part.flags)
-    path = run_time.planned_path(cfg, ctx.gpu, {"gpu": ctx.gpu, "timings": table})
+    path = run_time.planned_path(cfg, ctx.gpu, check)
     if path != part.path:
         print(f"      {part.name}: the {path} path, timed fastest, instead of {part.path}", flush=True)
         part.path, part.modelled_step_s = path, ctx.modelled(cfg, part.micro, path)
@@ -583,7 +594,7 @@ def worker_main(argv: list) -> int:
     p.add_argument("--plan-only", action="store_true")
     p.add_argument("--cpu-tiny", action="store_true")
     args = p.parse_args(argv)
-    ctx = Context(args.cpu_tiny, args.plan_only)
+    ctx = Context(args.cpu_tiny, args.plan_only, args.events and args.events.parent)
     parts = plan_parts(ctx, args.budget)
     if args.plan_only:
         print(json.dumps({"gpu": ctx.gpu, "card_gib": ctx.card / memory.GiB, "assumed": ctx.device.type != "cuda"

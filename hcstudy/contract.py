@@ -384,7 +384,11 @@ def read_plan_answer(stdout: str, names: list) -> dict:
 # The GPU check's result.json (`run_experiments.sh --check`, docs/planning.md): written by hcstudy.gpu_check, read
 # by the kernel choice (auto takes the fastest path timed), the planner and the launcher.
 
-CHECK_FORMAT = 2                    # 2: the rehearsals at the real sizes beside the timings
+CHECK_FORMAT = 3                    # 2: the rehearsals at the real sizes beside the timings; 3: `kernels`
+# result.json's `kernels` (format 3; older files have none, and their triton timings count as proven): per arm with a
+# triton path, {"tests": PASS | FAIL, "cases", "failed", "reason" (the first failure's line, or why none ran), "path",
+# "why" (choice.kernel_path's with --kernels triton on the card: its self-check), "fallback" (for an arm that failed:
+# the path it falls back to and what that costs the --full matrix, one line; "" otherwise)} (hcstudy/check_kernels.py)
 
 
 def check_path(out) -> Path:
@@ -397,30 +401,41 @@ def load_check(out) -> dict:
 
 
 def check_result(device: dict, flags: list, tokens_per_step: int, parts: dict, table: dict, methods: dict,
-                 modelled: dict, rehearsals: list = ()) -> dict:
+                 modelled: dict, rehearsals: list = (), kernels: dict | None = None) -> dict:
     """result.json. `table`: {method: {"path/mode": {"step_s", "tokens_per_s", "mfu", "mem_peak_gb"} or None}}, every
     run timed; `methods`: {method: {"path", "step_s", "flops_per_token"}}, its fastest, with the FLOPs per token of the
     timed configuration the planner scales it by; `modelled`: the planner's step range beside each timing;
-    `rehearsals`: rehearsal_row's, one per job shape trained at the real sizes."""
+    `rehearsals`: rehearsal_row's, one per job shape trained at the real sizes; `kernels`: per arm its kernel tests
+    and self-check (above)."""
     return {"format": CHECK_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **device,
             "trainer_flags": flags, "tokens_per_step": tokens_per_step, "parts": parts,
             "methods": {m: {"step_seconds": s["step_s"], "tokens_per_step": tokens_per_step, "gpus": 1,
                             "flops_per_token": s["flops_per_token"]} for m, s in methods.items()},
             "step_seconds": {m: s["step_s"] for m, s in methods.items()},
             "paths": {m: s["path"] for m, s in methods.items()}, "timings": table, "modelled": modelled,
-            "rehearsals": list(rehearsals)}
+            "rehearsals": list(rehearsals), "kernels": dict(kernels or {})}
 
 
 def timed_steps(check: dict, method: str, gpu: str) -> dict:
-    """{(path, mode): seconds per step} of every run of `method` the check timed on this GPU; {} for another GPU or
-    a result.json that is not one."""
+    """{(path, mode): seconds per step} of every run of `method` the check timed on this GPU, but for a triton path
+    whose kernel tests failed there (kernels_failed): no run takes it for its speed; {} for another GPU or a
+    result.json that is not one."""
     try:
         if check.get("gpu") != gpu:
             return {}
+        failed = kernels_failed(check, method)
         return {tuple(key.split("/", 1)): stats["step_s"] for key, stats in check["timings"][method].items()
-                if stats and "/" in key and isinstance(stats.get("step_s"), (int, float))}
+                if stats and "/" in key and isinstance(stats.get("step_s"), (int, float))
+                and not (failed and key.startswith("triton/"))}
     except (KeyError, TypeError, AttributeError):
         return {}
+
+
+def kernels_failed(check: dict, method: str) -> bool:
+    """Whether the check's kernel tests of `method`'s triton path failed on its card (`kernels`, from format 3)."""
+    kernels = check.get("kernels")
+    record = kernels.get(method) if isinstance(kernels, dict) else None
+    return isinstance(record, dict) and record.get("tests") == "FAIL"
 
 
 def timed_losses(check: dict, gpu: str) -> dict:

@@ -5,6 +5,10 @@
 
 Parts, each with its time budget printed before it starts (hcstudy/check_parts.py runs all but FSDP in one process,
 `python -m hcstudy.check_parts`):
+  kernel tests  first: tests/kernels' Triton tests compiled for this card (every arm with a triton path, fp32 and bf16
+                streams, forward and backward against the formulas, widths of several channel chunks) in a pytest
+                process, then each arm's self-check; an arm that fails falls back to another path, and the check says
+                which and what that costs the --full matrix in hours and dollars (hcstudy/check_kernels.py)
   environment   bf16 on the card; flash-attn installed, else PyTorch SDPA's flash backend run
   timings       every arm of the registry (hcstudy/arms/) built once at width 2048, depth 4, 8 x 1024 tokens
                 a step and timed on every --kernels path it has (reference, fused, triton): the trainer's auto
@@ -15,9 +19,10 @@ Parts, each with its time budget printed before it starts (hcstudy/check_parts.p
                 tokens; the baseline at depth 32 with each lever (check_parts.VARIANTS); mhc at depth 48 one
                 micro-batch above the plan, where an out-of-memory error is the result and the check goes on
   FSDP          the trainer under torchrun --parallel fsdp (one process): a checkpoint, then a resume
-Verdicts, one PASS/FAIL line each: bf16, attention, compile (every compiled rehearsal trained), memory plan (every
-rehearsal at its planned micro-batch within its plan's allocated peak), step model (the baseline at depth 32 within
-half and twice its modelled range), MFU (the baseline's at depth 32), FSDP.
+Verdicts, one PASS/FAIL line each: kernels (every arm's tests and self-check), bf16, attention, compile (every
+compiled rehearsal trained), memory plan (every rehearsal at its planned micro-batch within its plan's allocated
+peak), step model (the baseline at depth 32 within half and twice its modelled range), MFU (the baseline's at depth
+32), FSDP.
 
 Writes {out}/gpu_check/: result.json (its format: contract.py and docs/planning.md; the planner prices a rehearsed
 job shape from its row in `rehearsals`, other jobs from `methods`), events.jsonl (every result as it came),
@@ -148,7 +153,8 @@ def read_events(path):
 
 def results(events):
     """From the events: the card, the environment, the timings table {method: {"path/eager": stats or None}}, the
-    rehearsal rows (a part whose process died in it recorded as failed), and the plan's parts."""
+    rehearsal rows (a part whose process died in it recorded as failed), and the kernels' record per arm ({}: not
+    run; None: the process died in their part)."""
     plans = [e for e in events if e["event"] == "plan"]
     plan = {part["name"]: check_parts.Part(**part) for part in plans[-1]["parts"]} if plans else {}
     device = {k: plans[0][k] for k in ("gpu", "torch", "cuda")} if plans else {}
@@ -162,7 +168,28 @@ def results(events):
             rows.append(check_parts.unshaped_row(device.get("gpu"), part, "failed", f"the process died in it (exit "
                                                  f"{e['exit']}; worker.log)"))
     environment = next((e for e in events if e["event"] == "environment"), None)
-    return device, environment, table, rows
+    started = {e["part"] for e in events if e["event"] == "start"}
+    died = any(part.kind == "kernels" and name in started for name, part in plan.items())
+    kernels = next((e["arms"] for e in events if e["event"] == "kernels"), None if died else {})
+    return device, environment, table, rows, kernels
+
+
+def judge_kernels(check, kernels):
+    """PASS where every arm's kernel tests passed and its self-check took triton; each failing arm's fallback line."""
+    if not kernels:
+        check.verdict("kernels", None if kernels == {} else False, "not run" if kernels == {} else
+                      "the worker died in the kernel tests (worker.log, kernel_tests.log)")
+        return
+    failing = {arm: record for arm, record in kernels.items()
+               if record["tests"] == "FAIL" or record["path"] != "triton"}
+    cases = sum(record["cases"] for record in kernels.values())
+    passed = cases - sum(record["failed"] for record in kernels.values())
+    check.verdict("kernels", not failing, f"{passed} of {cases} cases passed; self-check " + ", ".join(
+        f"{arm} {record['path']}" for arm, record in kernels.items()) + (
+        f"; failed: {', '.join(failing)} (kernel_tests.log)" if failing else ""))
+    for arm, record in failing.items():
+        print(f"      {arm}: {record['reason'] or record['why']}", flush=True)
+        print(f"      {record['fallback']}", flush=True)
 
 
 def fastest(table):
@@ -263,12 +290,13 @@ def fsdp(check, runs, tiny):
                   f"exits {first}, {second}; resumed run at step {status.get('step')} of 6 (fsdp.log, fsdp_resume.log)")
 
 
-def write_result(out, device, parts, table, rows, tiny=False):
+def write_result(out, device, parts, table, rows, tiny=False, kernels=None):
     """{out}/gpu_check/result.json (contract.check_result): per method its fastest path's step with what the planner
-    needs to scale it (`methods`), every path's figures under `timings`, and the rehearsals' rows."""
+    needs to scale it (`methods`), every path's figures under `timings`, the rehearsals' rows, and per arm its kernel
+    tests and self-check (`kernels`)."""
     flags = check_parts.TINY_SMALL if tiny else check_parts.SMALL
     tokens = int(flags[flags.index("--micro-batch-size") + 1]) * int(flags[flags.index("--seq-len") + 1])
-    result = check_result(device, flags, tokens, parts, table, fastest(table), {}, rows)
+    result = check_result(device, flags, tokens, parts, table, fastest(table), {}, rows, kernels)
     result["cross_entropy"] = check_parts.loss_timings(rows)     # what --cross-entropy auto takes on this GPU
     check_path(out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(check_path(out), result)          # a reader never sees half a file
@@ -297,10 +325,11 @@ def main(argv=None):
         return 1
     check = Check(folder, args.budget)
     print(f"{PROG}: torch {torch.__version__}, {args.budget:.0f} s; logs and run folders in {folder}", flush=True)
-    device, environment, table, rows = results(run_worker(check, args))
+    device, environment, table, rows, kernels = results(run_worker(check, args))
     fsdp(check, runs, args.cpu_tiny)
+    judge_kernels(check, kernels)
     judge(check, environment, table, rows)
-    write_result(args.out, device, check.parts, table, rows, args.cpu_tiny)
+    write_result(args.out, device, check.parts, table, rows, args.cpu_tiny, kernels)
     failed = [part for part, verdict in check.parts.items() if verdict == "FAIL"]
     print(f"{PROG}: {sum(v == 'PASS' for v in check.parts.values())} of {len(check.parts)} parts passed"
           + (f"; failed: {', '.join(failed)} (their logs in {folder})" if failed else "")

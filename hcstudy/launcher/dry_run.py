@@ -163,27 +163,37 @@ def calibrated_tokens_per_s(folder, key, steps):
     return statistics.median(rates) if rates else None
 
 
-def wall_and_cost(opt, jobs, answers, node):
-    """The lines on the wall time of the queue (per node with --nodes) and what the nodes cost, as (low, high)."""
+def matrix_time(opt, jobs, answers, node):
+    """`jobs` queued on the slots of `node` (each of opt.nodes): ({node rank: wall}, the wall, the jobs' sum, what the
+    nodes cost in dollars), each a [low, high] of seconds (no dollars on the CPU); None where a job has no time."""
     slots = slot_count(opt, node.gpus)
     seconds = {node_rank: [answers[j.name]["seconds"] for j in jobs if j.node == node_rank]
                for node_rank in range(opt.nodes)}
     if any(None in s for s in seconds.values()):
-        return ["Wall time: unknown: no step time for this GPU (--calibrate measures one)"]
+        return None
     walls = {n: [queue_schedule([d[i] for d in s], slots, opt.stagger) for i in (0, 1)] for n, s in seconds.items()}
     wall = [max(w[i] for w in walls.values()) for i in (0, 1)]
     total = [sum(d[i] for s in seconds.values() for d in s) for i in (0, 1)]
-    where = f"{slots} slot(s)" + (f" on each of {opt.nodes} nodes" if opt.nodes > 1 else "")
-    lines = [f"Wall time: {sum(map(len, seconds.values()))} job(s) on {where}, each started in queue order on the "
+    gpus = 0 if node.gpus == ["cpu"] else len(node.gpus) * opt.nodes
+    return walls, wall, total, [gpus * w / 3600 * opt.price for w in wall]
+
+
+def wall_and_cost(opt, jobs, answers, node):
+    """The lines on the wall time of the queue (per node with --nodes) and what the nodes cost, as (low, high)."""
+    timed = matrix_time(opt, jobs, answers, node)
+    if timed is None:
+        return ["Wall time: unknown: no step time for this GPU (--calibrate measures one)"]
+    walls, wall, total, dollars = timed
+    where = f"{slot_count(opt, node.gpus)} slot(s)" + (f" on each of {opt.nodes} nodes" if opt.nodes > 1 else "")
+    lines = [f"Wall time: {len(jobs)} job(s) on {where}, each started in queue order on the "
              f"first free slot, launches {opt.stagger:g} s apart: {duration(*wall)} (the jobs add up to "
              f"{duration(*total)}; retries and waits for data not included)"]
     if opt.nodes > 1:
         lines.append("  per node: " + ", ".join(f"node {n} {duration(*w)}" for n, w in walls.items()))
     if node.gpus == ["cpu"]:
         return lines + ["Cost: no GPU-hours, the jobs run on the CPU"]
-    node_gpus, dollars = len(node.gpus) * opt.nodes, [w / 3600 * opt.price for w in wall]
-    return lines + [f"Cost at ${opt.price:.2f} per GPU-hour: {node_gpus} GPU(s) x {duration(*wall)} = "
-                    f"${node_gpus * dollars[0]:,.0f}-${node_gpus * dollars[1]:,.0f} for the node"
+    return lines + [f"Cost at ${opt.price:.2f} per GPU-hour: {len(node.gpus) * opt.nodes} GPU(s) x {duration(*wall)} = "
+                    f"${dollars[0]:,.0f}-${dollars[1]:,.0f} for the node"
                     f"{'s' if opt.nodes > 1 else ''}; the jobs themselves use "
                     f"{opt.gpus_per_run * total[0] / 3600:,.0f}-{opt.gpus_per_run * total[1] / 3600:,.0f} GPU-hours"]
 
