@@ -6,6 +6,7 @@ train_c4.py (the trainer), report.py, torchrun.py, run_experiments.sh, setup.sh.
     config_flags.py         Config's fields as command-line flags; one-line argparse errors for every entry point
     failures.py             a failure turned into its exit code and one line
     run_folder.py           the run folder's files, the lock, and the checkpoint protocol (write, verify, fall back)
+    finite_state.py         whether a checkpoint's state holds a NaN or an infinity: one pass on its device
     run_record.py           config.json's record of what produced a run; train.log's opening
     progress.py             the pace while a run trains: a bar or log lines, status.json's live fields
     wandb_log.py            Weights & Biases on rank 0, never stopping training

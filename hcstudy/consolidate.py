@@ -20,8 +20,8 @@ from safetensors.torch import save_file as save_safetensors
 
 from hcstudy import config_flags as flags
 from hcstudy.contract import MODEL_KEYS, ConfigError, TrainerError
-from hcstudy.run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause,
-                                safe_dcp, save_file, verified_checkpoints, write_atomically)
+from hcstudy.run_folder import (MARKER, SHARDED, NonFiniteState, check_writable_folder, checkpoint_dirs, dcp_load,
+                                first_cause, safe_dcp, save_file, verified_checkpoints, write_atomically)
 
 
 def arguments(argv: list[str]) -> tuple[Path, Path]:
@@ -104,7 +104,10 @@ def saved_model_state(folder: Path, sharded: bool) -> dict:
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in entries.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     wrapped = {"model": state}
-    dcp_load(wrapped, folder, no_dist=True)
+    try:
+        dcp_load(wrapped, folder, no_dist=True)
+    except NonFiniteState as damaged:           # weights no model can use: said, never exported
+        raise ConfigError(f"checkpoint {folder} {damaged}; export an earlier checkpoint (checkpoints/step-N)") from None
     return wrapped["model"]
 
 
