@@ -80,8 +80,9 @@ def main() -> None:
     seconds = median_seconds(lambda: non_finite_problem(state), args.rounds, device)
     rate = checked / seconds
     hashing = sha256_rate()
-    print(f"{device} ({torch.get_num_threads()} threads): depth {args.depth} width {args.width}, {parameters / 1e6:,.1f}M "
-          f"parameters, {tensors} tensors, {checked / 1e9:.2f} GB of fp32 weights and Adam moments")
+    print(f"{device} ({torch.get_num_threads()} threads): depth {args.depth} width {args.width}, "
+          f"{parameters / 1e6:,.1f}M parameters, {tensors} tensors, {checked / 1e9:.2f} GB of fp32 weights and Adam "
+          "moments")
     print(f"check: {seconds * 1e3:.1f} ms median of {args.rounds} ({rate / 1e9:.1f} GB/s); sha256 of the same bytes on "
           f"one CPU thread: {checked / hashing:.2f} s ({hashing / 1e9:.2f} GB/s)")
     full = 3 * 4 * FULL_SIZE_PARAMETERS

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from hcstudy.contract import (CHECKPOINT_MARKER as MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG, METRICS_FILE,
-                              MODEL_KEYS, STATUS_FILE, TRAIN_LOG, TRAINING_KEYS, ConfigError, TrainerError,
-                              write_atomically, write_json_atomic)
+from hcstudy.contract import (CHECKPOINT_MARKER as MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG,
+                              LOCK_PROBE_GRACE_S, METRICS_FILE, MODEL_KEYS, RUN_LOCK, STATUS_FILE, TRAIN_LOG,
+                              TRAINING_KEYS, ConfigError, TrainerError, this_host, write_atomically,
+                              write_json_atomic)
 from hcstudy.finite_state import NonFiniteState, non_finite_problem
 
 # ----------------------------------------------------------------------------------------------
@@ -135,10 +136,10 @@ def refuse_links(run_dir: Path) -> None:
 def lock_run_folder(run_dir: Path):
     """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
     so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
-    lock = run_dir / ".lock"
+    lock = run_dir / RUN_LOCK
     handle = open_own(lock, "a")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        take_lock(handle)
     except OSError:
         handle.close()
         holder = lock_holder(lock)
@@ -147,6 +148,20 @@ def lock_run_folder(run_dir: Path):
         raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
                           "--run-name or --out") from None
     return handle
+
+
+def take_lock(handle) -> None:
+    """The exclusive flock, tried again for LOCK_PROBE_GRACE_S: report.py's look at whether a run is alive
+    (contract.run_lock_free) holds a shared lock for an instant, which must not turn a start away."""
+    deadline = time.monotonic() + LOCK_PROBE_GRACE_S
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def lock_holder(lock: Path) -> int | None:
@@ -183,7 +198,9 @@ class RunLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
         self.bar = None
-        self.live = {}      # what status.json shows of a running run besides its state (README, "A run's folder")
+        # what status.json shows of a running run besides its state (README, "A run's folder"); its host tells the
+        # report where the run's lock can show whether it is alive (contract.run_lock_free)
+        self.live = {"host": this_host()}
         # freed when the final status.json finds the disk full, so that the final state is still recorded
         self.reserve = run_dir / STATUS_RESERVE
         if enabled:

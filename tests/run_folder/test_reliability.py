@@ -1,18 +1,22 @@
 """Nothing lost under any fault: the run folder's lock, damaged checkpoints replaced, every state recorded,
 every file the trainer and the report read checked (docs/reliability.md)."""
 import errno
+import fcntl
 import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from hcstudy import consolidate
+from hcstudy import contract
 from hcstudy import run_folder
 import train_c4 as T
 from helpers import Exploit
@@ -114,6 +118,19 @@ def test_a_lock_whose_holder_the_kernel_does_not_name_says_how_to_find_it(tmp_pa
     with pytest.raises(T.ConfigError, match=r"in use by another process \(`fuser .*/\.lock` names it\)"):
         run_folder.lock_run_folder(tmp_path)
     holder.close()
+
+
+def test_a_look_at_the_lock_never_turns_a_trainer_away_and_the_host_is_recorded(finished, tmp_path):
+    """report.py tells a killed run from a live one by trying the lock (contract.run_lock_free): a trainer starting
+    at that instant waits for it instead of refusing the folder; status.json says which host's lock to try."""
+    looking = open(tmp_path / ".lock", "a")
+    fcntl.flock(looking, fcntl.LOCK_SH)
+    threading.Timer(0.2, looking.close).start()
+    trainer = run_folder.lock_run_folder(tmp_path)
+    assert contract.run_lock_free(tmp_path) is False
+    trainer.close()
+    assert contract.run_lock_free(tmp_path) is True
+    assert status_of(finished / RUN)["host"] == socket.gethostname()
 
 
 # ---- damaged, symlinked or misnamed checkpoints
