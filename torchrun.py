@@ -5,10 +5,14 @@ a failure shows, and exits with the code of the rank that failed first.
 
 torchrun follows any rank's non-zero exit (a refused setting, a stop's 75, a killed rank) with a ChildFailedError
 traceback and a table of every rank, and exits 1 whatever the ranks said; each rank of train_c4.py has already
-said why in one line. A signal ends it as a shell reports one: 128 + N.
+said why in one line. A signal ends it as a shell reports one: 128 + N. Its agent's files (each rank's error file)
+go to a temporary folder removed when it ends, unless --log-dir (or PET_LOG_DIR) names one: torchrun's own default
+is a new torchelastic_* folder in TMPDIR at every start, never removed.
 """
+import contextlib
 import logging
 import sys
+import tempfile
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -20,8 +24,17 @@ def main(argv: list[str]) -> int:
     # own lines say more
     for name in ("torch.distributed.run", "torch.distributed.elastic"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = parse_args(argv)
+    with contextlib.ExitStack() as cleanup:
+        if args.log_dir is None:
+            args.log_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="torchrun."))
+        return launched(args)
+
+
+def launched(args) -> int:
+    """torchrun's run(args), its failure as the exit code of the rank that failed first."""
     try:
-        run(parse_args(argv))
+        run(args)
     except ChildFailedError as error:
         code = error.get_first_failure()[1].exitcode
         return code if code >= 0 else 128 - code

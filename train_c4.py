@@ -46,7 +46,7 @@ from hcstudy.planner.memory import batch_plan
 from hcstudy.planner.plan_jobs import answer_jobs
 from hcstudy.progress import Progress
 from hcstudy.readahead import Loader
-from hcstudy.run_folder import (RunLog, check_resumable, check_writable_folder, dcp_load, first_cause,
+from hcstudy.run_folder import (NonFiniteState, RunLog, check_resumable, check_writable_folder, dcp_load, first_cause,
                                 history_on, resume_from, rng_state, set_rng_state, write_checkpoint, write_json_atomic)
 from hcstudy.run_record import announce, device_name, run_record
 from hcstudy.wandb_log import start_wandb, wandb_record
@@ -182,6 +182,8 @@ class Trainer:
             self._load_data_and_rng(files)
         except (torch.OutOfMemoryError, torch.distributed.DistError):
             raise
+        except NonFiniteState as damaged:           # DCP's shards: every rank found it together (dcp_load)
+            return str(damaged)
         except (TrainerError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
             return f"does not fit this run ({first_cause(error)})"
         return None

@@ -22,8 +22,8 @@ from hcstudy.config import Config, validate
 from hcstudy.contract import MODEL_KEYS, ConfigError, TrainerError
 from hcstudy.distributed import Dist
 from hcstudy.model import GPT
-from hcstudy.run_folder import (MARKER, SHARDED, check_writable_folder, checkpoint_dirs, dcp_load, first_cause,
-                                safe_dcp, save_file, verified_checkpoints, write_atomically)
+from hcstudy.run_folder import (MARKER, SHARDED, NonFiniteState, check_writable_folder, checkpoint_dirs, dcp_load,
+                                first_cause, safe_dcp, save_file, verified_checkpoints, write_atomically)
 
 
 def arguments(argv: list[str]) -> tuple[Path, Path]:
@@ -106,7 +106,10 @@ def saved_model_state(folder: Path, sharded: bool) -> dict:
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in entries.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     wrapped = {"model": state}
-    dcp_load(wrapped, folder, no_dist=True)
+    try:
+        dcp_load(wrapped, folder, no_dist=True)
+    except NonFiniteState as damaged:           # weights no model can use: said, never exported
+        raise ConfigError(f"checkpoint {folder} {damaged}; export an earlier checkpoint (checkpoints/step-N)") from None
     return wrapped["model"]
 
 

@@ -10,10 +10,12 @@ without torch.
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import importlib.util
 import json
 import os
 import re
+import socket
 import stat
 import sys
 import time
@@ -35,6 +37,36 @@ CHECKPOINTS, LAUNCHER_FILE = "checkpoints", "launcher.json"
 # A checkpoint folder `checkpoints/step-N` is complete once it holds this marker (with its files' checksums): the
 # trainer resumes from the newest, and the launcher says so when it launches the job.
 CHECKPOINT_MARKER = "COMPLETE.json"
+# RUN/.lock: an exclusive flock held by the running trainer (rank 0) for its life, which the kernel drops when the
+# process dies (kill -9 included); status.json's `host` names the machine it runs on. The report tells a run killed
+# without recording its end from a live one by the lock where it runs on the report's own host (run_lock_free).
+RUN_LOCK = ".lock"
+LOCK_PROBE_GRACE_S = 0.5     # how long a trainer that finds the lock taken tries again: run_lock_free holds it that briefly
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def run_lock_free(run_dir: Path) -> bool | None:
+    """Whether no process holds RUN/.lock: a shared flock tried without waiting and let go at once (never on a link,
+    a FIFO or a device); None where it cannot be told (no lock file, unreadable, a file system without flock). Told
+    for the processes of this host only: a network file system may not show another node's locks."""
+    try:
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True                         # closing the file lets go of it
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def error_line(error: BaseException) -> str:

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from hcstudy.contract import (CHECKPOINT_MARKER as MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG, METRICS_FILE,
-                              MODEL_KEYS, STATUS_FILE, TRAIN_LOG, TRAINING_KEYS, ConfigError, TrainerError,
-                              write_atomically, write_json_atomic)
+from hcstudy.contract import (CHECKPOINT_MARKER as MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG,
+                              LOCK_PROBE_GRACE_S, METRICS_FILE, MODEL_KEYS, RUN_LOCK, STATUS_FILE, TRAIN_LOG,
+                              TRAINING_KEYS, ConfigError, TrainerError, this_host, write_atomically,
+                              write_json_atomic)
+from hcstudy.finite_state import NonFiniteState, non_finite_problem
 
 # ----------------------------------------------------------------------------------------------
 # files written whole or not at all
@@ -134,10 +136,10 @@ def refuse_links(run_dir: Path) -> None:
 def lock_run_folder(run_dir: Path):
     """An exclusive flock on RUN/.lock, held while the process lives (the kernel drops it when the process dies,
     so a dead holder never blocks): two trainers on one folder would interleave metrics and checkpoints."""
-    lock = run_dir / ".lock"
+    lock = run_dir / RUN_LOCK
     handle = open_own(lock, "a")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        take_lock(handle)
     except OSError:
         handle.close()
         holder = lock_holder(lock)
@@ -146,6 +148,20 @@ def lock_run_folder(run_dir: Path):
         raise ConfigError(f"{run_dir} is in use by {holder}; wait for it to end (or stop it), or choose another "
                           "--run-name or --out") from None
     return handle
+
+
+def take_lock(handle) -> None:
+    """The exclusive flock, tried again for LOCK_PROBE_GRACE_S: report.py's look at whether a run is alive
+    (contract.run_lock_free) holds a shared lock for an instant, which must not turn a start away."""
+    deadline = time.monotonic() + LOCK_PROBE_GRACE_S
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def lock_holder(lock: Path) -> int | None:
@@ -182,7 +198,9 @@ class RunLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
         self.bar = None
-        self.live = {}      # what status.json shows of a running run besides its state (docs/reliability.md)
+        # what status.json shows of a running run besides its state (docs/reliability.md); its host tells the
+        # report where the run's lock can show whether it is alive (contract.run_lock_free)
+        self.live = {"host": this_host()}
         # freed when the final status.json finds the disk full, so that the final state is still recorded
         self.reserve = run_dir / STATUS_RESERVE
         if enabled:
@@ -589,7 +607,7 @@ def load_checked(folder: Path, marker: dict) -> tuple[dict, str | None]:
         files = load_verified(folder, marker)
         if "train_state.pt" in files:
             files["train_state.pt"] = completed_state(files["train_state.pt"], folder.parent.parent)
-        return files, contents_problem(files, marker)
+        return files, contents_problem(files, marker) or non_finite_problem(files)
     except Exception as error:
         return {}, f"cannot be loaded safely ({first_cause(error)})"
 
@@ -666,6 +684,7 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sha
     final name only when complete, sealed by a marker holding the sha256 of every file, DCP's included. Written
     into checkpoints_folder of `held`, the run folder as opened at the start (held_run_folder; None: opened now)."""
     from torch.distributed.checkpoint import CheckpointException
+    refuse_non_finite(step, files, sharded, dist)
     with checkpoints_folder(run_dir, held_run_folder(run_dir) if held is None else held) as root:
         final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
         try:
@@ -694,6 +713,17 @@ def write_checkpoint(run_dir: Path, step: int, files: dict, dist, keep: int, sha
             raise TrainerError(f"could not write checkpoint step-{step} ({first_cause(error)}); {intact}; free disk "
                                "space (or fix the permission) and rerun to resume") from error
     dist.barrier()
+
+
+def refuse_non_finite(step: int, files: dict, sharded: dict | None, dist) -> None:
+    """A checkpoint is never sealed with a NaN or an infinity in what it holds (this rank's files and its shards):
+    the loss and gradient were finite, so it is no divergence; every rank raises NonFiniteState together, nothing
+    written."""
+    shards = {f"{SHARDED}/{name}": state for name, state in (sharded or {}).items()}
+    problem = agreed_problem(dist, non_finite_problem(files | shards))
+    if problem:
+        raise NonFiniteState(f"checkpoint step-{step} not written: the run's state {problem}, though the loss and "
+                             "gradient were finite; the earlier checkpoints and metrics.jsonl are intact")
 
 
 def _write_shards(sharded: dict, tmp: Path, dist) -> list[str]:
@@ -834,7 +864,8 @@ def safe_dcp() -> tuple[type, type]:
 
 
 def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
-    """dcp.load of a checkpoint's SHARDED/ into `state`, in place, through safe_dcp's reader and planner."""
+    """dcp.load of a checkpoint's SHARDED/ into `state`, in place, through safe_dcp's reader and planner; NonFiniteState
+    when a shard holds a NaN or an infinity."""
     import torch.distributed.checkpoint as dcp
     reader, planner = safe_dcp()
     try:
@@ -843,4 +874,9 @@ def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
             dcp.load(state, storage_reader=reader(folder / SHARDED), planner=planner(), no_dist=no_dist)
     except dcp.CheckpointException as error:
         raise ConfigError(f"checkpoint {folder} cannot be loaded safely ({first_cause(error)})") from None
+    # each rank checks the shards it loaded; the all-reduce makes every rank refuse together
+    problem = non_finite_problem(state, across_ranks=not no_dist and torch.distributed.is_initialized(),
+                                 where=f"{SHARDED}/")
+    if problem:
+        raise NonFiniteState(problem)
 

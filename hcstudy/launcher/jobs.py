@@ -164,4 +164,9 @@ def lock_name(opt):
     return ".launcher.lock" if opt.nodes == 1 else f".launcher.node{opt.node_rank}.lock"
 
 
+def probe_folder_name(opt):
+    """Where this node's GPU probe logs go, beside its matrix log: gpu-probes, or with --nodes gpu-probes.node{i}."""
+    return "gpu-probes" if opt.nodes == 1 else f"gpu-probes.node{opt.node_rank}"
+
+
 DOCUMENTED_NODE_GPUS = 8       # the node docs/planning.md documents: 8 x plan.ASSUMED_GPU (H100 SXM)

@@ -17,14 +17,13 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from hcstudy.contract import (CHECKPOINT_MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG, EXIT_DATA, EXIT_DEVICE,
                               EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, LAUNCHER_FILE, STATUS_FILE, TRAIN_LOG,
                               TRAINER_EXIT_CODES, log_line, read_json, write_json_atomic)
-from hcstudy.launcher.jobs import lock_name, log_name, slot_count, trainer_base, trainer_flags
+from hcstudy.launcher.jobs import lock_name, log_name, probe_folder_name, slot_count, trainer_base, trainer_flags
 from hcstudy.launcher.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, PROG, RunError, extra_value
 from hcstudy.launcher.summary import print_report, show_matrix
 
@@ -107,7 +106,9 @@ class MatrixRun:
         self.queue, self.running = [], {}
         self.stopping, self.stop_status, self.stop_deadline = False, EXIT_OK, 0.0
         self.last_launch = None
-        self.probes = Path(tempfile.mkdtemp(prefix="run_experiments."))
+        # the evidence behind a QUARANTINE line stays with the matrix, kept after it ends (each probe of a GPU
+        # replaces that GPU's log)
+        self.probes = opt.out / probe_folder_name(opt)
         self.log = Log(opt.out / log_name(opt))
 
     # -- start-up -------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class MatrixRun:
             else:
                 self.queue.append(job)
         if not self.cpu and self.queue:
-            for gpu, status in self.bash.ask("probe", self.probes, *self.gpus):
+            for gpu, status in self.probe(self.gpus):
                 if status == "0":
                     self.log("PROBE", "healthy", gpu=gpu)
                 else:
@@ -145,6 +146,11 @@ class MatrixRun:
                                   "needed per run); see the QUARANTINE lines above (on a machine without GPUs, leave "
                                   "out --gpus)")
 
+    def probe(self, gpus):
+        """(gpu, exit status) of each GPU probed in parallel, each probe's output in its log under --out."""
+        self.probes.mkdir(exist_ok=True)
+        return self.bash.ask("probe", self.probes, *gpus)
+
     def probe_reason(self, gpu, status):
         """A failed probe's last line, else what its exit status says."""
         return (last_line(self.probes / f"probe{gpu}.log") or (
@@ -153,7 +159,8 @@ class MatrixRun:
 
     def quarantine(self, gpu, reason):
         self.gpu_state[gpu] = "quarantined"
-        self.log("QUARANTINE", f"{reason}; it is not used again in this matrix", gpu=gpu)
+        self.log("QUARANTINE", f"{reason}; it is not used again in this matrix (probe log: "
+                               f"{self.probes / f'probe{gpu}.log'})", gpu=gpu)
 
     def healthy(self):
         return sum(state != "quarantined" for state in self.gpu_state.values())
@@ -395,7 +402,7 @@ class MatrixRun:
             if job.name not in self.failed_runs[g]:
                 self.failed_runs[g].append(job.name)
             job.avoid.add(g)
-        for gpu, status in self.bash.ask("probe", self.probes, *gpus):
+        for gpu, status in self.probe(gpus):
             if status != "0":
                 self.quarantine(gpu, f"failed the probe after a device error in {job.name}: "
                                      f"{self.probe_reason(gpu, int(status))}")

@@ -63,6 +63,7 @@ class RunSummary:
     res_to_identity_mean: float
     composite_to_uniform: float
     composite_to_permutation: float
+    state_detail: str = ""       # what is known of a run that status.json calls running but is not (runs.stopped_state)
 
     @property
     def peak_gain(self):
@@ -115,7 +116,8 @@ def summarize(run):
                default=None)
     return RunSummary(
         name=run.name, method=run.method, depth=run.depth, seed=run.seed,
-        state=str(run.status.get("state", "unknown")), step=None if step is None else int(step),
+        state=str(run.status.get("state", "unknown")), state_detail=run.state_detail,
+        step=None if step is None else int(step),
         final_loss=_last(s["loss"][1]),
         best_val=float(np.nanmin(val)) if np.isfinite(val).any() else math.nan,
         final_val=_last(val),

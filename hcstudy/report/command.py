@@ -14,7 +14,7 @@ from hcstudy.report.aggregate import aggregate, summarize, summary_arm
 from hcstudy.report.live import watch_view
 from hcstudy.report.plots import PLOT_NAMES, pick_heatmap_run, write_plots
 from hcstudy.report.published import reference_block, reference_verdict
-from hcstudy.report.runs import ReportError, load_runs
+from hcstudy.report.runs import STALE_AFTER_MIN, ReportError, load_runs
 from hcstudy.report.tables import (GAIN_NOTES, TABLE_NOTES, csv_rows, gain_columns, main_columns, markdown, run_columns,
                                    run_csv_rows, stream_block, table_columns, write_csv)
 from hcstudy.report.verdict import headline, verdict
@@ -40,8 +40,10 @@ def parse_args(argv):
                    help="print the matrix view from the live files of one RUNS_DIR (matrix.log, each run's "
                         "status.json) and write nothing: per GPU the run, step, loss, amax, tokens/s and ETA; "
                         "done/running/queued/failed, the wall ETA and the dollars spent and to spend")
-    p.add_argument("--stale-after", type=float, default=15.0, metavar="MIN",
-                   help="with --watch: flag a running job whose status.json has not moved for MIN minutes")
+    p.add_argument("--stale-after", type=float, default=STALE_AFTER_MIN, metavar="MIN",
+                   help="a run whose status.json says running but has not moved for MIN minutes: on another host "
+                        "(where its lock cannot be read) it reads 'stale (killed?)', not running; on this one a "
+                        "live lock keeps it running, flagged STALE in --watch")
     return p.parse_args(argv)
 
 
@@ -78,13 +80,13 @@ def results_markdown(roots, rows, summaries, verdict_lines, plots, notes):
     return "\n".join(parts) + "\n"
 
 
-def report(roots, out=None, heatmap_run=None, with_plots=True):
+def report(roots, out=None, heatmap_run=None, with_plots=True, stale_after_min=STALE_AFTER_MIN):
     """Everything main does after parsing the arguments; raises ReportError for expected problems."""
     roots = [Path(root) for root in roots]
     for root in roots:
         if not root.is_dir():
             raise ReportError(f"{root} is not a folder; pass the folder that holds the run folders (e.g. runs)")
-    runs = load_runs(*roots)
+    runs = load_runs(*roots, stale_after_min=stale_after_min)
     if not runs:
         raise ReportError(f"no runs found under {', '.join(map(str, roots))} (a run folder holds config.json, "
                           "or metrics.jsonl and status.json)")
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
                 raise ReportError("--watch reads one matrix folder (its matrix.log); pass one RUNS_DIR")
             print(watch_view(args.runs_dirs[0], args.stale_after))
             return 0
-        _, text = report(args.runs_dirs, args.out, args.heatmap_run, with_plots=not args.no_plots)
+        _, text = report(args.runs_dirs, args.out, args.heatmap_run, with_plots=not args.no_plots,
+                         stale_after_min=args.stale_after)
     except ReportError as e:
         print(f"report: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hcstudy.contract import JOB_STATES, MATRIX_LOG, STATUS_FILE, log_time, open_regular, read_json, read_log_line
 from hcstudy.durations import clock
-from hcstudy.report.runs import ReportError, _num, warn
+from hcstudy.report.runs import STALE_AFTER_MIN, ReportError, _num, stopped_state, warn
 from hcstudy.report.tables import fmt_gain, fmt_loss
 
 
@@ -24,6 +24,7 @@ class MatrixLog:
     runs: dict                   # run -> [state, gpus]: in queue order
     planned: dict = field(default_factory=dict)     # run -> the trainer's planned seconds, before steps are timed
     ended: float | None = None   # when the invocation ended (its END line): the elapsed clock stops there
+    launched: dict = field(default_factory=dict)    # run -> when its last LAUNCH line was written
 
 
 def read_matrix(root, log=MATRIX_LOG):
@@ -38,10 +39,11 @@ def read_matrix(root, log=MATRIX_LOG):
         return None
     queue = lines[starts[-1]]
     runs = {name: ["queued", ""] for name in queue.fields.get("runs", "").split(",") if name}
-    ended = None
+    ended, launched = None, {}
     for line in lines[starts[-1] + 1:]:
         if line and line.event in JOB_STATES and line.run in runs:
             runs[line.run] = [JOB_STATES[line.event], line.fields.get("gpus", runs[line.run][1])]
+            launched |= {line.run: line.stamp} if line.event == "LAUNCH" else {}
         ended = line.stamp if line and line.event == "END" else ended
     try:
         fields = queue.fields
@@ -49,7 +51,7 @@ def read_matrix(root, log=MATRIX_LOG):
                                                    if item.count(":") == 1)}
         return MatrixLog(log_time(queue.stamp), int(fields.get("slots", 1)), int(fields.get("gpus_per_run", 1)),
                          float(fields.get("price_per_gpu_hour", 0)), fields.get("gpus") == "cpu", runs, planned,
-                         ended and log_time(ended))
+                         ended and log_time(ended), {run: log_time(stamp) for run, stamp in launched.items()})
     except ValueError as e:
         warn(f"{root / log}: its last QUEUE line is unreadable ({e}); the matrix's progress is left out")
         return None
@@ -97,10 +99,21 @@ def read_matrices(root, log=None):
     ends = [m.ended for m in shares]
     return MatrixLog(min(m.started for m in shares), sum(m.slots for m in shares), shares[0].gpus_per_run,
                   shares[0].price, all(m.cpu for m in shares), {k: v for m in shares for k, v in m.runs.items()},
-                  {k: v for m in shares for k, v in m.planned.items()}, None if None in ends else max(ends))
+                  {k: v for m in shares for k, v in m.planned.items()}, None if None in ends else max(ends),
+                  {k: v for m in shares for k, v in m.launched.items()})
 
 
-def watch_view(root, stale_after_min=15.0, now=None, log=None):
+def ended_unseen(root, matrix, statuses, now, stale_after_min):
+    """run -> (state, what is known) of each run matrix.log calls running that ended without a word (runs.stopped_state:
+    its launcher killed with it, a node lost). A status.json older than the run's LAUNCH line is its last attempt's:
+    the trainer is starting, and it is not judged."""
+    judged = {name: stopped_state(root / name, statuses[name], now, stale_after_min)
+              for name, (state, _) in matrix.runs.items()
+              if state == "running" and _num(statuses[name].get("updated")) >= matrix.launched.get(name, 0.0)}
+    return {name: found for name, found in judged.items() if found}
+
+
+def watch_view(root, stale_after_min=STALE_AFTER_MIN, now=None, log=None):
     """The matrix view as text (raises ReportError when no launcher has run in root); `log` is one launcher's
     matrix log (default: the folder's, every node's share of it together)."""
     root, now = Path(root), time.time() if now is None else now
@@ -109,8 +122,11 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
         raise ReportError(f"no matrix in {root} (no {log or 'matrix.log'} with a QUEUE line): start one with "
                           "run_experiments.sh")
     statuses = {name: read_json(root / name / STATUS_FILE, {}, warn) for name in matrix.runs}
-    counts = {state: sum(s == state for s, _ in matrix.runs.values())
+    gone = ended_unseen(root, matrix, statuses, now, stale_after_min)
+    counts = {state: sum(s == state and name not in gone for name, (s, _) in matrix.runs.items())
               for state in ("done", "running", "queued", "failed")}
+    for state, _ in gone.values():
+        counts[state] = counts.get(state, 0) + 1
     eta, gpus = wall_eta(matrix, statuses), 0 if matrix.cpu else matrix.slots * matrix.gpus_per_run
     elapsed = (matrix.ended or now) - matrix.started
     elapsed_h = elapsed / 3600
@@ -133,7 +149,8 @@ def watch_view(root, stale_after_min=15.0, now=None, log=None):
         lines.append(f"{where or '-':<8} {name:<{width}} {step:>14} {fmt_loss(_num(st.get('loss'))):>8} "
                      f"{fmt_gain(_num(st.get('amax_fwd'))):>9} {f'{speed:,.0f}' if math.isfinite(speed) else '–':>9} "
                      f"{clock(st.get('eta_s')):>9}"
-                     + (f"  STALE: status.json unchanged for {(now - st['updated']) / 60:.0f} min" if stale else ""))
+                     + (f"  {gone[name][1]}" if name in gone else
+                        f"  STALE: status.json unchanged for {(now - st['updated']) / 60:.0f} min" if stale else ""))
     for group in ("done", "queued", "failed"):
         names = [name for name, (state, _) in matrix.runs.items() if state == group]
         if names:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +19,8 @@ import numpy as np
 from hcstudy import arms
 from hcstudy.contract import (ARM_DEFAULTS, COEFFICIENT_SUFFIX, CONFIG_FILE, METHODS, METRICS_FILE, RUN_NAME,
                               RUN_NAME_SUFFIX, SEED_STUDY_MODEL, STATUS_FILE, STREAM_KEYS, STREAM_LAYER_KEYS,
-                              STUDY_TRAIN_KEY, arm_settings, named_arm, open_regular, read_json)
+                              STUDY_TRAIN_KEY, arm_settings, named_arm, open_regular, read_json, run_lock_free,
+                              this_host)
 
 CORE_METHODS = METHODS[:3]         # the verdict says when one of these is missing at a depth
 METHOD_LABEL = {name: arm.label for name, arm in arms.ARMS.items()}     # each arm's declaration
@@ -109,6 +111,7 @@ class Run:
     last_step: int | None = None
     bad_lines: int = 0           # unreadable lines other than a half-written last one
     first_bad_line: int = 0
+    state_detail: str = ""       # a state known better than status.json's (stopped_state): the step, checkpoint, why
 
     @property
     def arm(self):
@@ -281,8 +284,36 @@ def read_status(path):
     return status
 
 
-def load_run(folder):
-    """Read one run folder; None (with a warning) when its method or depth cannot be told."""
+STALE_AFTER_MIN = 15.0      # report.py --stale-after: a status.json older than this, of a run elsewhere, reads stale
+
+
+def stopped_state(folder, status, now, stale_after_min=STALE_AFTER_MIN):
+    """(state, what is known) of a run whose status.json says `running` but that is not running after all, killed
+    without recording its end (kill -9, a node lost); None while it reads as running. On its own host (status.json's
+    `host`) the run's lock tells at once: held by no process, "stopped (killed?)"; elsewhere only status.json's age
+    can: unchanged for more than stale_after_min, "stale (killed?)". A run whose lock is held stays running, however
+    long its status.json has been still (the watch view flags it)."""
+    if status.get("state") != "running":
+        return None
+    here = status.get("host") == this_host()
+    free = run_lock_free(folder) if here else None
+    updated = _timestamp(status.get("updated"))
+    age_min = (now - updated) / 60 if updated is not None and math.isfinite(updated) else 0.0
+    if free:
+        state, why = "stopped (killed?)", "no process holds its lock on this host"
+    elif free is None and age_min > stale_after_min:
+        where = f" (written on {status['host']})" if isinstance(status.get("host"), str) and not here else ""
+        state, why = "stale (killed?)", f"status.json unchanged for {age_min:.0f} min{where}"
+    else:
+        return None
+    checkpoint = status.get("last_checkpoint_step")
+    resumes = f"last checkpoint step-{checkpoint}" if type(checkpoint) is int else "no checkpoint yet"
+    return state, f"{state} at step {status.get('step', '?')}, {resumes}: {why}"
+
+
+def load_run(folder, now=None, stale_after_min=STALE_AFTER_MIN):
+    """Read one run folder; None (with a warning) when its method or depth cannot be told. A `running` state that is
+    known to be stale or dead (stopped_state) is replaced by what is known."""
     config = read_json(folder / CONFIG_FILE, None, warn)
     ident = identify(folder, config)
     if ident is None:
@@ -295,6 +326,9 @@ def load_run(folder):
               series={k: Series() for k in SCALAR_KEYS},
               layers={k: Series() for k in LAYER_KEYS + STREAM_LAYER_KEYS})
     run.preset, run.sinkhorn_iters, run.coefficients = arm_of(folder, config, run.method)
+    judged = stopped_state(folder, run.status, time.time() if now is None else now, stale_after_min)
+    if judged:
+        run.status["state"], run.state_detail = judged
     clock = WallClock()
     try:
         clock = read_metrics(folder / METRICS_FILE, run)
@@ -322,7 +356,7 @@ def find_run_dirs(root):
     return sorted(found)
 
 
-def load_runs(*roots):
+def load_runs(*roots, stale_after_min=STALE_AFTER_MIN):
     """The runs under every root, each folder read once (roots may overlap); two copies of one run are refused."""
     folders = {}
     for root in roots:
@@ -331,7 +365,8 @@ def load_runs(*roots):
             warn(f"no runs found under {root}")
         for folder in found:
             folders.setdefault(folder.resolve(), folder)
-    runs = [r for r in map(load_run, folders.values()) if r is not None]
+    now = time.time()
+    runs = [r for r in (load_run(folder, now, stale_after_min) for folder in folders.values()) if r is not None]
     refuse_copies(runs)
     return runs
 

@@ -179,7 +179,7 @@ def stream_block(rows):
 def run_columns():
     """(header, cell(summary) -> str) for the per-run table."""
     return [
-        ("run", lambda r: r.name), ("state", lambda r: r.state), ("step", lambda r: fmt_step(r.step)),
+        ("run", lambda r: r.name), ("state", lambda r: r.state_detail or r.state), ("step", lambda r: fmt_step(r.step)),
         ("final loss", lambda r: fmt_loss(r.final_loss)), ("best val", lambda r: fmt_loss(r.best_val)),
         ("final val", lambda r: fmt_loss(r.final_val)),
         ("peak amax_fwd", lambda r: fmt_gain(r.peak_fwd)), ("peak amax_bwd", lambda r: fmt_gain(r.peak_bwd)),

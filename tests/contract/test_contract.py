@@ -88,6 +88,18 @@ def test_json_files_read_with_an_explicit_default_and_written_whole(tmp_path):
     assert contract.read_json(fifo, {}, warned.append) == {} and "not a regular file" in warned[-1]
 
 
+@pytest.mark.parametrize("lock", ["missing", "a link", "a FIFO", "a folder"])
+def test_a_run_lock_that_is_no_plain_file_tells_nothing_and_is_never_opened_through(tmp_path, lock):
+    """report.py reads whether a run is alive from its lock (run_lock_free): where no trainer's lock can be, it
+    says nothing (None: the run is judged by status.json's age), never hangs on a FIFO nor follows a link."""
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    path = tmp_path / contract.RUN_LOCK
+    {"missing": lambda: None, "a link": lambda: path.symlink_to(target), "a FIFO": lambda: os.mkfifo(path),
+     "a folder": path.mkdir}[lock]()
+    assert contract.run_lock_free(tmp_path) is None
+
+
 @pytest.mark.parametrize("seconds, text", [((45,), "45 s"), ((0.12, 0.19), "120-190 ms"), ((1800, 3600), "30-60 min"),
                                            ((9000, 18360), "2.5-5.1 h"), ((37800, 70920), "10.5-19.7 h"), ((5e-4,), "500 us")])
 def test_durations_in_the_unit_that_suits_the_largest(seconds, text):

@@ -648,6 +648,24 @@ def test_a_probe_that_fails_silently_is_quarantined_with_a_reason(tmp_path):
     assert reasons and reasons[0].startswith("gpu=0 failed the start-up probe: exit status 1, no output;"), reasons
 
 
+@pytest.mark.parametrize("node", [[], ["--nodes", "2", "--node-rank", "1"]], ids=["one node", "node 1 of 2"])
+def test_a_probing_matrix_keeps_its_probe_logs_under_out_and_leaves_nothing_in_tmpdir(tmp_path, node):
+    """The probe logs are the evidence behind a QUARANTINE line: kept with the matrix, one folder per node; the
+    temporary folder (the bash side's pipes) is gone when the launcher ends."""
+    out, tmpdir = tmp_path / "runs", tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = launcher_env(tmp_path, TMPDIR=tmpdir, FAKE_DEAD_GPUS=1)
+    r = launch(tmp_path, "--methods", "hc,mhc", "--depths", "2", "--seeds", "1", "--gpus", "0,1", *node, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(tmpdir.iterdir()) == []
+    probes = out / ("gpu-probes.node1" if node else "gpu-probes")
+    assert "GPU 1 failed the CUDA matmul check" in (probes / "probe1.log").read_text()
+    assert "probe: GPU 0 ok" in (probes / "probe0.log").read_text()
+    log = "matrix.node1.log" if node else "matrix.log"
+    (quarantined,) = [text for _, _, text in events(out, "QUARANTINE", log=log)]
+    assert quarantined.endswith(f"(probe log: {probes / 'probe1.log'})"), quarantined
+
+
 @pytest.mark.parametrize("script", [SCRIPT, ROOT / "setup.sh",
                                     ROOT / "slurm" / "run.sbatch", ROOT / "slurm" / "report.sbatch", *sorted((ROOT / "tests" / "fake_slurm").iterdir())],
                          ids=lambda path: path.name)

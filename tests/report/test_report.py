@@ -1,9 +1,12 @@
 """report.py on hand-written run folders: every number in the table is checked against a value
 computed by hand here (not by report.py's own helpers)."""
 import csv
+import fcntl
 import json
 import math
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -657,7 +660,7 @@ def test_random_metrics_files_give_a_report_never_a_traceback(tmp_path_factory, 
 
 def test_watch_view_from_matrix_log_and_live_status(tmp_path):
     """Two slots of 4 GPUs at $2 per GPU-hour, started 2 hours before `now`: one run done, two running (one of
-    them silent for 20 minutes), one queued, one failed."""
+    them silent for 20 minutes, though alive: its trainer on this host holds its lock), one queued, one failed."""
     (tmp_path / "matrix.log").write_text(
         "2026-12-03T10:00:00.000+0000 START run_experiments.sh pid=1 mode=full runs=9\n"
         "2026-12-03T10:00:00.000+0000 QUEUE slots=2 gpus_per_run=4 gpus=0,1,2,3,4,5,6,7 price_per_gpu_hour=2 "
@@ -675,10 +678,12 @@ def test_watch_view_from_matrix_log_and_live_status(tmp_path):
         (tmp_path / name / "status.json").write_text(json.dumps({"state": "running", **status}))
     live("hc_d4_s1", state="completed", step=100, steps=100, step_time_s=36.0, updated=now - 3600)
     live("mhc_d4_s1", step=50, steps=100, loss=3.25, amax_fwd=1.0, tokens_per_s=1234.5, step_time_s=72.0,
-         eta_s=3600.0, updated=now - 1200)
+         eta_s=3600.0, updated=now - 1200, host=socket.gethostname())
     live("hc_d4_s2", step=10, steps=100, loss=4.5, amax_fwd=812.0, tokens_per_s=2000.0, step_time_s=36.0,
          eta_s=3240.0, updated=now - 30)
-    text = report_live.watch_view(tmp_path, stale_after_min=15, now=now)
+    with open(tmp_path / "mhc_d4_s1" / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        text = report_live.watch_view(tmp_path, stale_after_min=15, now=now)
     head, columns, *rows = text.splitlines()
     # queued mhc_d4_s2 takes the time of mhc_d4_s1 (100 x 72 s = 2 h) on the slot free first (hc_d4_s2's, 0.9 h):
     # 2.9 h to go, 16 GPUs' worth of money: 2 h x 8 GPUs x $2 = $32 spent, 2.9 h x 8 x $2 = $46 to go
@@ -689,6 +694,85 @@ def test_watch_view_from_matrix_log_and_live_status(tmp_path):
     assert rows[1].split() == ["0,1,2,3", "hc_d4_s2", "10/100", "4.500", "812", "2,000", "0:54:00"]
     assert rows[2:] == ["done: hc_d4_s1 completed", "queued: mhc_d4_s2", "failed: baseline_d4_s1 (matrix.log says why)"]
     assert command.main([str(tmp_path / "nothing"), "--watch"]) == 2
+
+
+HOLD_LOCK = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', "
+             "flush=True); time.sleep(600)")
+
+
+def killed_matrix(root, **status):
+    """A matrix whose launcher died with its job: matrix.log's last word on hc_d4_s1 is its LAUNCH, 2 hours ago, and
+    the run's status.json says running at step 21 with checkpoint step-20."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S.000%z", time.localtime(now - 7200))
+    (root / "matrix.log").write_text(
+        f"{stamp} QUEUE slots=1 gpus_per_run=1 gpus=0 price_per_gpu_hour=0 runs=hc_d4_s1\n"
+        f"{stamp} LAUNCH hc_d4_s1 gpus=0 attempt=1\n")
+    d = write_run(root, "hc_d4_s1", [train(step, float(step), 4.0, 0.5, 10 * step) for step in range(1, 22)],
+                  state="running", updated=now)
+    record = json.loads((d / "status.json").read_text())
+    (d / "status.json").write_text(json.dumps(record | {"step": 21, "steps": 40, "last_checkpoint_step": 20,
+                                                        **status}))
+    return d
+
+
+def state_cells(root):
+    """The run's state in runs.csv and in results.md's table of runs."""
+    (row,) = csv.DictReader(open(root / "report" / "runs.csv"))
+    cells = [line for line in (root / "report" / "results.md").read_text().splitlines()
+             if line.startswith("| hc_d4_s1 |")]
+    return row["state"], cells[0].split(" | ")[1]
+
+
+def test_a_run_killed_on_this_host_reads_stopped_once_no_process_holds_its_lock(tmp_path):
+    """kill -9 leaves status.json saying running; the kernel drops the trainer's lock (RUN/.lock) at once."""
+    d = killed_matrix(tmp_path, host=socket.gethostname())
+    trainer = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(d / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "held"
+        assert command.main([str(tmp_path), "--no-plots"]) == 0
+        assert state_cells(tmp_path) == ("running", "running")
+        assert "1 running, 0 queued" in report_live.watch_view(tmp_path).splitlines()[0]
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    assert command.main([str(tmp_path), "--no-plots"]) == 0
+    known = "stopped (killed?) at step 21, last checkpoint step-20: no process holds its lock on this host"
+    assert state_cells(tmp_path) == ("stopped (killed?)", known)
+    assert "(1 stopped (killed?))" in (tmp_path / "report" / "results.md").read_text()          # the verdict
+    head, _, row, *_ = report_live.watch_view(tmp_path).splitlines()
+    assert "0 done, 0 running, 0 queued, 0 failed, 1 stopped (killed?);" in head, head
+    assert row.split()[:2] == ["0", "hc_d4_s1"] and row.endswith(known), row
+    trainer = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(d / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:                         # the view's look at the lock never kept a trainer from taking it
+        assert trainer.stdout.readline().strip() == "held"
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+@pytest.mark.parametrize("stale_after, state", [(30, "stale (killed?)"), (60, "running")])
+def test_a_run_on_another_host_reads_stale_once_its_status_is_older_than_stale_after(tmp_path, stale_after, state):
+    """Another node's lock cannot be read from here: status.json's age is what is known."""
+    d = killed_matrix(tmp_path, host="node-7")
+    record = json.loads((d / "status.json").read_text())
+    (d / "status.json").write_text(json.dumps(record | {"updated": time.time() - 40 * 60}))
+    assert command.main([str(tmp_path), "--no-plots", "--stale-after", str(stale_after)]) == 0
+    known = ("stale (killed?) at step 21, last checkpoint step-20: status.json unchanged for 40 min (written on "
+             "node-7)")
+    assert state_cells(tmp_path) == (state, known if state != "running" else "running")
+    head = report_live.watch_view(tmp_path, stale_after_min=stale_after).splitlines()[0]
+    assert ("0 running" if state != "running" else "1 running") in head, head
+
+
+def test_a_relaunched_run_is_not_judged_by_its_last_attempts_status(tmp_path):
+    """A LAUNCH newer than status.json: the trainer is starting and has not taken its lock yet."""
+    d = killed_matrix(tmp_path, host=socket.gethostname())
+    record = json.loads((d / "status.json").read_text())
+    (d / "status.json").write_text(json.dumps(record | {"updated": time.time() - 3 * 3600}))
+    (d / ".lock").touch()                       # held by no process
+    head = report_live.watch_view(tmp_path).splitlines()[0]
+    assert "1 running" in head and "killed" not in head, head
 
 
 def test_watch_view_columns_hold_under_a_long_run_name(tmp_path):

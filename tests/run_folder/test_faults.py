@@ -428,6 +428,63 @@ def test_a_crafted_non_tensor_entry_in_dcp_shards_never_runs(tmp_path):
     assert not witness.exists()
 
 
+def reshard(folder, model_state, optimizer_state):
+    """DCP's files written again from these states, their checksums fixed up in the marker (a buggy writer)."""
+    import torch.distributed.checkpoint as dcp
+    shutil.rmtree(folder / run_folder.SHARDED)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / run_folder.SHARDED,
+             no_dist=True)
+    marker = json.loads((folder / run_folder.MARKER).read_text())
+    marker["files"] = {name: run_folder.sha256(folder / name) for name in marker["files"]}
+    (folder / run_folder.MARKER).write_text(json.dumps(marker))
+
+
+def test_non_finite_dcp_shards_are_refused_by_the_load_and_never_exported(tmp_path, capsys):
+    """An FSDP resume loads the shards in the trainer (dcp_load), after the checkpoint's files verified."""
+    folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
+    moments = [state["exp_avg_sq"] for state in optimizer_state["state"].values()]
+    first = next(iter(optimizer_state["state"]))
+    for moment in moments:
+        moment.mul_(float("inf"))
+    reshard(folder, model_state, optimizer_state)
+    with pytest.raises(run_folder.NonFiniteState) as refused:
+        run_folder.dcp_load({"model": model_state, "optimizer": optimizer_state}, folder, no_dist=True)
+    assert str(refused.value) == (f"holds non-finite values (NaN or infinity) in sharded/optimizer ({len(moments)} "
+                                  f"tensors, the first state.{first}.exp_avg_sq)")
+
+    model_state["wte.weight"][0, 0] = float("nan")
+    reshard(folder, model_state, {key: value for key, value in optimizer_state.items() if key != "state"})
+    capsys.readouterr()
+    assert T.main(["--consolidate", str(folder), str(tmp_path / "nan.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # the head is tied to the embedding: one tensor under two names
+    assert "holds non-finite values (NaN or infinity) in sharded/model (2 tensors, the first wte.weight)" in err, err
+    assert not (tmp_path / "nan.pt").exists()
+
+
+NON_FINITE_RANK = """
+import sys, torch, torch.distributed as dist
+from hcstudy.finite_state import non_finite_problem
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=2)
+shard = {"optimizer": {"state": {"w": {"exp_avg_sq": torch.tensor([1.0, float("nan") if rank == 1 else 2.0])}}}}
+print(non_finite_problem(shard, across_ranks=True, where="sharded/"))
+"""
+
+
+@pytest.mark.slow
+def test_every_rank_agrees_on_a_non_finite_shard_only_one_rank_holds(tmp_path):
+    """Each rank checks its own shards; had rank 0 gone on into set_state_dict's collectives while rank 1 fell back,
+    the job would hang."""
+    ranks = [subprocess.Popen([sys.executable, "-c", NON_FINITE_RANK, str(rank), str(tmp_path / "store")], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    answers = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], answers
+    assert [out.strip() for out, _ in answers] == [
+        "holds non-finite values (NaN or infinity) in sharded/optimizer (state.w.exp_avg_sq)"] * 2
+
+
 def test_a_sharded_checkpoint_still_consolidates_and_resumes(tmp_path):
     folder, model_state, optimizer_state = sharded_checkpoint(tmp_path)
     assert run_folder.read_checkpoint(folder.parent.parent, Dist(0, 1, torch.device("cpu")), print) is not None

@@ -1,17 +1,22 @@
 """Nothing lost under any fault: the run folder's lock, damaged checkpoints replaced, every state recorded,
 every file the trainer and the report read checked (docs/reliability.md)."""
 import errno
+import fcntl
 import json
+import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from hcstudy import consolidate
+from hcstudy import contract
 from hcstudy import run_folder
 import train_c4 as T
 from hcstudy.config import Config, parse_config
@@ -118,6 +123,19 @@ def test_a_lock_whose_holder_the_kernel_does_not_name_says_how_to_find_it(tmp_pa
     with pytest.raises(ConfigError, match=r"in use by another process \(`fuser .*/\.lock` names it\)"):
         run_folder.lock_run_folder(tmp_path)
     holder.close()
+
+
+def test_a_look_at_the_lock_never_turns_a_trainer_away_and_the_host_is_recorded(finished, tmp_path):
+    """report.py tells a killed run from a live one by trying the lock (contract.run_lock_free): a trainer starting
+    at that instant waits for it instead of refusing the folder; status.json says which host's lock to try."""
+    looking = open(tmp_path / ".lock", "a")
+    fcntl.flock(looking, fcntl.LOCK_SH)
+    threading.Timer(0.2, looking.close).start()
+    trainer = run_folder.lock_run_folder(tmp_path)
+    assert contract.run_lock_free(tmp_path) is False
+    trainer.close()
+    assert contract.run_lock_free(tmp_path) is True
+    assert status_of(finished / RUN)["host"] == socket.gethostname()
 
 
 # ---- damaged, symlinked or misnamed checkpoints
@@ -614,6 +632,65 @@ def test_a_batch_size_history_that_does_not_fit_the_checkpoint_is_damaged(finish
     assert run_folder.contents_problem(files, marker) is None
     files["train_state.pt"]["batch_sizes"] = history
     assert "the batch sizes of its steps" in run_folder.contents_problem(files, marker)
+
+
+def poisoned(folder, damage):
+    """Non-finite values put into a checkpoint, checksums fixed up: NaN weights, or Adam's second moments times
+    infinity (its zeros become NaN, the rest infinite). Returns where the fallback line must say they are."""
+    if damage == "NaN weights":
+        model = torch.load(folder / "model.pt", weights_only=True)
+        reseal(folder, "model.pt", model | {"wte.weight": torch.full_like(model["wte.weight"], float("nan"))})
+        return "in model.pt (wte.weight)"
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    for state in optimizer["state"].values():
+        state["exp_avg_sq"] *= float("inf")
+    reseal(folder, "optimizer.pt", optimizer)
+    return f"in optimizer.pt ({len(optimizer['state'])} tensors, the first state.0.exp_avg_sq)"
+
+
+NON_FINITE = ["NaN weights", "Adam moments x inf"]
+
+
+@pytest.mark.parametrize("damage", NON_FINITE)
+def test_a_checkpoint_holding_non_finite_values_is_damage_and_the_previous_one_is_read(finished, tmp_path, damage):
+    _, run_dir = copy_of(finished, tmp_path)
+    where = poisoned(run_dir / "checkpoints" / "step-20", damage)
+    said = []
+    folder, files, _ = run_folder.read_checkpoint(run_dir, ONE, said.append)
+    assert folder.name == "step-10" and files["train_state.pt"]["step"] == 10
+    assert said == [f"checkpoint step-20 holds non-finite values (NaN or infinity) {where}; falling "
+                    "back to the previous one"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", NON_FINITE)
+def test_a_resume_never_trains_from_non_finite_values_nor_reads_them_as_a_divergence(finished, tmp_path, damage):
+    """Resumed from them, NaN weights stopped the run at step 21 as diverged (exit 3), a false finding; Adam's
+    moments times infinity trained on without a word."""
+    out, run_dir = copy_of(finished, tmp_path)
+    where = poisoned(run_dir / "checkpoints" / "step-20", damage)
+    code, stdout, stderr = run(out, "--steps", "30", "--allow-changed-settings")
+    assert code == 0 and stderr == "", stderr
+    assert f"checkpoint step-20 holds non-finite values (NaN or infinity) {where}" in stdout
+    assert "(step 10," in stdout and "set aside as rejected-step-20" in stdout
+    assert status_of(run_dir)["state"] == "completed" and status_of(run_dir)["step"] == 30
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(31)) and all(math.isfinite(r.get("loss", 0)) for r in records)
+
+
+@pytest.mark.parametrize("where", ["model.pt", "sharded"])
+def test_a_state_holding_non_finite_values_is_never_sealed(tmp_path, where):
+    """A NaN in what a checkpoint would hold (a file, or under FSDP a shard) stops the write before anything is
+    written: the previous checkpoint stays the newest."""
+    run_folder.write_checkpoint(tmp_path, 10, {"model.pt": {"w": torch.ones(3)}}, ONE, keep=2)
+    bad = {"w": torch.tensor([1.0, float("nan")])}
+    files, sharded = ({"model.pt": bad}, None) if where == "model.pt" else ({}, {"model": bad})
+    with pytest.raises(run_folder.NonFiniteState) as refused:
+        run_folder.write_checkpoint(tmp_path, 20, files, ONE, keep=2, sharded=sharded)
+    named = "model.pt (w)" if where == "model.pt" else "sharded/model (w)"
+    assert str(refused.value).startswith(f"checkpoint step-20 not written: the run's state holds non-finite values "
+                                         f"(NaN or infinity) in {named}, though the loss and gradient were finite")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10"]
 
 
 @pytest.mark.slow

@@ -260,10 +260,15 @@ def test_ddp_and_fsdp_share_one_precision_policy(tmp_path):
 
 
 def test_torchrun_py_leaves_the_ranks_own_line_and_their_exit_code(tmp_path):
-    """torchrun adds a ChildFailedError traceback and a failure table to every non-zero rank exit, and exits 1."""
+    """torchrun adds a ChildFailedError traceback and a failure table to every non-zero rank exit, and exits 1;
+    and it leaves a torchelastic_* folder in TMPDIR, which torchrun.py does not."""
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = {key: value for key, value in os.environ.items() if key != "PET_LOG_DIR"} | {"TMPDIR": str(tmpdir)}
     done = subprocess.run([sys.executable, str(ROOT / "torchrun.py"), "--standalone", "--nproc_per_node=2",
                            str(ROOT / "train_c4.py"), "--preset", "tiny", "--depth", "99999"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    assert list(tmpdir.iterdir()) == []
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and done.stdout == "", done.stderr
     # torchrun may end the other rank (SIGTERM) before it has said the same
