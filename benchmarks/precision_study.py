@@ -58,8 +58,10 @@ def parse_args(argv=None):
 
 
 def seed_values(row, reading) -> dict:
-    """{seed: value} of one reading, finite values only."""
-    return {run.seed: getattr(run, reading) for run in row.runs if np.isfinite(getattr(run, reading))}
+    """{seed: value} of one reading of the completed runs (a running one's last value is not its final), finite
+    values only."""
+    return {run.seed: getattr(run, reading) for run in row.runs
+            if run.state == "completed" and np.isfinite(getattr(run, reading))}
 
 
 def margin_of(label, reading):

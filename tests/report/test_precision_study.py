@@ -54,3 +54,14 @@ def test_one_seed_is_undecided_and_no_match_is_an_error(tmp_path, capsys):
     assert verdict_of(capsys.readouterr().out, "peak_fwd") == "undecided"
     (tmp_path / "empty").mkdir()
     assert precision_study.main([str(one), str(tmp_path / "empty")]) == 1
+
+
+def test_a_run_still_training_is_left_out_of_the_pairs(tmp_path, capsys):
+    fp32 = runs(tmp_path / "fp32", peaks=(100, 120, 90), losses=(3.00, 3.10, 2.90))
+    bf16 = runs(tmp_path / "bf16", peaks=(100, 120, 90), losses=(3.00, 3.10, 2.90))
+    write_run(tmp_path / "bf16", "hc_d4_s4", [{**train(1, 0.0, 9.0, 1.0, 10), **probe(1.0, 1.0)}], state="running",
+              device="cpu")
+    write_run(tmp_path / "fp32", "hc_d4_s4", [{**train(1, 0.0, 3.0, 1.0, 10), **probe(1.0, 1.0)}], device="cpu")
+    assert precision_study.main([str(fp32), str(bf16)]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if "| final_loss |" in line][0]
+    assert row.split("|")[4].strip() == "3"          # three pairs: seed 4's bf16 run has no final value yet
