@@ -2,6 +2,7 @@
 pytest's own folder."""
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,9 @@ def offline(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tiktoken"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    # what the tests' processes put in a temporary folder stays in pytest's own: a trainer killed on purpose cannot
+    # remove its multiprocessing folder (pymp-*), nor a worker that pytest-xdist ends without its exit handlers
+    scratch = tmp_path_factory.getbasetemp() / "tmp"
+    scratch.mkdir(exist_ok=True)
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
