@@ -130,7 +130,7 @@ def read_junit(path) -> list:
 
 
 def case_arm(name: str) -> str | None:
-    """The arm a case tests: its parameters' id starts with it (test_x[mhc-lite-3-True] is mhc-lite's)."""
+    """The arm a case tests: its parameters' id starts with it (test_x[hc-4-True] is hc's)."""
     params = name.partition("[")[2].rstrip("]")
     return next((arm for arm in sorted(arms.METHODS, key=len, reverse=True)
                  if params == arm or params.startswith(f"{arm}-")), None)
