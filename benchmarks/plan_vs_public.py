@@ -35,7 +35,8 @@ STUDY = ["--preset", "seed-study", "--depth", "32", "--width", "2048", "--seq-le
 CHECKED = ["--tokenizer", "gpt2", "--dtype", "bf16", "--width", "2048", "--depth", "4", "--seq-len", "1024",
            "--batch-size", "8", "--micro-batch-size", "8"]
 # published: seconds a step (the study's hours / 5,000 steps) and ms a connection call
-STUDY_STEP_S = {"baseline": 0.66 * 3600 / 5000, "hc": 4.04 * 3600 / 5000, "mhc": 4.15 * 3600 / 5000}
+# (the study's HC and mHC are our study-hc and study-mhc arms; its baseline our baseline in its recipe)
+STUDY_STEP_S = {"baseline": 0.66 * 3600 / 5000, "study-hc": 4.04 * 3600 / 5000, "study-mhc": 4.15 * 3600 / 5000}
 CONNECTION_MS = {("baseline", "reference"): 4.01, ("mhc", "reference"): 85.0, ("mhc", "triton"): 13.66}
 PAPER_OVERHEAD = 0.067
 # ours on one H200 (docs/benchmarks.md): trainer step seconds, connection ms
@@ -88,7 +89,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     rows = []
     print(f"  {'':<44} {'figure':>8} {'model':^19} {'':<3} figure")
-    print("The 1.7B study on one H100, eager (their code; our seed-study preset on the formulas), seconds a step:")
+    print("The 1.7B study on one H100, eager (their code; our study arms and seed-study preset on the formulas), seconds a step:")
     for arm, seconds in STUDY_STEP_S.items():
         rows.append(row(f"study {arm}", seconds, trainer_cost(STUDY, arm, "reference", H100), 1, "s"))
     print("One connection, 16 x 2048 tokens, width 4096, n 4, forward + backward, on an H100, ms:")

@@ -186,7 +186,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Defaults, then the presets in order, then explicit flags; every check that can fail before a run starts.
     The run's name comes from its settings, however they were asked for (contract.run_name)."""
     explicit = vars(build_parser().parse_args(argv))
-    names = flags.preset_names(explicit.pop("preset", ["c4"]), PRESETS)
+    given = flags.preset_names(explicit.pop("preset", ["c4"]), PRESETS)
+    # the study's arms bring the study's body and recipe (their declared preset), under any preset given
+    names = contract.with_arm_preset(explicit.get("residual", RunSettings.residual), ",".join(given)).split(",")
     composed = Config(**flags.compose_presets(names, PRESETS, {"shuffle_buffer": "data"}), preset=",".join(names))
     try:                # what the presets alone make impossible is theirs to answer for, not the flags'
         validate(composed)
@@ -211,7 +213,7 @@ def validate(cfg: Config) -> None:
     if arm_checks:
         arm_checks(cfg)
     if cfg.kernels in ("fused", "triton") and cfg.residual != "baseline" and choice.study_variants(cfg):
-        raise ConfigError(f"--kernels {cfg.kernels} has the papers' HC and mHC only, not the study's "
+        raise ConfigError(f"--kernels {cfg.kernels} has the papers' streams only, not the study's "
                           f"--{choice.study_variants(cfg)[0].replace('_', '-')}; use --kernels auto or reference")
     if cfg.compile_scope != "blocks" and not cfg.compile:
         raise ConfigError(f"--compile-scope {cfg.compile_scope} says what --compile compiles: add --compile")

@@ -136,16 +136,40 @@ def hub_unreachable(error) -> bool:
 # A preset that changes the recipe gets its own run names, so its runs share an out folder with the main matrix.
 RUN_NAME_SUFFIX = {"stress": "_stress", "seed-study": "_seed-study", "seed-study,stress": "_seed-study-stress"}
 
-# The public study's model and the choices of its recipe that are not sizes (docs/model.md, "The public study's
-# model"): a run whose settings are all these is named after it however it was asked (--preset seed-study or the
-# flags one by one). Its per-sequence coefficients are an arm setting (PRESET_ARM_DEFAULTS), so that its token arm
-# is named `_tok_seed-study`.
-SEED_STUDY_MODEL = dict(coefficient_norm="flat", read_stream="first", mhc_tanh=True, collapse="first",
-                        hc_dynamic="state", hc_write_init="first", mhc_res_diag=2.0, mhc_pre_bias=2.0,
-                        mhc_bias_others="zero", mhc_post_bias=2.0, dynamic_init_std=0.02, proj_init="flat",
-                        sinkhorn_order="rows-first", mixing_norm="scaled", weight_decay_on="all",
-                        mixing_precision="autocast", mhc_norm_order="norm-first", warmup_from="zero",
-                        doc_separator="none")
+# The public study's body and recipe, the choices that are not sizes (docs/model.md, "The public study's model"):
+# its HC and mHC are arms of their own (study-hc, study-mhc), whose declarations apply the seed-study preset that
+# holds these. Another arm with all of them (--residual hc --preset seed-study: the paper's HC in the study's
+# body) is named after them, `_seed-study`, however it was asked. Its per-sequence coefficients are an arm setting
+# (PRESET_ARM_DEFAULTS), so that its token arm is named `_tok`.
+SEED_STUDY_MODEL = dict(read_stream="first", collapse="first", mhc_res_diag=2.0, mhc_pre_bias=2.0, mhc_post_bias=2.0,
+                        dynamic_init_std=0.02, proj_init="flat", mixing_norm="scaled", weight_decay_on="all",
+                        mixing_precision="autocast", warmup_from="zero", doc_separator="none")
+
+# Settings of hc and mhc (and mHC's family) that made the public study's HC and mHC before those had arms of their
+# own, {arm: {setting: (the paper's value, the study's)}}: a config.json written then records them (upgraded_config)
+RETIRED_STUDY_SETTINGS = {
+    "hc": {"coefficient_norm": ("stream", "flat"), "hc_dynamic": ("stream", "state"), "hc_write_init": ("all", "first")},
+    "mhc": {"mhc_tanh": (False, True), "mhc_norm_order": ("project-first", "norm-first"),
+            "sinkhorn_order": ("columns-first", "rows-first"), "mhc_bias_others": ("minus", "zero")}}
+
+
+def upgraded_config(recorded: dict) -> dict:
+    """A config.json's settings as this version names them: a run of hc or mhc recorded with all the retired
+    settings at the study's values is one of study-hc or study-mhc, and the retired settings go; a mix of the two
+    (say an hc run with the study's norm only) is a model this version cannot build, refused."""
+    arm = recorded.get("residual")
+    retired = RETIRED_STUDY_SETTINGS.get(arm, {} if arm == "baseline" else RETIRED_STUDY_SETTINGS["mhc"])
+    values = {key: recorded[key] for key in retired if key in recorded}
+    settings = {key: value for key, value in recorded.items()
+                if not any(key in keys for keys in RETIRED_STUDY_SETTINGS.values())}
+    if arm in RETIRED_STUDY_SETTINGS and values and all(values.get(key) == study for key, (_, study) in retired.items()):
+        return {**settings, "residual": f"study-{arm}"}
+    for key, value in values.items():
+        if value != retired[key][0]:
+            raise ConfigError(f"the run records --{key.replace('_', '-')} {value}, a setting this version no longer "
+                              f"has (the public study's HC and mHC are the arms study-hc and study-mhc)")
+    return settings
+
 
 # config keys whose change makes a different model: resuming over them would mix two experiments
 MODEL_KEYS = ("residual", "depth", "width", "heads", "expansion", "seq_len", "tokenizer", "norm_eps", "coefficients",
@@ -178,6 +202,7 @@ SINKHORN_METHODS = arms.with_sinkhorn()
 COEFFICIENT_METHODS = arms.with_streams()
 # the settings only some arms have, and those arms: the trainer refuses such a flag given for another arm
 ARMS_OF = arms.arms_of()
+ARM_PRESET = {name: arm.preset for name, arm in arms.ARMS.items() if arm.preset}
 ARM_DEFAULTS = {"sinkhorn_iters": 20, "coefficients": "token"}
 PRESET_ARM_DEFAULTS = {"seed-study": {"coefficients": "sequence"}}  # the public study's per-sequence model
 COEFFICIENT_SUFFIX = {"token": "_tok", "sequence": "_seq"}
@@ -186,30 +211,37 @@ RUN_NAME = re.compile(r"^(?P<method>[A-Za-z]+(?:-[A-Za-z]+)*)_d(?P<depth>\d+)_s(
                       r"(?:_it(?P<sinkhorn_iters>\d+))?(?:_(?P<coefficients>tok|seq))?(?P<suffix>_[a-z][a-z-]*)?$")
 
 
-def named_arm(presets: str | None, settings: dict | None = None) -> str | None:
+def with_arm_preset(method: str, presets: str | None) -> str:
+    """The presets, comma separated, a run of `method` composes: its arm's own first (the study's arms: seed-study)
+    where not named already, then those given (c4, the defaults, only where nothing else is)."""
+    names = [name for name in (presets or "").split(",") if name]
+    own = ARM_PRESET.get(method, "")
+    if own and own not in names:
+        names = [own, *(name for name in names if name != "c4")]
+    return ",".join(names)
+
+
+def named_arm(method: str, presets: str | None, settings: dict | None = None) -> str | None:
     """The key of RUN_NAME_SUFFIX a run is named after: "seed-study" where the settings (else the presets, comma
-    separated, as the launcher knows them) are the study's model in every setting its arm has, "stress" where the
-    stress preset is among them."""
+    separated, as the launcher knows them) are the study's in every setting its arm has, unless its arm is the
+    study's own (`method` study-hc: the name says it); "stress" where the stress preset is among them."""
     names = (presets or "").split(",")
-    arm = (settings or {}).get("residual")
-    study = all(settings.get(k) == v for k, v in SEED_STUDY_MODEL.items() if arm in ARMS_OF.get(k, (arm,))) \
+    study = all(settings.get(k) == v for k, v in SEED_STUDY_MODEL.items() if method in ARMS_OF.get(k, (method,))) \
         if settings else "seed-study" in names
+    study = study and ARM_PRESET.get(method) != "seed-study"
     return ",".join(name for name, applies in (("seed-study", study), ("stress", "stress" in names)) if applies) or None
 
 
 def launcher_settings(method: str, presets: str | None, flags: list[str]) -> dict:
     """The settings named_arm reads, as far as the launcher knows them before any trainer runs: the study's where
-    the presets include seed-study (else unknown), then each trainer flag after `--` that sets one (`--no-mhc-tanh`,
-    `--hc-write-init all`, `--mhc-post-bias=0`), so that the launcher names a run as the trainer would."""
-    study = "seed-study" in (presets or "").split(",")
+    the presets (the arm's own among them) include seed-study (else unknown), then each trainer flag after `--` that
+    sets one (`--read-stream rotate`, `--mhc-post-bias=0`), so that the launcher names a run as the trainer would."""
+    study = "seed-study" in with_arm_preset(method, presets).split(",")
     settings = {"residual": method, **{key: value if study else None for key, value in SEED_STUDY_MODEL.items()}}
     for i, arg in enumerate(flags):
         flag, has_value, inline = arg.partition("=")
         key = flag[2:].replace("-", "_") if flag.startswith("--") else ""
-        switch = key.removeprefix("no_")
-        if isinstance(SEED_STUDY_MODEL.get(switch), bool):
-            settings[switch] = key == switch
-        elif key in SEED_STUDY_MODEL:
+        if key in SEED_STUDY_MODEL:
             value = inline if has_value else (flags[i + 1] if i + 1 < len(flags) else "")
             with contextlib.suppress(ValueError):       # a bad number: the trainer refuses it before any launch
                 settings[key] = float(value) if isinstance(SEED_STUDY_MODEL[key], float) else value.lower()
@@ -222,8 +254,8 @@ def _arm_defaults(preset):
 
 def arm_settings(method, preset=None, sinkhorn_iters=None, coefficients=None):
     """(sinkhorn_iters, coefficients) as they apply to `method`: None where it has no such setting, the preset's
-    default where not given."""
-    defaults = _arm_defaults(preset)
+    (or the arm's own preset's) default where not given."""
+    defaults = _arm_defaults(with_arm_preset(method, preset))
     iters = (sinkhorn_iters or defaults["sinkhorn_iters"]) if method in SINKHORN_METHODS else None
     coefficients = (coefficients or defaults["coefficients"]) if method in COEFFICIENT_METHODS else None
     return iters, coefficients
@@ -234,8 +266,8 @@ def run_name(method, depth, seed, preset=None, sinkhorn_iters=None, coefficients
     then the named arm's suffix (named_arm: from `settings` where given, else the presets `preset` names):
     `hc_d48_s123`, `mhc_d32_s42_it100`, `hc_d32_s42_seq`, `hc_d32_s42_seed-study`."""
     iters, coefficients = arm_settings(method, preset, sinkhorn_iters, coefficients)     # what the run trains
-    preset = named_arm(preset, settings)
-    defaults = _arm_defaults(preset)                                    # what its name is told apart from
+    preset = named_arm(method, with_arm_preset(method, preset), settings)
+    defaults = _arm_defaults(with_arm_preset(method, preset))           # what its name is told apart from
     arm = f"_it{iters}" if iters not in (None, defaults["sinkhorn_iters"]) else ""
     arm += COEFFICIENT_SUFFIX[coefficients] if coefficients not in (None, defaults["coefficients"]) else ""
     return f"{method}_d{depth}_s{seed}{arm}{RUN_NAME_SUFFIX.get(preset, '')}"

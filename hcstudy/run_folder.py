@@ -28,8 +28,8 @@ import torch
 
 from hcstudy.contract import (CHECKPOINT_MARKER as MARKER, CHECKPOINTS, CONFIG_FILE, EXIT_BAD_CONFIG,
                               LOCK_PROBE_GRACE_S, METRICS_FILE, MODEL_KEYS, RUN_LOCK, STATUS_FILE, TRAIN_LOG,
-                              TRAINING_KEYS, ConfigError, TrainerError, this_host, write_atomically,
-                              write_json_atomic)
+                              TRAINING_KEYS, ConfigError, TrainerError, this_host, upgraded_config,
+                              write_atomically, write_json_atomic)
 from hcstudy.finite_state import NonFiniteState, non_finite_problem
 
 # ----------------------------------------------------------------------------------------------
@@ -428,6 +428,7 @@ def check_resumable(run_dir: Path, cfg, log: RunLog | None = None) -> dict:
 def settings_changes(old: dict, cfg, source: str) -> dict:
     """The training settings `cfg` changes from those `source` (a run folder, a checkpoint) recorded in `old`
     ({key: [old, new]}); a different model refused, changed training settings unless --allow-changed-settings."""
+    old = upgraded_config(old)                                           # as this version names the settings
     recorded = {key: old.get(key, field.default) for key, field in type(cfg).__dataclass_fields__.items()}
     for key in MODEL_KEYS:                                               # a key newer than the run: its default
         if recorded[key] != getattr(cfg, key):

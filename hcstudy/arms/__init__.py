@@ -16,6 +16,8 @@ Field of the declaration (the defaults of Arm below apply where one is left out)
   streams                       False for the plain residual alone: no streams, no coefficients, gain 1
   sinkhorn                      it projects H_res by Sinkhorn (takes --sinkhorn-iters, names runs _it{N})
   pilot                         run_experiments.sh --pilot runs it (docs/pilot.md)
+  preset                        the --preset its source trained it with (the public study's arms: seed-study),
+                                applied first: any --preset given and every flag still win
   kernels                       the fast paths its file registers in KERNEL_PATHS: "fused", "triton"
   settings                      its own flags: {name: (default, allowed, help)}, allowed the inclusive bounds
                                 of a number, the choices of a name, None for a switch
@@ -45,6 +47,7 @@ class Arm:
     streams: bool = True
     sinkhorn: bool = False
     pilot: bool = True
+    preset: str = ""
     kernels: tuple = ()
     settings: dict = dataclasses.field(default_factory=dict)
     uses: tuple = ()

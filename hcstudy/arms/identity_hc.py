@@ -10,7 +10,7 @@ ARM = dict(
     summary="mHC's read and write, H_res = I fixed: is the mixing needed at all?",
     paper="an ablation of mHC (arXiv 2512.24880)",
     kernels=("triton",),
-    uses=("mhc_gate_init", "mhc_pre_bias", "mhc_tanh", "mhc_post_bias", "mhc_bias_others", "mhc_norm_order"),
+    uses=("mhc_gate_init", "mhc_pre_bias", "mhc_post_bias"),
     style={"color": "tab:purple", "ls": (0, (1, 2)), "marker": "v", "zorder": 4},
 )
 

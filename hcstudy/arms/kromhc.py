@@ -29,8 +29,7 @@ ARM = dict(
     summary="H_res a Kronecker product of small doubly stochastic factors: exact, no iterations, few logits",
     paper="Zhou et al., KromHC, arXiv 2601.21579",
     kernels=(),
-    uses=("mhc_res_diag", "mhc_gate_init", "mhc_pre_bias", "mhc_tanh", "mhc_post_bias", "mhc_bias_others",
-          "mhc_norm_order"),
+    uses=("mhc_res_diag", "mhc_gate_init", "mhc_pre_bias", "mhc_post_bias"),
     style={"color": "tab:orange", "ls": "-.", "marker": "X", "zorder": 3},
 )
 LARGEST_FACTOR = 5      # a factor of 7 would be 5,040 logits per token and sublayer, as mHC-lite's n = 7

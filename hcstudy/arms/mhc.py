@@ -10,9 +10,9 @@ Gates a_* start at 0.01, phi at 0. Where the paper gives no init (decisions, doc
 b_res = c I (c = 4: H_res's diagonal ~0.95), b_pre +c on stream k mod n and -c elsewhere.
 
 Its family (the arms whose Connection subclasses this one) shares the read and the write (this file's settings and
-`Connection.coefficients`) and makes H_res its own way (`mixing`, `res_logit_count`, `res_bias`).
-The public study's variants (--mhc-tanh, --mhc-norm-order norm-first, --sinkhorn-order rows-first, ...) are
-settings of this arm: docs/model.md, "The public study's model".
+`Connection.coefficients`) and makes H_res its own way (`mixing`, `res_logit_count`, `res_bias`); a member may make the logits z
+(`logits`) and the biases of the read and the write (`read_biases`) its own way too.
+The public study's mHC, a member of the family with its own logits, biases and Sinkhorn, is study_mhc.py.
 """
 import torch
 import torch.nn as nn
@@ -28,34 +28,19 @@ ARM = dict(
     kernels=("fused", "triton"),
     settings={
         "sinkhorn_iters": (20, (1, 10_000), "Sinkhorn-Knopp iterations per mHC mixing matrix"),
-        "sinkhorn_order": ("columns-first", ("columns-first", "rows-first"), "Sinkhorn: the first pair in the log "
-                           "domain, columns then rows (rows exact); or exp, then rows then columns, each divided by "
-                           "its sum + 1e-8 (columns exact; the study's)"),
         "mhc_res_diag": (4.0, (-1e6, 1e6), "mHC b_res = c * I: the diagonal bias of H_res's logits (c=4: diagonal "
                          "~0.95 at init)"),
         "mhc_gate_init": (0.01, (-1e6, 1e6), "initial mHC gates a_pre, a_post, a_res"),
         "mhc_pre_bias": (4.0, (-1e6, 1e6), "mHC b_pre: +c on the stream read (--read-stream), -c elsewhere"),
-        "mhc_tanh": (False, None, "a tanh on mHC's projected logits z, before the gates and biases"),
         "mhc_post_bias": (0.0, (-1e6, 1e6), "mHC b_post: +c on the stream read (--read-stream), 0 elsewhere"),
-        "mhc_bias_others": ("minus", ("minus", "zero"), "mHC b_pre off the stream read: -c (--mhc-pre-bias) or 0 "
-                            "(the study's)"),
-        "mhc_norm_order": ("project-first", ("project-first", "norm-first"), "mHC divides by the RMS of vec(x) "
-                           "after its projection phi (ours, as the kernels fuse it), or before it (the study's)"),
     },
     style={"color": "tab:blue", "ls": "-", "marker": "s", "zorder": 2},
 )
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, rows_first: bool = False) -> torch.Tensor:
-    """exp(logits) made doubly stochastic by `iters` column-then-row normalisations, in fp32 or wider; rows_first:
-    the study's, row-then-column on the linear scale with 1e-8 added to every sum."""
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """exp(logits) made doubly stochastic by `iters` column-then-row normalisations, in fp32 or wider."""
     P = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if rows_first:
-        P = P.exp()
-        for _ in range(iters):
-            P = P / (P.sum(-1, keepdim=True) + 1e-8)
-            P = P / (P.sum(-2, keepdim=True) + 1e-8)
-        return P
     # the first pair in the log domain: the same maths, but it cannot overflow or leave a zero sum (docs/model.md)
     P = P - P.logsumexp(-2, keepdim=True)
     return balance((P - P.logsumexp(-1, keepdim=True)).exp(), iters - 1)
@@ -76,43 +61,43 @@ def res_logit_count(n: int) -> int:
 
 class Connection(StreamMixing):
     """mHC: coefficients from the whole flattened state. A family member overrides `res_logit_count` (its z_res's
-    size), `res_bias` (b_res at init) and `mixing` (H_res from z_res)."""
+    size), `res_bias` (b_res at init) and `mixing` (H_res from z_res), and may override `logits` (z from vec(x))
+    and `read_biases` (b_pre, b_post at init)."""
     arm = "mhc"
     res_logit_count = staticmethod(res_logit_count)
 
     def __init__(self, cfg, sublayer_index: int, path: str = "reference"):
         super().__init__(cfg, path)
         n, mixes = self.n, self.res_logit_count(self.n) > 0
-        self.iters, self.rows_first = cfg.sinkhorn_iters, cfg.sinkhorn_order == "rows-first"
-        self.tanh, self.norm_first = cfg.mhc_tanh, cfg.mhc_norm_order == "norm-first"
+        self.iters = cfg.sinkhorn_iters
         self.phi = nn.Linear(n * cfg.width, 2 * n + self.res_logit_count(n), bias=False)    # [z_pre | z_post | z_res]
         nn.init.zeros_(self.phi.weight)
         self.a_pre, self.a_post = (nn.Parameter(torch.tensor(cfg.mhc_gate_init)) for _ in range(2))
         if mixes:
             self.a_res = nn.Parameter(torch.tensor(cfg.mhc_gate_init))
-        # the paper gives no bias init (docs/model.md): read mostly one stream, write 1, H_res near I
-        read = read_stream(cfg, sublayer_index)
-        self.b_pre = nn.Parameter(torch.where(read.bool(), cfg.mhc_pre_bias,
-                                              -cfg.mhc_pre_bias if cfg.mhc_bias_others == "minus" else 0.0))
-        self.b_post = nn.Parameter(cfg.mhc_post_bias * read.float())
+        self.b_pre, self.b_post = (nn.Parameter(b) for b in self.read_biases(cfg, read_stream(cfg, sublayer_index)))
         if mixes:
             self.b_res = nn.Parameter(self.res_bias(cfg))
 
+    # the paper gives no bias init (docs/model.md): read mostly one stream, write 1, H_res near I
+    def read_biases(self, cfg, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """b_pre, b_post (n,) at init, `read` the one-hot stream this sublayer reads."""
+        return torch.where(read.bool(), cfg.mhc_pre_bias, -cfg.mhc_pre_bias), cfg.mhc_post_bias * read.float()
+
     def res_bias(self, cfg) -> torch.Tensor:
         return cfg.mhc_res_diag * torch.eye(cfg.expansion)
+
+    def logits(self, v: torch.Tensor) -> torch.Tensor:
+        """z = (v phi) / rms(v) for the flattened state v (..., n C): the division after the projection, as the
+        kernels fold it (the same maths as before it, but for rounding)."""
+        inv_rms = torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
+        return F.linear(self.scaled(v.unflatten(-1, (self.n, -1))).flatten(-2), self.phi.weight.to(v.dtype)) * inv_rms
 
     def coefficients(self, x):
         """H_pre, H_post (..., n), H_res (..., n, n) and the logits projected, for the streams x (..., n, C)."""
         n, dtype = self.n, torch.promote_types(x.dtype, torch.float32)
         with mixing_autocast(x, self.autocast):
-            v = x.flatten(-2).to(dtype)                                          # vec(x), nC per token
-            inv_rms = torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
-            if self.norm_first:         # the study's: normalised (and scaled) before the projection
-                z = F.linear(self.scaled((v * inv_rms).unflatten(-1, (n, -1))).flatten(-2), self.phi.weight.to(dtype))
-            else:                       # the paper's z = (v phi) / r, as the kernels fuse it
-                z = F.linear(self.scaled(v.unflatten(-1, (n, -1))).flatten(-2), self.phi.weight.to(dtype)) * inv_rms
-            if self.tanh:               # the public study's: bounded logits before the gates and biases
-                z = torch.tanh(z)
+            z = self.logits(x.flatten(-2).to(dtype))                           # from vec(x), nC per token
             z_pre, z_post, z_res = z.split([n, n, z.shape[-1] - 2 * n], dim=-1)
             H_pre = torch.sigmoid(self.a_pre * z_pre + self.b_pre)
             H_post = 2 * torch.sigmoid(self.a_post * z_post + self.b_post)
@@ -121,7 +106,7 @@ class Connection(StreamMixing):
     def mixing(self, z_res):
         """H_res (..., n, n) and the logits Sinkhorn projected (the probe measures their truncation)."""
         res_logits = self.a_res * z_res.unflatten(-1, (self.n, self.n)) + self.b_res
-        return sinkhorn(res_logits, self.iters, self.rows_first), res_logits
+        return sinkhorn(res_logits, self.iters), res_logits
 
 
 Connection.KERNEL_PATHS = {"fused": fused_update(fused.mhc_coefficients), "triton": triton_update("mhc_read")}

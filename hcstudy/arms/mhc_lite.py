@@ -20,8 +20,7 @@ ARM = dict(
     summary="H_res a softmax mixture of the n! permutation matrices: doubly stochastic, no iterations",
     paper="mHC-lite, arXiv 2601.05732",
     kernels=("triton",),
-    uses=("mhc_res_diag", "mhc_gate_init", "mhc_pre_bias", "mhc_tanh", "mhc_post_bias", "mhc_bias_others",
-          "mhc_norm_order"),
+    uses=("mhc_res_diag", "mhc_gate_init", "mhc_pre_bias", "mhc_post_bias"),
     style={"color": "tab:green", "ls": "-", "marker": "D", "zorder": 2},
 )
 MAX_EXPANSION = 6       # 720 permutations; 7 would be 5,040 logits per token and sublayer

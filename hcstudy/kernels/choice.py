@@ -9,8 +9,8 @@ import torch
 from hcstudy import arms
 from hcstudy.contract import ConfigError, error_line, load_check, timed_steps
 
-# the public study's variants that change the connections' maths, not only their initial values
-STUDY_VARIANTS = ("mixing_norm", "mixing_precision", "mhc_norm_order", "hc_dynamic", "sinkhorn_order")
+# the public study's settings of the streams every arm shares that change their maths, not only their initial values
+STUDY_VARIANTS = ("mixing_norm", "mixing_precision")
 
 
 def study_variants(cfg) -> list[str]:
@@ -21,11 +21,10 @@ def study_variants(cfg) -> list[str]:
 
 def supports(cfg, path: str = "fused") -> bool:
     """Whether a path has the run's arm: the formulas (reference) always; a kernel path where the arm's file
-    registers it (its declaration's `kernels`) and the run asks for the papers' per-token coefficients. The public
-    study's variants run the formulas (config.json's "kernels"); config.validate refuses an explicit --kernels fused
-    or triton for them (study_variants)."""
-    papers = cfg.coefficients == "token" and cfg.collapse == "sum" and cfg.coefficient_norm == "stream" \
-        and not cfg.mhc_tanh and not study_variants(cfg)
+    registers it (its declaration's `kernels`; the study's arms register none) and the run asks for the papers'
+    per-token coefficients. The public study's variants of the streams run the formulas (config.json's "kernels");
+    config.validate refuses an explicit --kernels fused or triton for them (study_variants)."""
+    papers = cfg.coefficients == "token" and cfg.collapse == "sum" and not study_variants(cfg)
     return path == "reference" or (path in arms.ARMS[cfg.residual].kernels and papers)
 
 

@@ -26,17 +26,17 @@ class Published(NamedTuple):
 
 
 # The papers measure per token (our amax_fwd/amax_bwd, token coefficients), the study with its own recipe on its own
-# training batch at every step (our amax_study_train) on its model (--preset seed-study).
+# training batch at every step (our amax_study_train) on its model (the arms study-hc and study-mhc).
 PAPERS_27B = "mHC paper (arXiv 2512.24880), 27B"
 STUDY = "public 1.7B study"
 PUBLISHED = (
     Published(PAPERS_27B, "hc", None, "up to about 3000", ("peak_fwd", "peak_bwd"), "token", 3000.0),
     Published(PAPERS_27B, "mhc", None, "at most about 1.6", ("peak_fwd", "peak_bwd"), "token", 1.6),
-    Published(f"{STUDY}, 3 seeds", "hc", 32, "10,924 ± 3,247", ("peak_study_train",), "sequence", 10924.0, 3247.0),
-    Published(STUDY, "hc", 48, "3,721", ("peak_study_train",), "sequence", 3721.0),
-    Published(f"{STUDY}, stress record", "hc", 48, "3,814", ("peak_study_train",), "sequence", 3814.0),
-    Published(f"{STUDY}, stress arm (3x lr)", "hc", 64, "14,765", ("peak_study_train",), "sequence", 14765.0),
-    Published(STUDY, "mhc", 32, "1.00", ("peak_study_train",), "sequence", 1.0),
+    Published(f"{STUDY}, 3 seeds", "study-hc", 32, "10,924 ± 3,247", ("peak_study_train",), "sequence", 10924.0, 3247.0),
+    Published(STUDY, "study-hc", 48, "3,721", ("peak_study_train",), "sequence", 3721.0),
+    Published(f"{STUDY}, stress record", "study-hc", 48, "3,814", ("peak_study_train",), "sequence", 3814.0),
+    Published(f"{STUDY}, stress arm (3x lr)", "study-hc", 64, "14,765", ("peak_study_train",), "sequence", 14765.0),
+    Published(STUDY, "study-mhc", 32, "1.00", ("peak_study_train",), "sequence", 1.0),
 )
 READING = {("peak_fwd", "peak_bwd"): "amax_fwd / amax_bwd", ("peak_study_train",): STUDY_TRAIN_KEY}
 
@@ -44,11 +44,10 @@ READING = {("peak_fwd", "peak_bwd"): "amax_fwd / amax_bwd", ("peak_study_train",
 def published_matches(rows, method, depth, fields, coefficients):
     """'amax_fwd 43.6 / amax_bwd 42.7 (label, depth d)' of each of our rows that compares with one published figure,
     each reading named (a forward and a backward figure are never read as one); the study's figures with its own
-    model only (the seed-study arm)."""
+    model only (its arms study-hc and study-mhc: the published rows name them)."""
     found = []
     for row in rows:
-        if (row.method, row.coefficients) != (method, coefficients) or depth not in (None, row.depth) or \
-                coefficients == "sequence" and "seed-study" not in row.arm:
+        if (row.method, row.coefficients) != (method, coefficients) or depth not in (None, row.depth):
             continue
         values = [f"{f.replace('peak_', 'amax_')} {fmt_gain(row.stats[f].mean)}" for f in fields
                   if not math.isnan(row.stats[f].mean)]
@@ -65,7 +64,7 @@ def reference_block(rows):
                ("peak composite gain", lambda p: p.figure),
                ("our reading", lambda p: READING[p.fields]),
                ("our arm", lambda p: "token coefficients (default)" if p.coefficients == "token" else
-                "--preset seed-study"),
+                "the study's own (--residual study-hc, study-mhc)"),
                ("ours here", lambda p: "; ".join(published_matches(rows, p.method, p.depth, p.fields,
                                                                  p.coefficients)) or "no such run")]
     return [markdown(columns, PUBLISHED), "",
@@ -73,7 +72,7 @@ def reference_block(rows):
             "token-coefficient arms. The public study's figures are the peak over training steps of its own recipe "
             f"(H averaged over the training batch, multiplied in reverse order over the full depth, the larger of "
             f"the largest absolute row and column sums: our {STUDY_TRAIN_KEY}, logged every step) on its own model: "
-            f"compare them with {STUDY_TRAIN_KEY} of our seed-study arm (--preset seed-study), not with our "
+            f"compare them with {STUDY_TRAIN_KEY} of our study-hc and study-mhc arms, not with our "
             "per-token readings nor the probe's amax_study (held-out batch, every --metrics-every steps)."]
 
 
@@ -85,6 +84,6 @@ def reference_verdict(rows):
              for ours in [published_matches(rows, p.method, p.depth, p.fields, p.coefficients)] if ours]
     if not pairs:
         return ("**published figures**: no arm here compares directly (per-token amax_fwd/amax_bwd of HC or mHC "
-                f"for the papers, {STUDY_TRAIN_KEY} of the seed-study arm for the public study); see the reference "
+                f"for the papers, {STUDY_TRAIN_KEY} of study-hc and study-mhc for the public study); see the reference "
                 "block.")
     return "**published figures**: " + "; ".join(pairs) + "."

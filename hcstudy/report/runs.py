@@ -19,8 +19,8 @@ import numpy as np
 from hcstudy import arms
 from hcstudy.contract import (ARM_DEFAULTS, COEFFICIENT_SUFFIX, CONFIG_FILE, METHODS, METRICS_FILE, RUN_NAME,
                               RUN_NAME_SUFFIX, SEED_STUDY_MODEL, STATUS_FILE, STREAM_KEYS, STREAM_LAYER_KEYS,
-                              STUDY_TRAIN_KEY, arm_settings, named_arm, open_regular, read_json, run_lock_free,
-                              this_host)
+                              STUDY_TRAIN_KEY, ConfigError, arm_settings, named_arm, open_regular, read_json,
+                              run_lock_free, this_host, upgraded_config, with_arm_preset)
 
 CORE_METHODS = METHODS[:3]         # the verdict says when one of these is missing at a depth
 METHOD_LABEL = {name: arm.label for name, arm in arms.ARMS.items()}     # each arm's declaration
@@ -132,15 +132,21 @@ class Arm(NamedTuple):
         """'HC', 'mHC (100 it)', 'HC (per-sequence) [seed-study]': the method and what sets the arm apart."""
         default_iters = self.sinkhorn_iters in (None, ARM_DEFAULTS["sinkhorn_iters"])
         tags = [] if default_iters else [f"{self.sinkhorn_iters} it"]
-        tags += ["per-sequence"] if self.coefficients == "sequence" else []
+        own = arm_settings(self.method)[1]          # the arm's own coefficients (the study's arms: per sequence)
+        tags += [f"per-{self.coefficients}"] if self.coefficients not in (None, own) else []
         name = METHOD_LABEL.get(self.method, self.method) + (f" ({', '.join(tags)})" if tags else "")
         return f"{name} [{self.preset}]" if with_preset and self.preset else name
 
 
 def settings(config):
-    """The resolved settings inside config.json ({} when missing or malformed)."""
+    """The resolved settings inside config.json, as this version names them ({} when missing, malformed or a model
+    this version cannot build: contract.upgraded_config)."""
     cfg = (config or {}).get("config")
-    return cfg if isinstance(cfg, dict) else {}
+    try:
+        return upgraded_config(cfg) if isinstance(cfg, dict) else {}
+    except ConfigError as error:
+        warn(f"config.json: {error}")
+        return {}
 
 
 def _num(v):
@@ -264,8 +270,9 @@ def arm_of(folder, config, method):
     m = RUN_NAME.match(folder.name)
     named = m.groupdict() if m else {}
     preset = cfg.get("preset") if isinstance(cfg.get("preset"), str) else PRESET_OF_SUFFIX.get(named.get("suffix"), "")
-    if all(key in cfg for key in SEED_STUDY_MODEL):      # the study's arm where its settings are, however asked
-        preset = named_arm(preset, cfg) or ",".join(name for name in preset.split(",") if name != "seed-study") or "c4"
+    if all(key in cfg for key in SEED_STUDY_MODEL):      # the study's body where its settings are, however asked
+        preset = named_arm(method, preset, cfg) or ",".join(name for name in preset.split(",") if name != "seed-study") or "c4"
+    preset = with_arm_preset(method, preset)             # the study's arms: their own preset, however recorded
     iters = cfg.get("sinkhorn_iters") if isinstance(cfg.get("sinkhorn_iters"), int) else named.get("sinkhorn_iters")
     coefficients = cfg.get("coefficients") if isinstance(cfg.get("coefficients"), str) \
         else COEFFICIENTS_OF_SUFFIX.get(named.get("coefficients"))

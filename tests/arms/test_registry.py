@@ -23,7 +23,7 @@ from hcstudy.arms import mhc
 ARM = dict(
     name="trial", label="Trial-HC", order=50,
     summary="a test's arm", paper="none",
-    uses=("mhc_gate_init", "mhc_pre_bias", "mhc_tanh", "mhc_post_bias", "mhc_bias_others", "mhc_norm_order"),
+    uses=("mhc_gate_init", "mhc_pre_bias", "mhc_post_bias"),
     settings={"trial_knob": (3, (0, 10), "a setting only this arm has")},
     style={"color": "tab:olive", "ls": "-", "marker": "*", "zorder": 3},
 )

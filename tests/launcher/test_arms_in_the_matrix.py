@@ -92,10 +92,10 @@ def test_a_preset_after_the_separator_names_the_runs(tmp_path):
 
 
 @pytest.mark.parametrize("method, extra", [
-    ("mhc", ["--no-mhc-tanh"]), ("mhc", ["--mhc-post-bias=0"]), ("mhc", ["--mhc-post-bias", "2"]),
-    ("hc", ["--hc-write-init", "ALL"]), ("hc", ["--proj-init", "flat"]), ("hc", []),
-    ("hc", ["--warmup-from", "one-step"]), ("mhc", ["--doc-separator=eot"]),
-    ("mhc", ["--mhc-norm-order", "Project-First"]),
+    ("mhc", ["--mhc-post-bias=0"]), ("mhc", ["--mhc-post-bias", "2"]), ("hc", ["--read-stream", "ROTATE"]),
+    ("hc", ["--proj-init", "flat"]), ("hc", []), ("hc", ["--warmup-from", "one-step"]),
+    ("mhc", ["--doc-separator=eot"]), ("study-hc", []), ("study-mhc", ["--mhc-res-diag", "4"]),
+    ("study-hc", ["--collapse", "sum"]),
 ])
 def test_a_study_setting_turned_back_after_the_separator_names_the_run_as_the_trainer_does(tmp_path, method, extra):
     opt, jobs = jobs_of(tmp_path, "--residual", method, "--depth", "4", "--seed", "1", "--", "--preset",
@@ -105,12 +105,21 @@ def test_a_study_setting_turned_back_after_the_separator_names_the_run_as_the_tr
     assert [j.name for j in jobs] == [alone.run_name]
 
 
+def test_the_study_arms_bring_their_preset_in_the_matrix_as_alone(tmp_path):
+    opt, jobs = jobs_of(tmp_path, "--residual", "study-hc,study-mhc", "--depth", "4", "--seed", "1", "--",
+                        "--preset", "demo")
+    alone = [parse_config(["--residual", method, "--depth", "4", "--seed", "1", "--preset", "demo"])
+             for method in ("study-hc", "study-mhc")]
+    assert [j.name for j in jobs] == [cfg.run_name for cfg in alone] == ["study-hc_d4_s1", "study-mhc_d4_s1"]
+    assert [cfg.preset for cfg in alone] == ["seed-study,demo"] * 2
+
+
 def test_demo_all_runs_every_arm_and_demo_stays(tmp_path):
     _, demo = jobs_of(tmp_path, "--demo")
     _, every = jobs_of(tmp_path, "--demo-all")
     assert [j.name for j in demo] == ["baseline_d4_s42", "hc_d4_s42", "mhc_d4_s42"]
     assert [j.name for j in every] == ["baseline_d4_s42", "hc_d4_s42", "mhc_d4_s42", "mhc-lite_d4_s42",
-                                       "identity-hc_d4_s42", "kromhc_d4_s42"]
+                                       "identity-hc_d4_s42", "kromhc_d4_s42", "study-hc_d4_s42", "study-mhc_d4_s42"]
 
 
 def test_the_pilot_is_the_documented_cpu_matrix(tmp_path):
@@ -237,8 +246,8 @@ def test_plots_give_each_arm_its_own_line_and_colour(tmp_path):
 def test_results_carry_the_published_figures_and_say_which_arm_compares(tmp_path):
     write_run(tmp_path, "hc_d32_s1", 300.0, {"coefficients": "token"}, study=200.0)
     # the study's figures: the peak over steps of its reading on the training batch (falling here from 9,000 at
-    # the first step), not the probe's amax_study, and of the seed-study arm only, not of our per-sequence model
-    write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {"preset": "seed-study", "coefficients": "sequence"},
+    # the first step), not the probe's amax_study, and of the study's own arm only, not of our per-sequence HC
+    write_run(tmp_path, "study-hc_d32_s1", 50.0, {"preset": "seed-study", "coefficients": "sequence"},
               study=8000.0, study_train=9000.0)
     write_run(tmp_path, "hc_d48_s1_seq", 50.0, {"coefficients": "sequence"}, study=7000.0, study_train=7000.0)
     assert command.main([str(tmp_path), "--no-plots"]) == 0
@@ -246,17 +255,18 @@ def test_results_carry_the_published_figures_and_say_which_arm_compares(tmp_path
     block = text[text.index("## Published figures"):text.index("## Verdict")]
     for figure in ("up to about 3000", "at most about 1.6", "10,924 ± 3,247", "14,765", "| 1.00 |"):
         assert figure in block
-    # per token: our HC at token coefficients; the study: its own reading of the seed-study arm
+    # per token: our HC at token coefficients; the study: its own reading of its own arm
     assert "| mHC paper (arXiv 2512.24880), 27B | HC | – | up to about 3000 | amax_fwd / amax_bwd | " \
            "token coefficients (default) | amax_fwd 300 / amax_bwd 300 (HC [c4], depth 32) |" in block
-    assert "| public 1.7B study, 3 seeds | HC | 32 | 10,924 ± 3,247 | amax_study_train | --preset seed-study " \
-           "| amax_study_train 9,000 (HC (per-sequence) [seed-study], depth 32) |" in block
-    assert "| public 1.7B study | HC | 48 | 3,721 | amax_study_train | --preset seed-study | no such run |" in block
-    assert "stress arm (3x lr) | HC | 64 | 14,765 | amax_study_train | --preset seed-study | no such run |" in block
+    study_arm = "the study's own (--residual study-hc, study-mhc)"
+    assert f"| public 1.7B study, 3 seeds | study's HC | 32 | 10,924 ± 3,247 | amax_study_train | {study_arm} " \
+           "| amax_study_train 9,000 (study's HC [seed-study], depth 32) |" in block
+    assert f"| public 1.7B study | study's HC | 48 | 3,721 | amax_study_train | {study_arm} | no such run |" in block
+    assert f"stress arm (3x lr) | study's HC | 64 | 14,765 | amax_study_train | {study_arm} | no such run |" in block
     verdict = text[text.index("## Verdict"):text.index("## Runs")]
     assert ("**published figures**: HC amax_fwd 300 / amax_bwd 300 (HC [c4], depth 32) against up to about 3000 "
-            "(mHC paper (arXiv 2512.24880), 27B); HC amax_study_train 9,000 (HC (per-sequence) [seed-study], "
-            "depth 32) against 10,924 ± 3,247 (public 1.7B study, 3 seeds, depth 32).") in verdict
+            "(mHC paper (arXiv 2512.24880), 27B); study's HC amax_study_train 9,000 (study's HC [seed-study], depth 32) "
+            "against 10,924 ± 3,247 (public 1.7B study, 3 seeds, depth 32).") in verdict
 
 
 def test_without_a_matching_arm_the_verdict_says_so(tmp_path):
@@ -265,14 +275,19 @@ def test_without_a_matching_arm_the_verdict_says_so(tmp_path):
     assert "**published figures**: no arm here compares directly" in text
 
 
-def test_the_study_arm_is_told_by_its_settings_however_it_was_asked(tmp_path):
-    """The study's model asked for flag by flag is the seed-study arm; the preset with one setting turned back is
-    not, and neither compares with the study's figures."""
-    study = {**contract.SEED_STUDY_MODEL, "coefficients": "sequence"}
-    write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {"preset": "c4", **study}, study_train=9000.0)
-    write_run(tmp_path, "hc_d32_s2_seq", 50.0, {"preset": "seed-study", **study, "hc_write_init": "all"}, seed=2,
-              study_train=5000.0)
+def test_a_study_run_from_before_its_arms_is_read_as_its_arm(tmp_path, capsys):
+    """A run recorded as hc with the retired settings at the study's values is the study's HC and compares with the
+    study's figures; the paper's HC in the study's body and recipe is named after the preset and does not; a run
+    that mixed the two is a model this version cannot build: left out of the table with a warning."""
+    body = {**contract.SEED_STUDY_MODEL, "coefficients": "sequence", "preset": "seed-study"}
+    retired = {key: study for key, (_, study) in contract.RETIRED_STUDY_SETTINGS["hc"].items()}
+    write_run(tmp_path, "hc_d32_s1_seed-study", 50.0, {**body, **retired}, study_train=9000.0)
+    write_run(tmp_path, "hc_d32_s2_seed-study", 50.0, body, seed=2, study_train=5000.0)
+    write_run(tmp_path, "hc_d32_s3_seed-study", 50.0, {**body, **retired, "hc_write_init": "all"}, seed=3,
+              study_train=7000.0)
     rows = aggregate.collect(tmp_path)
-    assert sorted(r.label for r in rows) == ["HC (per-sequence) [c4]", "HC (per-sequence) [seed-study]"]
-    assert published.published_matches(rows, "hc", 32, ("peak_study_train",), "sequence") == [
-        "amax_study_train 9,000 (HC (per-sequence) [seed-study], depth 32)"]
+    assert sorted(r.label for r in rows) == ["HC (per-sequence)", "study's HC"]
+    assert published.published_matches(rows, "study-hc", 32, ("peak_study_train",), "sequence") == [
+        "amax_study_train 9,000 (study's HC, depth 32)"]
+    assert {p.method for p in published.PUBLISHED if p.coefficients == "sequence"} == {"study-hc", "study-mhc"}
+    assert "--coefficient-norm flat, a setting this version no longer has" in capsys.readouterr().err

@@ -974,7 +974,7 @@ def test_both_figures_are_written_and_shown_in_results(tmp_path):
     for name in ("streams.png", "depth_trend.png"):
         assert (tmp_path / "report" / name).read_bytes()[:8] == PNG_SIGNATURE
         assert f"]({name})" in text
-    assert "| public 1.7B study, stress record | HC | 48 | 3,814 |" in text
+    assert "| public 1.7B study, stress record | study's HC | 48 | 3,814 |" in text
 
 
 def test_one_depth_has_streams_but_no_depth_trend(tmp_path):
@@ -1026,12 +1026,13 @@ def test_depth_trend_draws_our_mean_and_band_beside_the_published_figures(tmp_pa
     assert hc.get_markevery() == 1 and hc.get_color() == "tab:red"
     assert {round(v) for v in band_heights(ax, "tab:red")} == {200, 300, 1500, 4000}
     published = {c.get_label(): c for c in ax.containers if c.get_label().startswith("published")}
-    study_32 = published["published: public 1.7B study, 3 seeds: HC 10,924 ± 3,247"]
+    study_32 = published["published: public 1.7B study, 3 seeds: study's HC 10,924 ± 3,247"]
     assert list(study_32.lines[0].get_xydata()[0]) == [32, 10924]
     segment = study_32.lines[2][0].get_segments()[0]
     assert list(segment[:, 1]) == [10924 - 3247, 10924 + 3247]
-    assert {"published: public 1.7B study: HC 3,721", "published: public 1.7B study, stress record: HC 3,814",
-            "published: public 1.7B study, stress arm (3x lr): HC 14,765"} <= set(published)
+    assert {"published: public 1.7B study: study's HC 3,721",
+            "published: public 1.7B study, stress record: study's HC 3,814",
+            "published: public 1.7B study, stress arm (3x lr): study's HC 14,765"} <= set(published)
     ours = {ln.get_marker() for ln in ax.get_lines() if ", ours" in ln.get_label()}
     assert not ours & {c.lines[0].get_marker() for c in published.values()}
     paper = next(t for t in ax.texts if "HC up to about 3000" in t.get_text())

@@ -72,7 +72,7 @@ BAD_INPUT = [
     (["--compile-scope", "model"], "--compile-scope model says what --compile compiles: add --compile"),
     (["--cross-entropy", "liger"], "--cross-entropy"),
     (["--residual", "baseline", "--no-mixing-decay"], "--no-mixing-decay has no effect"),
-    (["--residual", "hc", "--mhc-tanh"], "--mhc-tanh has no effect on --residual hc; it applies to mhc, mhc-lite"),
+    (["--residual", "hc", "--mhc-pre-bias", "1"], "--mhc-pre-bias has no effect on --residual hc; it applies to mhc, mhc-lite"),
     (["--residual", "hc", "--mhc-res-diag", "2"], "--mhc-res-diag has no effect on --residual hc"),
     (["--residual", "mhc-lite", "--sinkhorn-iters", "5"], "--sinkhorn-iters has no effect on --residual mhc-lite"),
     (["--residual", "identity-hc", "--sinkhorn-iters", "5"], "no effect on --residual identity-hc"),

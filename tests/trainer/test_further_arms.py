@@ -11,6 +11,7 @@ from hcstudy.kernels import choice
 from hcstudy import run_folder
 import train_c4 as T
 from hcstudy.arms import hc, mhc, mhc_lite
+from hcstudy.arms import study_hc as study_hc_arm, study_mhc as study_mhc_arm
 from hcstudy.arms.mhc import sinkhorn
 from hcstudy.config import Config, PRESETS, parse_config
 from hcstudy.contract import ConfigError
@@ -135,26 +136,34 @@ def test_sequence_coefficients_are_one_set_per_sequence(residual):
 
 def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
     cpu = torch.device("cpu")
-    for residual in ("mhc-lite", "identity-hc"):
+    for residual in ("mhc-lite", "identity-hc", "study-hc", "study-mhc"):
         cfg = tiny_config(residual, kernels="fused")
         assert not choice.supports(cfg) and GPT(cfg, kernels="fused").kernels == "reference"
-    for variant in (dict(coefficients="sequence"), dict(coefficient_norm="flat"), dict(mhc_tanh=True),
-                    dict(collapse="first"), dict(mhc_norm_order="norm-first")):
+    for residual in ("study-hc", "study-mhc"):
+        assert not choice.supports(tiny_config(residual, coefficients="token", collapse="sum", mixing_norm="plain",
+                                                  mixing_precision="fp32"), "triton")
+    for variant in (dict(coefficients="sequence"), dict(mixing_norm="scaled"), dict(mixing_precision="autocast"),
+                    dict(collapse="first")):
         assert not choice.supports(tiny_config("mhc", **variant), "fused"), variant
         assert not choice.supports(tiny_config("mhc", **variant), "triton"), variant
     assert choice.supports(tiny_config("mhc", read_stream="first", dynamic_init_std=0.01))
 
 
-def test_seed_study_preset_is_the_studys_choices_and_names_its_runs_as_the_launcher_does():
-    cfg = parse_config(["--preset", "seed-study", "--residual", "hc", "--depth", "32"])
-    assert (cfg.coefficients, cfg.coefficient_norm, cfg.dynamic_init_std, cfg.read_stream, cfg.mhc_tanh,
-            cfg.collapse) == ("sequence", "flat", 0.02, "first", True, "first")
-    assert cfg.run_name == contract.run_name("hc", 32, 42, "seed-study") == "hc_d32_s42_seed-study"
-    token = parse_config(["--preset", "seed-study", "--residual", "mhc", "--coefficients", "token"])
-    assert token.run_name == contract.run_name("mhc", 32, 42, "seed-study", 20, "token") == "mhc_d32_s42_tok_seed-study"
+def test_the_study_arms_bring_the_study_preset_and_name_their_runs_as_the_launcher_does():
+    cfg = parse_config(["--residual", "study-hc", "--depth", "32"])
+    assert (cfg.preset, cfg.coefficients, cfg.dynamic_init_std, cfg.read_stream, cfg.collapse) == (
+        "seed-study", "sequence", 0.02, "first", "first")
+    assert cfg.run_name == contract.run_name("study-hc", 32, 42) == "study-hc_d32_s42"
+    token = parse_config(["--residual", "study-mhc", "--coefficients", "token"])
+    assert token.run_name == contract.run_name("study-mhc", 32, 42, None, 20, "token") == "study-mhc_d32_s42_tok"
+    small = parse_config(["--residual", "study-mhc", "--preset", "demo"])      # a preset given wins over the arm's
+    assert (small.preset, small.depth, small.mhc_res_diag) == ("seed-study,demo", 4, 2.0)
+    # the paper's HC in the study's body and recipe is named after them
+    paper = parse_config(["--preset", "seed-study", "--residual", "hc", "--depth", "32"])
+    assert paper.run_name == contract.run_name("hc", 32, 42, "seed-study") == "hc_d32_s42_seed-study"
     default = parse_config([])                      # the papers' model stays the default
-    assert (default.coefficients, default.coefficient_norm, default.dynamic_init_std, default.read_stream,
-            default.mhc_tanh, default.collapse) == ("token", "stream", 0.0, "rotate", False, "sum")
+    assert (default.preset, default.coefficients, default.dynamic_init_std, default.read_stream,
+            default.collapse) == ("c4", "token", 0.0, "rotate", "sum")
     assert parse_config(["--residual", "mhc", "--sinkhorn-iters", "100"]).run_name == "mhc_d32_s42_it100"
 
 
@@ -166,22 +175,22 @@ def test_each_seed_study_choice_shapes_the_model():
     assert 0.005 < study_hc.blocks[0].attn_conn.dynamic.weight.std() < 0.02
     study_mhc = mhc.Connection(tiny_config("mhc", **study), 3)
     assert study_mhc.b_pre.argmax() == 0
-    # flat norm: one RMS for the whole state, so scaling one stream changes the coefficients of the others
+    # the study's HC: one RMS for the whole state, so scaling one stream changes the coefficients of the others
     x = torch.randn(2, 4, 4, 16)
     louder = x.clone()
     louder[..., 1, :] *= 10
-    flat = hc.Connection(tiny_config("hc", coefficient_norm="flat"), 0)
+    flat = study_hc_arm.Connection(tiny_config("study-hc"), 0)
     per_stream = hc.Connection(tiny_config("hc"), 0)
     for conn in (flat, per_stream):
         torch.nn.init.normal_(conn.dynamic.weight)
     moved = [(conn.coefficients(louder)[0] - conn.coefficients(x)[0])[..., 0].abs().max()     # stream 0's read
              for conn in (flat, per_stream)]
     assert moved[0] > 1e-4 and moved[1] == 0
-    # tanh: the read weights stay within sigmoid(+-a_pre + b_pre) however large the projection
-    tanh = mhc.Connection(tiny_config("mhc", mhc_tanh=True, mhc_gate_init=1.0), 0)
+    # the study's mHC's tanh: the read weights stay within sigmoid(+-a_pre + b_pre) however large the projection
+    tanh = study_mhc_arm.Connection(tiny_config("study-mhc", mhc_gate_init=1.0, mhc_pre_bias=-4.0), 0)
     torch.nn.init.normal_(tanh.phi.weight, std=1e3)
     H_pre = tanh.coefficients(x)[0]
-    assert H_pre[..., 1].max() <= torch.sigmoid(torch.tensor(1.0 - 4.0)) + 1e-6
+    assert H_pre[..., 0].max() <= torch.sigmoid(torch.tensor(1.0 - 4.0)) + 1e-6
 
 
 def test_collapse_first_reads_stream_zero_only():
@@ -199,12 +208,28 @@ def test_a_run_from_before_these_flags_resumes_and_a_changed_arm_does_not(tmp_pa
     run.mkdir()
     cfg = tiny_config("hc")
     old = {k: v for k, v in json.loads(json.dumps({"config": T.dataclasses.asdict(cfg)}))["config"].items()
-           if k not in ("coefficients", "collapse", "read_stream", "coefficient_norm", "dynamic_init_std", "mhc_tanh")}
+           if k not in ("coefficients", "collapse", "read_stream", "dynamic_init_std", "mixing_norm")}
     (run / "config.json").write_text(json.dumps({"config": old}))
     log = run_folder.RunLog(run, enabled=False)
     assert check_resumable(run, cfg, log) == {}
     with pytest.raises(ConfigError, match="coefficients='token'.*coefficients='sequence'"):
         check_resumable(run, T.dataclasses.replace(cfg, coefficients="sequence"), log)
+
+
+def test_a_study_run_from_before_its_arms_resumes_as_its_arm_and_a_mix_is_refused(tmp_path):
+    """Recorded as hc with the retired settings at the study's values, a run folder resumes as study-hc; with one
+    of them at the paper's value it was a model this version cannot build."""
+    run = tmp_path / "hc_d2_s42_seed-study"
+    run.mkdir()
+    cfg = tiny_config("study-hc")
+    retired = {key: study for key, (_, study) in contract.RETIRED_STUDY_SETTINGS["hc"].items()}
+    old = {**json.loads(json.dumps(T.dataclasses.asdict(cfg))), "residual": "hc", **retired}
+    log = run_folder.RunLog(run, enabled=False)
+    (run / "config.json").write_text(json.dumps({"config": old}))
+    assert check_resumable(run, cfg, log) == {}
+    (run / "config.json").write_text(json.dumps({"config": {**old, "hc_write_init": "all"}}))
+    with pytest.raises(ConfigError, match="--coefficient-norm flat, a setting this version no longer has"):
+        check_resumable(run, cfg, log)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""--preset seed-study against the public study's HC and mHC, rebuilt here from its choices as docs/model.md's table
-lists them ("The public study's model"): separate Linears of the flattened state, tanh, the study's biases and
-Sinkhorn, an RMSNorm with a learnable scale. Our code and this one get the same weights and must agree in fp64."""
+"""The study's arms (study-hc, study-mhc, with the seed-study preset they bring) against the public study's HC and
+mHC, rebuilt here from its choices as docs/model.md's table lists them ("The public study's model"): separate
+Linears of the flattened state, tanh, the study's biases and Sinkhorn, an RMSNorm with a learnable scale. Our code
+and this one get the same weights and must agree in fp64."""
 import json
 import math
 import types
@@ -8,6 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from hcstudy import arms, optim
 from hcstudy import contract
@@ -102,27 +104,27 @@ def copy_into(ours, study):
             mine.copy_(flat(theirs).view_as(mine))
 
 
-@pytest.mark.parametrize("residual", ["hc", "mhc"])
-def test_the_preset_starts_where_the_study_starts(residual):
+@pytest.mark.parametrize("residual", ["study-hc", "study-mhc"])
+def test_the_study_arms_start_where_the_study_starts(residual):
     """At init our connection's biases are the study's (mHC's H_res diagonal 0.711, H_pre 0.88 / 0.5, H_post 1.76 /
     1; HC writes stream 0 only)."""
     cfg = study_config(residual)
-    ours, study = arms.connection(residual)(cfg, 5), StudyConnection(residual == "mhc")
+    ours, study = arms.connection(residual)(cfg, 5), StudyConnection(residual == "study-mhc")
     for mine, theirs in counterparts(ours, study)[2:]:
         assert torch.equal(mine.detach().reshape(-1), flat(theirs))     # the biases and the scales 0.01
-    if residual == "mhc":
+    if residual == "study-mhc":
         H_pre, H_post, H_res, _ = ours.coefficients(torch.zeros(1, 1, N, WIDTH))
         assert H_res[0, 0, 0, 0].item() == pytest.approx(math.e ** 2 / (math.e ** 2 + 3), abs=1e-6)
         assert H_pre[0, 0].tolist() == pytest.approx([0.8808, 0.5, 0.5, 0.5], abs=1e-4)
         assert H_post[0, 0].tolist() == pytest.approx([1.7616, 1, 1, 1], abs=1e-4)
 
 
-@pytest.mark.parametrize("residual", ["hc", "mhc"])
-def test_seed_study_preset_equals_the_studys_layer_in_fp64(residual):
+@pytest.mark.parametrize("residual", ["study-hc", "study-mhc"])
+def test_the_study_arms_equal_the_studys_layer_in_fp64(residual):
     """Random weights far from init, copied in: the same output and the same gradients, to 1e-10."""
     cfg = study_config(residual)
     torch.manual_seed(0)
-    ours, study = arms.connection(residual)(cfg, 3).double(), StudyConnection(residual == "mhc").double()
+    ours, study = arms.connection(residual)(cfg, 3).double(), StudyConnection(residual == "study-mhc").double()
     with torch.no_grad():
         for p in study.parameters():
             p.copy_(p + 0.5 * torch.randn_like(p))
@@ -156,24 +158,23 @@ def test_the_memory_check_plans_the_vocabulary_the_model_builds(monkeypatch, tmp
     assert planned == [50257, 50304]
 
 
-def test_each_difference_is_a_setting_that_turns_back_to_ours():
-    study, ours = study_config("hc"), parse_config(["--preset", "tiny", "--residual", "hc"])
+def test_each_difference_of_the_body_is_a_setting_that_turns_back_to_ours():
+    study, ours = study_config("study-hc"), parse_config(["--preset", "tiny", "--residual", "hc"])
     assert (study.batch_size, study.steps, study.vocab) == (8, 5000, "exact")
     assert padded_vocab_size("gpt2", study.vocab == "exact") == 50257
     for key, value in contract.SEED_STUDY_MODEL.items():
         assert getattr(study, key) == value != getattr(ours, key), key
-        flag = "--" + key.replace("_", "-")
-        back = [f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(getattr(ours, key))]
-        arm = "hc" if "hc" in contract.ARMS_OF.get(key, ("hc",)) else "mhc"    # an arm the setting applies to
-        assert getattr(study_config(arm, *back), key) == getattr(ours, key), key
-    turned_back = hc.Connection(study_config("hc", "--hc-write-init", "all"), 0)
-    assert torch.equal(turned_back.B_static.detach(), torch.ones(N))
-    assert torch.equal(hc.Connection(study_config("hc"), 0).B_static.detach(), torch.eye(N)[0])
+        arm = "study-hc" if "study-hc" in contract.ARMS_OF.get(key, ("study-hc",)) else "study-mhc"
+        assert getattr(study_config(arm, f"--{key.replace('_', '-')}", str(getattr(ours, key))), key) == \
+            getattr(ours, key), key
+    # what the arms do differently is their formulas, not settings: the study's HC writes stream 0 only
+    assert torch.equal(arms.connection("study-hc")(study, 0).B_static.detach(), torch.eye(N)[0])
+    assert torch.equal(hc.Connection(study_config("hc"), 0).B_static.detach(), torch.ones(N))
 
 
 def test_the_study_model_is_trained_as_the_study_trains_it():
     """Output projections and dynamic weights at 0.02 (the study's re-draw), weight decay on every parameter."""
-    cfg = dataclasses_replace(study_config("hc"), depth=8, width=64, heads=2)
+    cfg = dataclasses_replace(study_config("study-hc"), depth=8, width=64, heads=2)
     torch.manual_seed(0)
     model = GPT(cfg)
     assert 0.017 < model.blocks[0].mlp.inner.proj.weight.std() < 0.023
@@ -188,12 +189,13 @@ def test_the_study_model_is_trained_as_the_study_trains_it():
 
 def test_the_kernels_refuse_the_studys_variants_and_auto_takes_the_formulas():
     for path in ("fused", "triton"):
-        with pytest.raises(ConfigError, match=f"--kernels {path} has the papers' HC and mHC only"):
-            study_config("mhc", "--kernels", path)
-        assert not choice.supports(study_config("mhc"), path)
-        with pytest.raises(ConfigError, match=f"--kernels {path} has .* not the study's --mhc-norm-order"):
-            parse_config(["--residual", "mhc", "--kernels", path, "--mhc-norm-order", "norm-first"])
-    assert kernel_path(study_config("hc"), torch.device("cpu"))[0] == "reference"
+        with pytest.raises(ConfigError, match=f"--kernels {path} has the papers' streams only"):
+            study_config("study-mhc", "--kernels", path)
+        with pytest.raises(ConfigError, match=f"--kernels {path} has .* not the study's --mixing-norm"):
+            parse_config(["--residual", "mhc", "--kernels", path, "--mixing-norm", "scaled"])
+        assert not choice.supports(study_config("mhc"), path)           # the paper's mHC in the study's body
+    for residual in ("study-hc", "study-mhc"):
+        assert kernel_path(study_config(residual), torch.device("cpu"))[0] == "reference"
 
 
 def dataclasses_replace(cfg, **changes):
@@ -242,27 +244,32 @@ def test_a_run_without_separators_trains_and_evaluates_on_joined_documents(tmp_p
 
 
 def test_under_bf16_autocast_the_studys_norm_first_order_gives_its_coefficients_to_the_bit():
-    """The study divides vec(x) by its RMS before its bf16 projections, so that z, tanh(z) and a * z stay bf16;
-    dividing the projection's output instead (ours, as the kernels fuse it) gives z in fp32 and other roundings."""
+    """The study divides vec(x) by its RMS before its bf16 projections, so that z, tanh(z) and a * z stay bf16:
+    the study's mHC does so and equals its coefficients to the bit; the paper's order (ours, dividing the
+    projection's output, as the kernels fuse it) gives z in fp32 and other roundings."""
     x = torch.randn(3, 1, N, WIDTH)
-    differences = {}
-    for order in ("project-first", "norm-first"):
-        torch.manual_seed(0)
-        ours, study = arms.connection("mhc")(study_config("mhc", "--mhc-norm-order", order), 3), StudyConnection(True)
-        with torch.no_grad():
-            for p in study.parameters():
-                p.add_(0.5 * torch.randn_like(p))
-        copy_into(ours, study)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            H_ours = ours.coefficients(x)[:3]
-            v = study.norm(x.flatten(-2))
-            pre, post, res = (torch.tanh(theta(v)) for theta in (study.theta_pre, study.theta_post, study.theta_res))
-            H_study = (torch.sigmoid(study.alpha_pre * pre + study.b_pre),
-                       2 * torch.sigmoid(study.alpha_post * post + study.b_post),
-                       study_sinkhorn(study.alpha_res * res.unflatten(-1, (N, N)) + study.b_res))
-        differences[order] = max((mine - theirs).abs().max().item() for mine, theirs in zip(H_ours, H_study))
-    assert differences["norm-first"] == 0 and differences["project-first"] > 1e-4
-    assert study_config("mhc").mhc_norm_order == "norm-first" and parse_config([]).mhc_norm_order == "project-first"
+    torch.manual_seed(0)
+    study = StudyConnection(True)
+    with torch.no_grad():
+        for p in study.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+        v = study.norm(x.flatten(-2))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        pre, post, res = (torch.tanh(theta(v)) for theta in (study.theta_pre, study.theta_post, study.theta_res))
+        H_study = (torch.sigmoid(study.alpha_pre * pre + study.b_pre),
+                   2 * torch.sigmoid(study.alpha_post * post + study.b_post),
+                   study_sinkhorn(study.alpha_res * res.unflatten(-1, (N, N)) + study.b_res))
+    ours = arms.connection("study-mhc")(study_config("study-mhc"), 3)
+    copy_into(ours, study)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        H_ours = ours.coefficients(x)[:3]
+        # the paper's order on the same weights, with the study's tanh added after it
+        inv_rms = torch.rsqrt(x.flatten(-2).square().mean(-1, keepdim=True) + ours.eps)
+        z = torch.tanh(F.linear(ours.scaled(x).flatten(-2), ours.phi.weight) * inv_rms)
+    differences = [max((mine - theirs).abs().max().item() for mine, theirs in zip(H_ours, H_study)),
+                   (z - torch.tanh(v @ torch.cat([study.theta_pre.weight, study.theta_post.weight,
+                                                  study.theta_res.weight]).T)).abs().max().item()]
+    assert differences[0] == 0 and differences[1] > 1e-4
 
 
 def test_the_studys_shuffle_buffer_is_set_and_a_presets_own_data_keeps_its_own():
@@ -282,8 +289,8 @@ def test_presets_compose_in_order_with_explicit_flags_last():
     listed = parse_config(["--preset", "demo,seed-study", "--residual", "hc", "--steps", "3"])
     repeated = parse_config(["--preset", "demo", "--preset", "seed-study", "--residual", "hc", "--steps", "3"])
     assert listed == repeated and listed.preset == "demo,seed-study"
-    assert (listed.width, listed.data, listed.batch_size, listed.steps, listed.hc_dynamic) == (
-        128, "sample", 8, 3, "state")
+    assert (listed.width, listed.data, listed.batch_size, listed.steps, listed.read_stream) == (
+        128, "sample", 8, 3, "first")
     assert parse_config(["--preset", "seed-study,demo"]).batch_size == 16       # the later preset wins
 
 
@@ -303,20 +310,20 @@ def test_presets_that_cannot_compose_are_one_line_and_exit_2(argv, message, monk
 def test_a_run_is_named_after_its_settings_however_they_were_asked():
     by_flags = ["--coefficients", "sequence"] + [       # the study's settings that HC has (others are refused)
         arg for key, value in contract.SEED_STUDY_MODEL.items() if "hc" in contract.ARMS_OF.get(key, ("hc",))
-        for arg in ([f"--{key.replace('_', '-')}"] if value is True else [f"--{key.replace('_', '-')}", str(value)])]
+        for arg in [f"--{key.replace('_', '-')}", str(value)]]
     for argv in (["--preset", "seed-study"], ["--preset", "demo,seed-study", "--depth", "32"], by_flags):
         assert parse_config([*argv, "--residual", "hc"]).run_name == "hc_d32_s42_seed-study", argv
     assert parse_config(["--preset", "seed-study", "--preset", "stress", "--residual", "hc"]).run_name == \
         "hc_d32_s42_seed-study-stress"
     assert parse_config(["--residual", "hc", "--depth", "48", "--seed", "123"]).run_name == "hc_d48_s123"
     assert parse_config(["--preset", "stress", "--residual", "mhc"]).run_name == "mhc_d32_s42_stress"
-    # one setting turned back: no longer the study's model, so not named after it
-    assert parse_config(["--preset", "seed-study", "--residual", "hc", "--hc-write-init", "all"]).run_name == \
-        "hc_d32_s42_seq"
-    assert parse_config(["--preset", "seed-study", "--residual", "mhc", "--no-mhc-tanh"]).run_name == \
-        "mhc_d32_s42_seq"
+    # the study's arms: their name says the preset, given or not
+    for argv in ([], ["--preset", "seed-study"], ["--preset", "demo", "--depth", "32"]):
+        assert parse_config([*argv, "--residual", "study-mhc"]).run_name == "study-mhc_d32_s42", argv
+    assert parse_config(["--preset", "stress", "--residual", "study-hc"]).run_name == "study-hc_d32_s42_stress"
+    # one setting turned back: no longer the study's body, so not named after it
     for residual, back in (("hc", ["--warmup-from", "one-step"]), ("mhc", ["--doc-separator", "eot"]),
-                           ("mhc", ["--mhc-norm-order", "project-first"])):
+                           ("mhc", ["--mhc-post-bias", "0"]), ("hc", ["--read-stream", "rotate"])):
         assert parse_config(["--preset", "seed-study", "--residual", residual, *back]).run_name == \
             f"{residual}_d32_s42_seq", back
 
@@ -331,7 +338,7 @@ def study_reading(H_means):
     return max(Q.abs().sum(-1).max().item(), Q.abs().sum(-2).max().item())
 
 
-@pytest.mark.parametrize("residual", ["hc", "mhc"])
+@pytest.mark.parametrize("residual", ["study-hc", "study-mhc"])
 def test_the_study_reading_comes_from_the_training_forwards_of_the_whole_batch(residual, tmp_path):
     """Four micro-batches of two: the batch mean of each H_res from the forwards that trained, one forward each."""
     cfg = study_config(residual, "--micro-batch-size", "2", "--out", str(tmp_path), "--wandb", "disabled")
@@ -357,15 +364,15 @@ def test_the_study_reading_comes_from_the_training_forwards_of_the_whole_batch(r
             model(x, mixing_out=records)
             means = means + torch.stack([H.double().reshape(-1, N, N).mean(0) for H, _ in records]) / len(batches)
     assert reading == pytest.approx(study_reading(means), rel=1e-6)
-    assert abs(reading - 1) > 1e-3 if residual == "hc" else abs(reading - 1) < 1e-5     # mHC: doubly stochastic
+    assert abs(reading - 1) > 1e-3 if residual == "study-hc" else abs(reading - 1) < 1e-5     # mHC: doubly stochastic
 
 
 def test_every_training_step_logs_the_study_reading_and_the_baseline_logs_one(tmp_path):
-    for residual in ("baseline", "hc"):
+    for residual in ("baseline", "study-hc"):
         code = T.main(["--preset", "tiny,seed-study", "--residual", residual, "--steps", "3", "--out", str(tmp_path),
                        "--wandb", "disabled"])
         assert code == 0
-    for name, exactly_one in (("baseline_d2_s42_seed-study", True), ("hc_d2_s42_seed-study", False)):
+    for name, exactly_one in (("baseline_d2_s42_seed-study", True), ("study-hc_d2_s42", False)):
         lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         readings = [line[contract.STUDY_TRAIN_KEY] for line in lines if line["step"] > 0 and "loss" in line]
         assert len(readings) == 3 and all(math.isfinite(r) for r in readings)
@@ -373,7 +380,7 @@ def test_every_training_step_logs_the_study_reading_and_the_baseline_logs_one(tm
         assert [line["lr"] for line in lines if "loss" in line][:2] == [0.0, 1.5e-3]    # the study's warm-up: 0, lr/2
 
 
-@pytest.mark.parametrize("residual", ["hc", "mhc"])
+@pytest.mark.parametrize("residual", ["study-hc", "study-mhc"])
 def test_mixing_precision_autocast_mixes_under_the_runs_bf16_and_keeps_fp32_streams(residual):
     torch.manual_seed(0)
     x = torch.randn(2, 8, N, WIDTH)
