@@ -7,6 +7,7 @@ baseline that the floor and mHC's traffic imply on an H100 and an H200.
     python benchmarks/triton_compile.py --width 1024 --expansion 8
     python benchmarks/triton_compile.py --smoke --json out.json    # tests: n 3, width 96
     python benchmarks/triton_compile.py --stream-dtype bf16       # the state stored in bf16 (--stream-dtype)
+    python benchmarks/triton_compile.py --expansion 5 --projected-logits 256   # mhc-lite's 130 logits fused
 
 The kernels are compiled as the JIT compiles them at a real launch: block sizes from triton_ops.block_sizes (and
 dot_block_sizes where a kernel projects with tl.dot),
@@ -149,11 +150,12 @@ def arm_rows(rows: list[dict], n: int, width: int, stream_dtype: str = "fp32") -
             continue
         floor = sum(K.floor(n, width, stream_bytes=stream_bytes).values())
         traffic = sum(K.traffic(arm, n, width, stream_bytes=stream_bytes).values())
-        spills = sum(row["spill_stores"] + row["spill_loads"] for row in rows
-                     if row["variant"].split()[0] == arm or row["variant"] == "every arm")
-        found.append({"arm": arm, "floor": floor, "traffic": traffic, "ratio": traffic / floor, "spills": spills})
+        own = [row for row in rows if row["variant"].split()[0] == arm or row["variant"] == "every arm"]
+        spills = [sum(row[key] for row in own) for key in ("spill_stores", "spill_loads")]
+        found.append({"arm": arm, "floor": floor, "traffic": traffic, "ratio": traffic / floor,
+                      "spill_stores": spills[0], "spill_loads": spills[1]})
         print(f"  {arm:<12} floor {floor / 1024:7.1f} KiB/token  kernels {traffic / 1024:7.1f} KiB/token  "
-              f"x {traffic / floor:.3f}  spills {spills} B", flush=True)
+              f"x {traffic / floor:.3f}  spills {spills[0]}/{spills[1]} B", flush=True)
     return found
 
 
@@ -186,14 +188,20 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=32, help="for the step ratio (the 1.7B model: 32)")
     p.add_argument("--stream-dtype", choices=tuple(STREAM_DTYPES), default="fp32", help="the state's dtype")
     p.add_argument("--smoke", action="store_true", help="n 3, width 96: what the tests compile")
+    p.add_argument("--projected-logits", type=int, default=K.PROJECTED_LOGITS,
+                   help="the most logits a token the read kernels project themselves (triton_ops.PROJECTED_LOGITS): "
+                   "raised, mhc-lite's n! logits from n = 5 compile into the kernels instead of cuBLAS")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    K.PROJECTED_LOGITS = args.projected_logits
     n, width = (3, 96) if args.smoke else (args.expansion, args.width)
     BT, BC, NP = K.block_sizes(n, width)
     DT, DC, _ = K.dot_block_sizes(n, width)
     CT, CC, _, _ = K.column_blocks(n)
+    HT, HC, _, _ = K.hc_column_blocks(n)
     print(f"triton {triton.__version__}, sm_90, n {n}, width {width}, {args.stream_dtype} streams: {BT} tokens x "
-          f"{BC} channels per program ({DT} x {DC} where the read projects, {CT} x {CC} in its column pass)")
+          f"{BC} channels per program ({DT} x {DC} where the read projects, {CT} x {CC} in its column pass, {HT} x "
+          f"{HC} in HC's)")
     rows = kernel_rows(n, width, args.stream_dtype)
     print(f"each arm's connection, forward and backward (n {n}, width {width}, {args.stream_dtype} streams):")
     per_arm = arm_rows(rows, n, width, args.stream_dtype)
