@@ -31,7 +31,7 @@ part() {   # part NAME SECONDS COMMAND...: one line of PASS/FAIL, the output in 
         failed=$((failed + 1))
     fi
 }
-part kernel_tests 180 "$PY" -m pytest -q -x tests/kernels/test_triton_ops.py tests/kernels/test_stream_dtype.py \
+part kernel_tests 180 "$PY" -m pytest -q -x tests/kernels/test_triton_ops.py tests/kernels/test_paths.py tests/kernels/test_stream_dtype.py \
     tests/kernels/test_triton_library.py
 for dtype in fp32 bf16; do
     part "connection_$dtype" 90 "$PY" benchmarks/bench_connection.py --stream-dtype "$dtype" \

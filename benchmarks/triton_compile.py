@@ -1,11 +1,13 @@
 """Every kernel of hcstudy/kernels/triton_kernels.py compiled for Hopper (sm_90) on this machine, no GPU needed: registers, spills,
-stack and shared memory from ptxas's report, and the bytes each must move per token; then the bandwidth floor and
-the step ratio over the baseline that the floor and the kernels' traffic imply on an H100 and an H200.
+stack and shared memory from ptxas's report, and the bytes each must move per token; then each arm with a triton
+path, its floor beside its kernels' traffic and their ratio; then the bandwidth floor and the step ratio over the
+baseline that the floor and mHC's traffic imply on an H100 and an H200.
 
     python benchmarks/triton_compile.py                      # width 2048, n 4, bf16 sublayers: docs/benchmarks.md
     python benchmarks/triton_compile.py --width 1024 --expansion 8
     python benchmarks/triton_compile.py --smoke --json out.json    # tests: n 3, width 96
     python benchmarks/triton_compile.py --stream-dtype bf16       # the state stored in bf16 (--stream-dtype)
+    python benchmarks/triton_compile.py --expansion 5 --projected-logits 256   # mhc-lite's 130 logits fused
 
 The kernels are compiled as the JIT compiles them at a real launch: block sizes from triton_ops.block_sizes (and
 dot_block_sizes where a kernel projects with tl.dot),
@@ -28,21 +30,22 @@ sys.path.insert(0, str(ROOT))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from hcstudy.planner import gpus
-
-from hcstudy.planner import run_time  # noqa: E402
+from hcstudy import arms  # noqa: E402
+from hcstudy.config import parse_config  # noqa: E402
+from hcstudy.contract import ConfigError  # noqa: E402
+from hcstudy.planner import gpus, run_time  # noqa: E402
 from hcstudy.kernels import triton_kernels as kernels  # noqa: E402
 from hcstudy.kernels import triton_ops as K  # noqa: E402
 
 K.load()                                      # the kernels as triton.jit made them, not their stand-ins
 
 ACTIVATION_TYPES = {"_write_forward": {"y_ptr"}, "_write_backward": {"y_ptr", "gy_ptr"}}     # bf16: y and dy
-# the pointers to the state or its gradient in --stream-dtype (HC's read backward writes dx in fp32: gxo_ptr; the
-# mHC family's column pass too where cuBLAS projects, else in the state's dtype)
+# the pointers to the state or its gradient in --stream-dtype (the mHC family's column pass writes dx in fp32,
+# gxo_ptr, where cuBLAS projects, else in the state's dtype; HC's always in the state's)
 STATE_TYPES = {"_write_forward": {"x_ptr", "out_ptr"}, "_write_backward": {"x_ptr", "g_ptr", "gx_ptr"},
                "_mhc_read_forward": {"x_ptr"}, "_mhc_read_backward": {"x_ptr"},
                "_mhc_read_columns": {"x_ptr", "gx_ptr", "gxo_ptr"}, "_hc_read_forward": {"x_ptr"},
-               "_hc_read_backward": {"x_ptr", "gx_ptr"}}
+               "_hc_read_backward": {"x_ptr"}, "_hc_read_columns": {"x_ptr", "gx_ptr"}}
 STREAM_DTYPES = {"fp32": ("*fp32", 4), "bf16": ("*bf16", 2)}        # pointer type, bytes of a state value
 UNIT_STRIDES = {"sxc", "syc", "sgc"}
 CARDS = {"H100 SXM": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
@@ -70,9 +73,10 @@ def variants(n: int, width: int):
         if label == arm:
             CT, CC, _, warps = K.column_blocks(n)
             yield kernels._mhc_read_columns, label, dict(N=n, NP=NP, PROJECT=project, KP=KP, BT=CT, BC=CC), arm, warps
-    KP = triton.next_power_of_2(n + 2)
-    yield kernels._hc_read_forward, "hc", {**blocks, "KP": KP}, "hc", 4
-    yield kernels._hc_read_backward, "hc", {**blocks, "KP": KP}, "hc", 4
+    yield kernels._hc_read_forward, "hc", dict(blocks, BT=DT, BC=DC, KP=K._logit_pad(n + 2)), "hc", 4
+    yield kernels._hc_read_backward, "hc", dict(blocks, KP=triton.next_power_of_2(n + 2)), "hc", 4
+    HT, HC, _, warps = K.hc_column_blocks(n)
+    yield kernels._hc_read_columns, "hc", dict(N=n, NP=NP, KP=K._logit_pad(n + 2), BT=HT, BC=HC), "hc", warps
     yield kernels._write_forward, "every arm", blocks, "mhc", 4
     yield kernels._write_backward, "every arm", blocks, "mhc", 4
 
@@ -132,6 +136,29 @@ def kernel_rows(n: int, width: int, stream_dtype: str = "fp32") -> list[dict]:
     return rows
 
 
+def arm_rows(rows: list[dict], n: int, width: int, stream_dtype: str = "fp32") -> list[dict]:
+    """Every arm that registers a triton path (the registry's): its floor (triton_ops.floor) beside its kernels'
+    traffic (triton_ops.traffic, cuBLAS and torch included), their ratio, and the spills of its kernels (the
+    write's included); an arm that refuses this n says so instead."""
+    found, stream_bytes = [], STREAM_DTYPES[stream_dtype][1]
+    for arm in (name for name, declared in arms.ARMS.items() if "triton" in declared.kernels):
+        try:
+            parse_config(["--residual", arm, "--expansion", str(n)])
+        except ConfigError as error:
+            found.append({"arm": arm, "refused": str(error)})
+            print(f"  {arm:<12} refused: {error}", flush=True)
+            continue
+        floor = sum(K.floor(n, width, stream_bytes=stream_bytes).values())
+        traffic = sum(K.traffic(arm, n, width, stream_bytes=stream_bytes).values())
+        own = [row for row in rows if row["variant"].split()[0] == arm or row["variant"] == "every arm"]
+        spills = [sum(row[key] for row in own) for key in ("spill_stores", "spill_loads")]
+        found.append({"arm": arm, "floor": floor, "traffic": traffic, "ratio": traffic / floor,
+                      "spill_stores": spills[0], "spill_loads": spills[1]})
+        print(f"  {arm:<12} floor {floor / 1024:7.1f} KiB/token  kernels {traffic / 1024:7.1f} KiB/token  "
+              f"x {traffic / floor:.3f}  spills {spills[0]}/{spills[1]} B", flush=True)
+    return found
+
+
 def step_ratios(n: int, width: int, depth: int, stream_bytes: int = 4) -> list[dict]:
     """Step time over the baseline's, from the bytes the streams move beyond the baseline's residual (x + y, its
     state of stream_bytes a value as well, read and written both ways) at the card's bandwidth, over its FLOPs at the
@@ -161,22 +188,30 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=32, help="for the step ratio (the 1.7B model: 32)")
     p.add_argument("--stream-dtype", choices=tuple(STREAM_DTYPES), default="fp32", help="the state's dtype")
     p.add_argument("--smoke", action="store_true", help="n 3, width 96: what the tests compile")
+    p.add_argument("--projected-logits", type=int, default=K.PROJECTED_LOGITS,
+                   help="the most logits a token the read kernels project themselves (triton_ops.PROJECTED_LOGITS): "
+                   "raised, mhc-lite's n! logits from n = 5 compile into the kernels instead of cuBLAS")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    K.PROJECTED_LOGITS = args.projected_logits
     n, width = (3, 96) if args.smoke else (args.expansion, args.width)
     BT, BC, NP = K.block_sizes(n, width)
     DT, DC, _ = K.dot_block_sizes(n, width)
     CT, CC, _, _ = K.column_blocks(n)
+    HT, HC, _, _ = K.hc_column_blocks(n)
     print(f"triton {triton.__version__}, sm_90, n {n}, width {width}, {args.stream_dtype} streams: {BT} tokens x "
-          f"{BC} channels per program ({DT} x {DC} where the read projects, {CT} x {CC} in its column pass)")
+          f"{BC} channels per program ({DT} x {DC} where the read projects, {CT} x {CC} in its column pass, {HT} x "
+          f"{HC} in HC's)")
     rows = kernel_rows(n, width, args.stream_dtype)
+    print(f"each arm's connection, forward and backward (n {n}, width {width}, {args.stream_dtype} streams):")
+    per_arm = arm_rows(rows, n, width, args.stream_dtype)
     print(f"bandwidth floor and step ratio (mHC, n {n}, width {width}, depth {args.depth}, {args.stream_dtype} "
           "streams):")
     ratios = step_ratios(n, width, args.depth, STREAM_DTYPES[args.stream_dtype][1])
     if args.json:
         Path(args.json).write_text(json.dumps({"triton": triton.__version__, "n": n, "width": width,
                                                "stream_dtype": args.stream_dtype,
-                                               "kernels": rows, "ratios": ratios}, indent=1))
+                                               "kernels": rows, "arms": per_arm, "ratios": ratios}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ from hcstudy.model import kernel_path
 from hcstudy.planner.memory import GiB
 from hcstudy.planner.plan_jobs import answer_jobs
 
-OPS, STREAMS = "tests/kernels/test_triton_ops.py", "tests/kernels/test_stream_dtype.py"
+OPS, PATHS = "tests/kernels/test_triton_ops.py", "tests/kernels/test_paths.py"
 # the widths of several channel chunks at forced small blocks, forward and every gradient against the fp64 formulas:
-# every arm at fp32 streams, then mHC (both projections) and identity-HC at bf16: CHUNK_CASES cases in all
+# every arm at fp32 streams, then HC, mHC (both projections) and identity-HC at bf16: CHUNK_CASES cases in all
 CHUNK_TESTS = (f"{OPS}::test_widths_over_several_channel_chunks",
                f"{OPS}::test_bf16_streams_over_several_channel_chunks")
-CHUNK_CASES = 8         # tests/planner/test_check_kernels.py holds it to what pytest collects
-BF16_TEST = f"{STREAMS}::test_the_kernels_equal_the_formulas_at_bf16_streams"   # one case per arm and path
+CHUNK_CASES = 9         # tests/planner/test_check_kernels.py holds it to what pytest collects
+PATHS_TEST = f"{PATHS}::test_each_path_equals_the_formulas_forward_and_every_gradient"    # arm x path x stream dtype
 
 # Budgets: estimates, no GPU has timed these tests. A case compiles one connection's forward and backward kernels
 # (4 for HC, 5 for the mHC family) for its own n, block sizes, width and stream dtype, then runs them on a few dozen
@@ -51,8 +51,8 @@ def selection(methods, tiny: bool) -> list:
     first arm's bf16 case alone, in Triton's interpreter (seconds, where the whole selection takes minutes)."""
     proven = triton_arms(methods)
     if tiny:
-        return [f"{BF16_TEST}[{proven[0]}-triton]"]
-    return [*CHUNK_TESTS, *(f"{BF16_TEST}[{arm}-triton]" for arm in proven)]
+        return [f"{PATHS_TEST}[{proven[0]}-triton-bf16]"]
+    return [*CHUNK_TESTS, *(f"{PATHS_TEST}[{arm}-triton-bf16]" for arm in proven)]
 
 
 def checked_arms(methods, tiny: bool) -> list:

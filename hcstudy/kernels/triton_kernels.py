@@ -341,23 +341,6 @@ def _read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, t, s, T, N: tl.constexpr, C, BC: tl
 
 
 @_jit
-def _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, scale, shift, t, s, T, N: tl.constexpr,
-                   C, BC: tl.constexpr):
-    """dx[j] = gx[j] + H_pre[j] du + scale[j] x[j] + shift[j] into the contiguous (T, n, C) fp32 gxo: the write's
-    gradient gx (the state's dtype; gxo itself if fp32), the read's term, the norm's (mHC's RMS, HC's per stream)."""
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        mask = _tile_mask(t, s, c, T, N, C)
-        x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, mask)
-        gu = tl.load(gu_ptr + t[:, None] * C + c[None, :], mask=(t < T)[:, None] & (c < C)[None, :],
-                     other=0.0).to(tl.float32)
-        offsets = t[:, None, None] * (N * C) + s[None, :, None] * C + c[None, None, :]
-        gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        gx += h_pre[:, :, None] * gu[:, None, :] + scale[:, :, None] * x + shift[:, :, None]
-        tl.store(gxo_ptr + offsets, gx, mask=mask)
-
-
-@_jit
 def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr,
                        b_post_ptr, b_res_ptr, perm_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, sums_ptr,
                        gu_ptr, g_post_ptr, g_res_ptr, gl_ptr, glz_ptr, scale_ptr,
@@ -471,34 +454,51 @@ def _hc_coefficient_tile(raw_ptr, w_sum_ptr, mean, rstd, t, s, k, T, N: tl.const
 
 
 @_jit
-def _hc_stats(x_ptr, sxt, sxn, sxc, t, s, T, N: tl.constexpr, C, eps, BC: tl.constexpr, NP: tl.constexpr):
-    """Each stream's mean and 1/std over C (layer_norm without affine), one pass: sum and sum of squares."""
-    total = tl.zeros((t.shape[0], NP), tl.float32)
-    squares = tl.zeros((t.shape[0], NP), tl.float32)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        x = _stream_tile(x_ptr, t, s, c, sxt, sxn, sxc, _tile_mask(t, s, c, T, N, C))
-        total += tl.sum(x, axis=2)
-        squares += tl.sum(x * x, axis=2)
-    mean = total / C
-    return mean, 1.0 / tl.sqrt(tl.maximum(squares / C - mean * mean, 0.0) + eps)
+def _hc_project(x_ptr, sxt, sxn, sxc, w_ptr, raw_ptr, mean_ptr, rstd_ptr, t, T, N: tl.constexpr, C, eps,
+                BC: tl.constexpr, KP: tl.constexpr):
+    """raw = x_j W^T for each stream j of the block's tokens (tl.dot in fp32: each (chunk, n + 2) tile of W^T, one
+    for every stream, from L2), and each stream's mean and 1/std over C (layer_norm without affine) from the same
+    loads, stored to raw (T, n, n + 2), mean and rstd (T, n), where the coefficients read them back and the
+    backward finds them."""
+    k = tl.arange(0, KP)
+    KH = N + 2
+    tmask = t < T
+    for j in tl.static_range(N):
+        raw = tl.zeros((t.shape[0], KP), tl.float32)
+        total = tl.zeros((t.shape[0],), tl.float32)
+        squares = tl.zeros((t.shape[0],), tl.float32)
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            x = tl.load(x_ptr + t[:, None] * sxt + j * sxn + c[None, :] * sxc,
+                        mask=tmask[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
+            w_t = tl.load(w_ptr + k[None, :] * C + c[:, None], mask=(k < KH)[None, :] & (c < C)[:, None],
+                          other=0.0)                                                    # (chunk, KP) of W^T
+            raw = tl.dot(x, w_t, raw, input_precision="ieee")
+            total += tl.sum(x, axis=1)
+            squares += tl.sum(x * x, axis=1)
+        tl.store(raw_ptr + t[:, None] * (N * KH) + j * KH + k[None, :], raw, mask=tmask[:, None] & (k < KH)[None, :])
+        mean = total / C
+        tl.store(mean_ptr + t * N + j, mean, mask=tmask)
+        tl.store(rstd_ptr + t * N + j, 1.0 / tl.sqrt(tl.maximum(squares / C - mean * mean, 0.0) + eps), mask=tmask)
+    tl.debug_barrier()      # every thread's stores done before any thread loads another's (CUDA: bar.sync)
 
 
 @_jit
-def _hc_read_forward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, a_m_ptr, a_r_ptr, b_ptr, s_a_ptr, s_b_ptr,
-                     u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, mean_ptr, rstd_ptr, T, C, eps,
+def _hc_read_forward(x_ptr, sxt, sxn, sxc, w_ptr, w_sum_ptr, a_m_ptr, a_r_ptr, b_ptr, s_a_ptr, s_b_ptr,
+                     u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, mean_ptr, rstd_ptr, raw_ptr, T, C, eps,
                      N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """HC's coefficients and read for BT tokens: per stream mean and 1/std (pass 1 over x), coefficient
-    c[i, k] = scale_k tanh(z[i, k]) + static[k, i] in registers (k = 0: H_pre, 1..n: column i of H_res, n+1:
-    H_post), u = sum_i H_pre[i] x[i] (pass 2). Writes u, the coefficients and each stream's mean and 1/std."""
+    """HC's coefficients and read for BT tokens. Pass 1 over x (_hc_project): the projection x_j W^T and each
+    stream's mean and 1/std. Then in registers the coefficients c[i, k] = scale_k tanh(z[i, k]) + static[k, i]
+    (k = 0: H_pre, 1..n: column i of H_res, n+1: H_post), written with the raw projection (n (n + 2) a token) for
+    the backward. Pass 2 over x (mostly from L2): u = sum_i H_pre[i] x[i], written in fp32."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
     s = tl.arange(0, NP)
     k = tl.arange(0, KP)
     tmask, smask = t < T, s < N
     m2 = tmask[:, None] & smask[None, :]
-    mean, rstd = _hc_stats(x_ptr, sxt, sxn, sxc, t, s, T, N, C, eps, BC, NP)
-    tl.store(mean_ptr + t[:, None] * N + s[None, :], mean, mask=m2)
-    tl.store(rstd_ptr + t[:, None] * N + s[None, :], rstd, mask=m2)
+    _hc_project(x_ptr, sxt, sxn, sxc, w_ptr, raw_ptr, mean_ptr, rstd_ptr, t, T, N, C, eps, BC, KP)
+    mean = tl.load(mean_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
+    rstd = tl.load(rstd_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
     z, mask = _hc_coefficient_tile(raw_ptr, w_sum_ptr, mean, rstd, t, s, k, T, N)
     coef = _hc_scale(s_a_ptr, s_b_ptr, k, N) * _tanh(z) + _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N)
     s3, k3, t3 = s[None, :, None], k[None, None, :], t[:, None, None]
@@ -527,12 +527,13 @@ def _hc_statics(a_m_ptr, a_r_ptr, b_ptr, s, k, N: tl.constexpr):
 
 @_jit
 def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_ptr, s_a_ptr, s_b_ptr, h_pre_ptr,
-                      gu_ptr, g_post_ptr, g_res_ptr, gx_ptr, gxo_ptr, gcoef_ptr, gcd_ptr, gz_ptr, T, C,
+                      gu_ptr, g_post_ptr, g_res_ptr, gcoef_ptr, gcd_ptr, gz_ptr, scale_ptr, shift_ptr, T, C,
                       N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """HC's read and coefficients backward for BT tokens. Pass 1: dH_pre. In registers: dc (the coefficients'
-    gradient), written with dc tanh(z) for the statics' and scales' sums, and g = dc scale (1 - tanh^2) rstd for
-    the projection's matmuls; the norm's per-stream terms a (x's multiple) and b (a constant). Pass 2: dx +=
-    H_pre du + a x + b in place (the g W term is the caller's cuBLAS matmul)."""
+    """HC's coefficients' backward for BT tokens. One pass over x and du: dH_pre. Then in registers: dc (the
+    coefficients' gradient), written with dc tanh(z) for the statics' and scales' sums, g = dc scale (1 - tanh^2)
+    rstd (the projection's gradient, for _hc_read_columns' two tl.dots) and the norm's per-stream terms in x's
+    gradient, a multiple of x and a constant (T, n each). Nothing of size n x C a token is stored for this: x is
+    re-read, z recomputed from the raw projection (n (n + 2) a token)."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)      # offsets past 2^31 values
     s = tl.arange(0, NP)
     k = tl.arange(0, KP)
@@ -557,10 +558,49 @@ def _hc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, w_sum_ptr, mean_ptr, rstd_p
     # layer_norm's backward with the projection folded in: dx = g (W - W's row means) + a (x - mean)
     a = -tl.sum(g * z, axis=2) * rstd / C
     w_mean = tl.load(w_sum_ptr + k, mask=k < KH, other=0.0)[None, None, :] / C
-    shift = tl.where(m2, -a * mean - tl.sum(g * w_mean, axis=2), 0.0)
-    h_pre = tl.load(h_pre_ptr + t[:, None] * N + s[None, :], mask=m2, other=0.0)
-    _add_read_grad(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre, tl.where(m2, a, 0.0), shift, t, s, T, N, C,
-                   BC)
+    tl.store(scale_ptr + t[:, None] * N + s[None, :], a, mask=m2)
+    tl.store(shift_ptr + t[:, None] * N + s[None, :], -a * mean - tl.sum(g * w_mean, axis=2), mask=m2)
+
+
+@_jit
+def _hc_read_columns(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, h_pre_ptr, gz_ptr, scale_ptr, shift_ptr, mean_ptr,
+                     w_ptr, gw_ptr, T, C, N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                     BC: tl.constexpr):
+    """The read's share of x's gradient on BC channels, over the token blocks g, g + G, ... (g the second program
+    id), a tile's rows the (token, stream) pairs: dx[j] = gx[j] + H_pre[j] du + a[j] x[j] + shift[j] + g[j] W (the
+    projection's term by tl.dot), added into gx in place in the state's dtype (rounded once where stored). W's
+    chunk (n + 2, BC) stays in registers for all the program's tokens, as does its share of W's gradient,
+    sum over (token, stream) of g (x - mean) (tl.dot), one partial per g: owning its columns, no program adds into
+    another's. One pass over x, du and gx."""
+    r = tl.arange(0, BT * NP)                   # the tile's rows: token r // NP of the block, stream j
+    j = r % NP
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    cmask = c < C
+    k = tl.arange(0, KP)
+    KH = N + 2
+    wmask = (k < KH)[:, None] & cmask[None, :]
+    w = tl.load(w_ptr + k[:, None] * C + c[None, :], mask=wmask, other=0.0)             # (KP, BC)
+    gw = tl.zeros((KP, BC), tl.float32)
+    for block in range(tl.program_id(1), tl.cdiv(T, BT), tl.num_programs(1)):
+        t = (block * BT + r // NP).to(tl.int64)                    # offsets past 2^31 values
+        rmask = (t < T) & (j < N)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + t[:, None] * sxt + j[:, None] * sxn + c[None, :] * sxc, mask=mask,
+                    other=0.0).to(tl.float32)
+        gu = tl.load(gu_ptr + t[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)   # from L1: n rows
+        row = t * N + j
+        h_pre = tl.load(h_pre_ptr + row, mask=rmask, other=0.0)
+        a = tl.load(scale_ptr + row, mask=rmask, other=0.0)
+        shift = tl.load(shift_ptr + row, mask=rmask, other=0.0)
+        mean = tl.load(mean_ptr + row, mask=rmask, other=0.0)
+        g = tl.load(gz_ptr + row[:, None] * KH + k[None, :], mask=rmask[:, None] & (k < KH)[None, :], other=0.0)
+        offsets = row[:, None] * C + c[None, :]
+        gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        gx += h_pre[:, None] * gu + a[:, None] * x + shift[:, None]
+        gx = tl.dot(g, w, gx, input_precision="ieee")
+        gw = tl.dot(tl.trans(g), tl.where(mask, x - mean[:, None], 0.0), gw, input_precision="ieee")
+        tl.store(gx_ptr + offsets, _stored(gx, gx_ptr), mask=mask)
+    tl.store(gw_ptr + tl.program_id(1) * KH * C + k[:, None] * C + c[None, :], gw, mask=wmask)
 
 
 # ------------------------------------------------------------------------------------------------------------------

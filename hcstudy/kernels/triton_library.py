@@ -133,7 +133,7 @@ def mhc_read_columns(x, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a
     project). project: the projection's term graw phi too, and phi's gradient as one partial per token group
     (groups, 2n + R, n C); empty where cuBLAS projects."""
     T, n, C = x.shape
-    return _f32(x, (ops.column_grid(T, n, C)[1], phi.shape[0], n * C) if project else (0,))[0]
+    return _f32(x, (ops.column_grid(T, C, ops.column_blocks(n))[1], phi.shape[0], n * C) if project else (0,))[0]
 
 
 @mhc_read_columns.launch
@@ -142,8 +142,8 @@ def _(x, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post, a
                                 project)
     T, n, C = x.shape
     K = phi.shape[0]
-    BT, BC, NP, warps = ops.column_blocks(n)
-    ops._mhc_read_columns[ops.column_grid(T, n, C)](
+    BT, BC, NP, warps = blocks = ops.column_blocks(n)
+    ops._mhc_read_columns[ops.column_grid(T, C, blocks)](
         x, *x.stride(), grad_u, _or(grad_write, grad_x), grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post,
         _or(a_res, a_pre), phi, partials if project else gl, T, C, K, N=n, NP=NP, PROJECT=project,
         KP=ops._logit_pad(K), BT=BT, BC=BC, num_warps=warps)
@@ -154,42 +154,66 @@ def _(x, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post, a
 # HC: each stream's norm folded into the projection, the coefficients and the read
 
 
-@_operator("hc_read_forward(Tensor x, Tensor raw, Tensor w_sum, Tensor A_m, Tensor A_r, Tensor B, Tensor s_a, "
+@_operator("hc_read_forward(Tensor x, Tensor W, Tensor w_sum, Tensor A_m, Tensor A_r, Tensor B, Tensor s_a, "
            "Tensor s_b, float eps, ScalarType u_dtype) -> (Tensor u, Tensor h_pre, Tensor h_post, Tensor h_res, "
-           "Tensor mean, Tensor rstd)")
-def hc_read_forward(x, raw, w_sum, A_m, A_r, B, s_a, s_b, eps, u_dtype):
+           "Tensor mean, Tensor rstd, Tensor raw)")
+def hc_read_forward(x, W, w_sum, A_m, A_r, B, s_a, s_b, eps, u_dtype):
+    """raw: the kernel's projection x_i W^T (T, n, n + 2), kept for the backward."""
     T, n, C = x.shape
-    return x.new_empty((T, C), dtype=u_dtype), *_f32(x, (T, n), (T, n), (T, n, n), (T, n), (T, n))
+    return x.new_empty((T, C), dtype=u_dtype), *_f32(x, (T, n), (T, n), (T, n, n), (T, n), (T, n), (T, n, n + 2))
 
 
 @hc_read_forward.launch
-def _(x, raw, w_sum, A_m, A_r, B, s_a, s_b, eps, u_dtype):
-    outputs = hc_read_forward(x, raw, w_sum, A_m, A_r, B, s_a, s_b, eps, u_dtype)
+def _(x, W, w_sum, A_m, A_r, B, s_a, s_b, eps, u_dtype):
+    outputs = hc_read_forward(x, W, w_sum, A_m, A_r, B, s_a, s_b, eps, u_dtype)
     T, n, C = x.shape
-    BT, BC, NP = ops.block_sizes(n, C)
-    ops._hc_read_forward[(ops._cdiv(T, BT),)](x, *x.stride(), raw, w_sum, A_m, A_r, B, s_a, s_b, *outputs, T, C,
-                                              eps, N=n, NP=NP, KP=ops._next_power_of_2(n + 2), BT=BT, BC=BC)
+    BT, BC, NP = ops.dot_block_sizes(n, C)
+    ops._hc_read_forward[(ops._cdiv(T, BT),)](x, *x.stride(), W, w_sum, A_m, A_r, B, s_a, s_b, *outputs, T, C,
+                                              eps, N=n, NP=NP, KP=ops._logit_pad(n + 2), BT=BT, BC=BC)
     return outputs
 
 
 @_operator("hc_read_backward(Tensor x, Tensor raw, Tensor w_sum, Tensor mean, Tensor rstd, Tensor s_a, "
-           "Tensor s_b, Tensor h_pre, Tensor grad_u, Tensor grad_post, Tensor grad_res, Tensor? grad_write, "
-           "Tensor(a!) grad_x) -> (Tensor gcoef, Tensor gcd, Tensor gz)")
+           "Tensor s_b, Tensor h_pre, Tensor grad_u, Tensor grad_post, Tensor grad_res) -> (Tensor gcoef, "
+           "Tensor gcd, Tensor gz, Tensor scale, Tensor shift)")
 def hc_read_backward(x, *_):
-    """x's gradient into grad_x in place, as mhc_read_backward's; the coefficients' gradients (T, n, n + 2) each."""
+    """The coefficients' backward, per token: their gradients dc and dc tanh(z) (the statics' and scales' sums),
+    the projection's g (T, n, n + 2) each, and the norm's multiple of x and constant (T, n) each, which
+    hc_read_columns adds into x's gradient."""
     T, n, _C = x.shape
-    return _f32(x, (T, n, n + 2), (T, n, n + 2), (T, n, n + 2))
+    return _f32(x, (T, n, n + 2), (T, n, n + 2), (T, n, n + 2), (T, n), (T, n))
 
 
 @hc_read_backward.launch
-def _(x, raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, grad_write, grad_x):
+def _(x, raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res):
     outputs = hc_read_backward(x)
     T, n, C = x.shape
     BT, BC, NP = ops.block_sizes(n, C)
     ops._hc_read_backward[(ops._cdiv(T, BT),)](
-        x, *x.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res,
-        _or(grad_write, grad_x), grad_x, *outputs, T, C, N=n, NP=NP, KP=ops._next_power_of_2(n + 2), BT=BT, BC=BC)
+        x, *x.stride(), raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u, grad_post, grad_res, *outputs, T, C, N=n,
+        NP=NP, KP=ops._next_power_of_2(n + 2), BT=BT, BC=BC)
     return outputs
+
+
+@_operator("hc_read_columns(Tensor x, Tensor grad_u, Tensor(a!) grad_x, Tensor h_pre, Tensor gz, Tensor scale, "
+           "Tensor shift, Tensor mean, Tensor W) -> Tensor partials")
+def hc_read_columns(x, grad_u, grad_x, h_pre, gz, scale, shift, mean, W):
+    """The read's share of x's gradient, added into grad_x in place (the write's gradient on entry, in the state's
+    dtype, rounded once where stored), the projection's term included; W's gradient as one partial per token group
+    (groups, n + 2, C)."""
+    T, n, C = x.shape
+    return _f32(x, (ops.column_grid(T, C, ops.hc_column_blocks(n))[1], n + 2, C))[0]
+
+
+@hc_read_columns.launch
+def _(x, grad_u, grad_x, h_pre, gz, scale, shift, mean, W):
+    partials = hc_read_columns(x, grad_u, grad_x, h_pre, gz, scale, shift, mean, W)
+    T, n, C = x.shape
+    BT, BC, NP, warps = blocks = ops.hc_column_blocks(n)
+    ops._hc_read_columns[ops.column_grid(T, C, blocks)](
+        x, *x.stride(), grad_u, grad_x, h_pre, gz, scale, shift, mean, W, partials, T, C, N=n, NP=NP,
+        KP=ops._logit_pad(n + 2), BT=BT, BC=BC, num_warps=warps)
+    return partials
 
 
 # ------------------------------------------------------------------------------------------------------------------

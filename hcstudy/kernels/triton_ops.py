@@ -11,8 +11,10 @@ One mHC-family connection, per direction (the maths: docs/model.md, "The Triton 
             -> the coefficients' backward (one kernel over token blocks: dH_pre from x and du, then the logits')
             -> the read's share of x's gradient (one kernel over channel chunks: H_pre du, the RMS term and the
                projection's graw phi added into the write's dx in place; phi's gradient from per-group partials)
-HC projects with cuBLAS before its read kernel, and its read's backward adds its terms in a second pass over the
-tokens before two cuBLAS matmuls (the projection's backward). The formulas run hundreds of small kernels for the
+HC's read is shaped the same way: its kernel projects each stream x_i W^T by tl.dot with the norms' sums in its
+first pass over x, its coefficients' backward makes dH_pre in one pass over x and du, and its column pass adds the
+norm's terms and the projection's g W into the write's dx in place, forming W's gradient from per-group partials
+(the rows of its tiles are (token, stream) pairs: W is shared by the streams). The formulas run hundreds of small kernels for the
 same connection (mHC's Sinkhorn alone 40 half-steps each way). Each kernel's launch is a torch.library operator
 (triton_library.py: its schema, its fake implementation, the launch), which the autograd Functions below call:
 torch.compile traces a block of this path as one graph (the operators opaque, the matmuls and sums around them
@@ -36,8 +38,8 @@ import torch
 
 from hcstudy.kernels.fused import autocast_off  # the coefficients in fp32 whatever the autocast, as on the fused path
 from hcstudy.kernels.triton_kernels import (  # noqa: F401  (load: triton_compile's and the launch layer's)
-    _hc_read_backward, _hc_read_forward, _mhc_read_backward, _mhc_read_columns, _mhc_read_forward, _write_backward,
-    _write_forward, load)
+    _hc_read_backward, _hc_read_columns, _hc_read_forward, _mhc_read_backward, _mhc_read_columns, _mhc_read_forward,
+    _write_backward, _write_forward, load)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -74,10 +76,19 @@ def column_blocks(n: int) -> tuple[int, int, int, int]:
     return 16, max(1, 64 // n_pad), n_pad, 8
 
 
-def column_grid(T: int, n: int, C: int) -> tuple[int, int]:
-    """_mhc_read_columns' grid: (channel chunks, token groups), about COLUMN_PROGRAMS programs where the tokens allow;
-    each group adds its own partial of phi's gradient."""
-    tokens, chunk = column_blocks(n)[:2]
+def hc_column_blocks(n: int) -> tuple[int, int, int, int]:
+    """(tokens per block, C per chunk, padded n, warps) of _hc_read_columns: a tile of 16 (token, stream) rows
+    (tl.dot's least) by 32 channels, W's chunk and its share of W's gradient two (16, 32) tiles held over all its
+    tokens: about 100 registers and 0 spills at n <= 8, either stream dtype, where 32 rows or 64 channels take
+    170-250 and spill at some (docs/benchmarks.md)."""
+    n_pad = _next_power_of_2(n)
+    return max(1, 16 // n_pad), 32, n_pad, 4
+
+
+def column_grid(T: int, C: int, blocks: tuple) -> tuple[int, int]:
+    """A column pass's grid (blocks: column_blocks(n) or hc_column_blocks(n)): (channel chunks, token groups), about
+    COLUMN_PROGRAMS programs where the tokens allow; each group adds its own partial of the weights' gradient."""
+    tokens, chunk = blocks[:2]
     chunks = _cdiv(C, chunk)
     return chunks, max(1, min(_cdiv(T, tokens), _cdiv(COLUMN_PROGRAMS, chunks)))
 
@@ -148,7 +159,7 @@ def _zeros_if_none(grad, shape, like):
 def _accumulator(grad_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x's fp32 gradient that a read's backward adds into in place before cuBLAS adds the projection's term, the
     write's gradient where that is another tensor): the write's own if fp32 (no copy), else a new fp32 tensor and
-    the bf16 gradient read beside it. HC's read, and the mHC family's where cuBLAS projects (_read_columns)."""
+    the bf16 gradient read beside it. The mHC family's where cuBLAS projects (_read_columns)."""
     if grad_in.dtype == torch.float32:
         return grad_in, None
     return torch.empty_like(grad_in, dtype=torch.float32), grad_in
@@ -225,16 +236,16 @@ def _read_columns(xt, grad_u, grad_in, h_pre, scale, gl, inv_rms, gates, phi):
 
 
 class _HCRead(torch.autograd.Function):
-    """(u, H_post, H_res, x) from the state x (..., n, C): raw = x_i W^T for every stream (cuBLAS), then
-    _hc_read_forward. Kept for the backward: x, raw (n (n + 2) per token), each stream's mean and 1/std and H_pre."""
+    """(u, H_post, H_res, x) from the state x (..., n, C): the operator hc_read_forward, whose kernel projects
+    raw = x_i W^T for every stream itself (tl.dot). Kept for the backward: x (the input, no copy), W, raw
+    (n (n + 2) a token), each stream's mean and 1/std and H_pre."""
 
     @staticmethod
     def forward(ctx, x, W, A_m, A_r, B, s_a, s_b, eps, u_dtype):
         xt, T, n, C = _launch_shape(x)
-        raw = xt.reshape(T * n, C).to(W.dtype) @ W.t()        # (T n, n + 2)
         w_sum = W.sum(-1)
-        u, h_pre, h_post, h_res, mean, rstd = torch.ops.hcstudy.hc_read_forward(xt, raw, w_sum, A_m, A_r, B, s_a,
-                                                                                s_b, eps, u_dtype)
+        u, h_pre, h_post, h_res, mean, rstd, raw = torch.ops.hcstudy.hc_read_forward(
+            xt, W.contiguous(), w_sum, A_m, A_r, B, s_a, s_b, eps, u_dtype)
         ctx.save_for_backward(x, W, raw, w_sum, mean, rstd, s_a, s_b, h_pre)
         ctx.set_materialize_grads(False)
         lead = x.shape[:-2]
@@ -247,15 +258,14 @@ class _HCRead(torch.autograd.Function):
         grad_u = _zeros_if_none(grad_u, (T, C), x).reshape(T, C).contiguous()
         grad_post = _zeros_if_none(grad_post, (T, n), x).reshape(T, n).contiguous()
         grad_res = _zeros_if_none(grad_res, (T, n, n), x).reshape(T, n, n).contiguous()
-        grad_x, grad_write = _accumulator(_zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous())
-        gcoef, gcd, gz = torch.ops.hcstudy.hc_read_backward(xt, raw, w_sum, mean, rstd, s_a, s_b, h_pre, grad_u,
-                                                            grad_post, grad_res, grad_write, grad_x)
-        g = gz.view(T * n, n + 2)
-        with autocast_off(x):       # as in _MHCRead's backward
-            grad_x.view(T * n, C).addmm_(g, W)                   # dx's g W term, in place (cuBLAS)
-            grad_W = (g.t() @ xt.reshape(T * n, C).to(W.dtype)).sub_((g.t() @ mean.view(-1)).unsqueeze(-1))
+        grad_x = _zeros_if_none(grad_x, (T, n, C), x).reshape(T, n, C).contiguous()     # the write's dx
+        gcoef, gcd, gz, scale, shift = torch.ops.hcstudy.hc_read_backward(xt, raw, w_sum, mean, rstd, s_a, s_b, h_pre,
+                                                                          grad_u, grad_post, grad_res)
+        partials = torch.ops.hcstudy.hc_read_columns(xt, grad_u, grad_x, h_pre, gz, scale, shift, mean,
+                                                     W.contiguous())
+        grad_W = partials[0] if partials.shape[0] == 1 else partials.sum(0)      # torch's sum: the same bits
         statics, by_scale = torch.stack([gcoef, gcd]).sum(1)       # (n, n + 2) each
-        return (grad_x.view(x.shape).to(x.dtype), grad_W, statics[:, 0], statics[:, 1:n + 1], statics[:, n + 1],
+        return (grad_x.view(x.shape), grad_W, statics[:, 0], statics[:, 1:n + 1], statics[:, n + 1],
                 _like(by_scale[:, :n + 1].sum(), s_a), _like(by_scale[:, n + 1].sum(), s_b), None, None)
 
 
@@ -355,13 +365,12 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
     cast = state + wide if stream_bytes < f else 0
     write = {"_write_forward": 2 * state + vec + f * (n * n + n),
              "_write_backward": 3 * state + 2 * vec + 2 * f * (n * n + n)}
-    if arm == "hc":
+    if arm == "hc":         # raw written and read back; each stream's mean, 1/std, H_pre and the norm's two terms
         coef = f * n * (n + 2)
-        return {"projection (cuBLAS)": wide + coef + cast,
-                "_hc_read_forward": 2 * state + coef + u + f * (4 * n + n * n),
+        return {"_hc_read_forward": 2 * state + 2 * coef + u + f * (4 * n + n * n),
                 **write,
-                "_hc_read_backward": 3 * state + wide + 2 * u + coef + f * (4 * n + n * n) + 3 * coef,
-                "projection backward (cuBLAS)": 3 * wide + 2 * coef + 2 * cast,
+                "_hc_read_backward": state + u + coef + f * (6 * n + n * n) + 3 * coef,
+                "_hc_read_columns": 3 * state + u + coef + f * 4 * n,
                 "sums over the tokens (torch)": 2 * coef}
     K = f * (2 * n + res_logit_count(arm, n))
     stored = f * 2 * n * (iters - 1) * (arm == "mhc" and SINKHORN_BACKWARD == "stored")    # Sinkhorn's sums

@@ -98,8 +98,9 @@ def test_each_arm_equals_the_formulas_forward_and_every_gradient(arm, n):
 
 def small_blocks(monkeypatch, project=True):
     """Block sizes forced small: 16 channels a chunk, 2 tokens a program (16 where the kernel runs tl.dot), and the
-    read's column pass in 2 token groups of several blocks each (10 programs over 5 chunks); project=False: the
-    mHC family's projection on cuBLAS, as mhc-lite's n! logits take it from n = 5."""
+    read's column pass in 2 token groups of several blocks each (10 programs over 5 chunks; HC's, of 32 channels,
+    over 3 chunks in 4 groups); project=False: the mHC family's projection on cuBLAS, as mhc-lite's n! logits take
+    it from n = 5."""
     real = kernels.block_sizes
     monkeypatch.setattr(kernels, "block_sizes", lambda n, C: (2, 16, real(n, C)[2]))
     monkeypatch.setattr(kernels, "dot_block_sizes", lambda n, C: (16, 16, real(n, C)[2]))
@@ -122,11 +123,12 @@ def test_widths_over_several_channel_chunks(arm, n, project, monkeypatch):
     assert_close_to(step(fast, x, grad_out, weight), truth, step(reference, x, grad_out, weight))
 
 
-@pytest.mark.parametrize("arm,n,project", [("mhc", 4, True), ("mhc", 3, False), ("identity-hc", 3, True)])
+@pytest.mark.parametrize("arm,n,project", [("hc", 4, True), ("mhc", 4, True), ("mhc", 3, False),
+                                           ("identity-hc", 3, True)])
 def test_bf16_streams_over_several_channel_chunks(arm, n, project, monkeypatch):
     """The same chunks and token groups with the state in bf16 (--stream-dtype bf16): the kernels load it widened and
     store the state and x's gradient rounded once, so against the formulas on the same bf16 state the output lies
-    within 2u of its largest entry and every gradient within 4u (u = 2^-8; tests/kernels/test_stream_dtype.py)."""
+    within 2u of its largest entry and every gradient within 4u (u = 2^-8; tests/kernels/test_paths.py)."""
     small_blocks(monkeypatch, project)
     _, reference, fast = connections(arm, n, 72, stream_dtype="bf16")
     x, grad_out, weight = inputs(n, 72, tokens=17)
@@ -284,8 +286,14 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu(tmp_path):
                            str(tmp_path / "compile.json")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads((tmp_path / "compile.json").read_text())
-    assert {row["kernel"] for row in found["kernels"]} >= {"_mhc_read_forward", "_mhc_read_backward",
-                                                            "_hc_read_forward", "_hc_read_backward",
+    assert {row["kernel"] for row in found["kernels"]} == {"_mhc_read_forward", "_mhc_read_backward",
+                                                            "_mhc_read_columns", "_hc_read_forward",
+                                                            "_hc_read_backward", "_hc_read_columns",
                                                             "_write_forward", "_write_backward"}
     for row in found["kernels"]:
         assert row["registers"] > 0 and row["cubin_bytes"] > 0, row
+    # each arm with a triton path, its traffic beside its floor (which no kernel can move less than)
+    assert [row["arm"] for row in found["arms"]] == [arm for arm, declared in arms.ARMS.items()
+                                                     if "triton" in declared.kernels]
+    for row in found["arms"]:
+        assert row["traffic"] > row["floor"] > 0 and row["ratio"] == row["traffic"] / row["floor"], row

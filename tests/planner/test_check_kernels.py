@@ -36,7 +36,7 @@ def test_the_selection_is_what_pytest_collects_every_triton_arm_at_both_stream_d
     assert check_kernels.budget_s(METHODS, tiny=False) == check_kernels.START_S + (len(names) + 4) * \
         check_kernels.CASE_S
     assert collected(check_kernels.selection(METHODS, tiny=True)) == [
-        "test_the_kernels_equal_the_formulas_at_bf16_streams[hc-triton]"]
+        "test_each_path_equals_the_formulas_forward_and_every_gradient[hc-triton-bf16]"]
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
