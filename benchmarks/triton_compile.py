@@ -63,7 +63,7 @@ def variants(n: int, width: int):
                   ("mhc-lite", 2, False), ("identity-hc", 0, False)]
     for label, mix, stored in mhc_family:
         arm = label.split()[0]
-        R = K.res_logit_count(arm, n)
+        R = arms.res_logit_count(arm, n)
         project, KP = K._projects(2 * n + R), K._logit_pad(2 * n + R)
         extra = dict(MIX=mix, R=R, BR=K._chunk(R))
         forward_blocks = dict(blocks, BT=DT, BC=DC) if project else blocks

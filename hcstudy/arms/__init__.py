@@ -149,3 +149,8 @@ def formulas(name: str):
 def connection(name: str) -> type:
     """The arm's connection module class: Connection(cfg, sublayer_index, path="reference")."""
     return formulas(name).Connection
+
+
+def res_logit_count(name: str, n: int) -> int:
+    """The logits a token's H_res is made from, as the arm's file counts them (0 where it has none)."""
+    return getattr(formulas(name), "res_logit_count", lambda n: 0)(n)

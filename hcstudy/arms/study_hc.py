@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hcstudy.arms import hc
 from hcstudy.stream_mixing import StreamMixing, mixing_autocast, read_stream
 
 ARM = dict(
@@ -54,6 +55,4 @@ class Connection(StreamMixing):
                     self.s_r * d[..., 2 * n:].unflatten(-1, (n, n)) + self.A_r_static, None)
 
 
-def res_logit_count(n: int) -> int:
-    """The logits a token's H_res is made from (the planner's count): its n x n mixing weights."""
-    return n * n
+res_logit_count = hc.res_logit_count          # its n x n mixing weights, as HC's

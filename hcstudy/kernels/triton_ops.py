@@ -32,10 +32,9 @@ also where setup.sh without --dev installed no triton: triton is imported at the
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from hcstudy import arms
 from hcstudy.kernels.fused import autocast_off  # the coefficients in fp32 whatever the autocast, as on the fused path
 from hcstudy.kernels.triton_kernels import (  # noqa: F401  (load: triton_compile's and the launch layer's)
     _hc_read_backward, _hc_read_columns, _hc_read_forward, _mhc_read_backward, _mhc_read_columns, _mhc_read_forward,
@@ -350,10 +349,6 @@ def _step(conn, x, weight, grad):
 # what each kernel moves: the planner's and the benchmarks' byte counts
 
 
-def res_logit_count(arm: str, n: int) -> int:
-    return {"mhc": n * n, "mhc-lite": math.factorial(n), "identity-hc": 0}.get(arm, 0)
-
-
 def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20, stream_bytes: int = 4):
     """Device-memory bytes per token one connection's kernels and cuBLAS matmuls move, forward and backward: the state
     n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; where cuBLAS projects (HC, mhc-lite
@@ -372,13 +367,13 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
                 "_hc_read_backward": state + u + coef + f * (6 * n + n * n) + 3 * coef,
                 "_hc_read_columns": 3 * state + u + coef + f * 4 * n,
                 "sums over the tokens (torch)": 2 * coef}
-    K = f * (2 * n + res_logit_count(arm, n))
+    K = f * (2 * n + arms.res_logit_count(arm, n))
     stored = f * 2 * n * (iters - 1) * (arm == "mhc" and SINKHORN_BACKWARD == "stored")    # Sinkhorn's sums
     res = {"mhc": 2 if stored else 1, "mhc-lite": 1}.get(arm, 0) * f * n * n      # the backward's dH_res (and H_res)
     forward = {"_mhc_read_forward": 2 * state + K + u + f * (2 * n + 1 + n * n * (2 if arm == "mhc" else 1)) + stored}
     backward = {"_mhc_read_backward": state + u + K + f * (3 * n + 1) + res + stored + K + f * 4}  # dl, sums, scale
     sums = {"sums over the tokens (torch)": K + 3 * f}
-    if _projects(2 * n + res_logit_count(arm, n)):         # raw written, then read back; dl read by the column pass
+    if _projects(2 * n + arms.res_logit_count(arm, n)):         # raw written, then read back; dl read by the column pass
         return {**forward, "_mhc_read_forward": forward["_mhc_read_forward"] + K, **write, **backward,
                 "_mhc_read_columns": 3 * state + u + f * (n + 2) + K, **sums}
     return {"projection (cuBLAS)": wide + K + cast, **forward, **write, **backward,

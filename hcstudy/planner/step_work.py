@@ -167,8 +167,7 @@ def _counted_width(cfg: Config) -> int:
     """The smaller counted width: a multiple of the heads, twice what the mixing's matmuls have in place of the width
     (the coefficients per token, the counted tokens times the streams), so that KernelCounter tells them apart."""
     n = cfg.expansion
-    arm = arms.formulas(cfg.residual)
-    coefficients = 2 * n + max(n * n, getattr(arm, "res_logit_count", lambda n: 0)(n))
+    coefficients = 2 * n + max(n * n, arms.res_logit_count(cfg.residual, n))
     return cfg.heads * -(-2 * max(coefficients, 2 * COUNT_SEQ * n) // cfg.heads)
 
 

@@ -135,7 +135,6 @@ def test_sequence_coefficients_are_one_set_per_sequence(residual):
 
 
 def test_the_new_arms_and_variants_run_the_formulas_whatever_kernels_says():
-    cpu = torch.device("cpu")
     for residual in ("mhc-lite", "identity-hc", "study-hc", "study-mhc"):
         cfg = tiny_config(residual, kernels="fused")
         assert not choice.supports(cfg) and GPT(cfg, kernels="fused").kernels == "reference"
