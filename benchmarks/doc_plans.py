@@ -53,14 +53,14 @@ def dry_run(folder: Path) -> str:
 
 
 def dry_run_after_check(folder: Path) -> str:
-    """The same dry run after a GPU check: tests/illustrative_check.py's result.json, made up, not measured."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    """The same dry run after a GPU check: tests/support/illustrative_check.py's result.json, made up, not measured."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
     import illustrative_check
     after = folder / "after-check"
     illustrative_check.write(after / "runs")
     lines = run(["bash", str(ROOT / "run_experiments.sh"), "--dry-run"], after).splitlines()
     kept = [line for line in lines if line.startswith(DRY_RUN_JOBS + DRY_RUN_TOTALS)]
-    return ("$ bash run_experiments.sh --dry-run      (runs/gpu_check/result.json: tests/illustrative_check.py's, made "
+    return ("$ bash run_experiments.sh --dry-run      (runs/gpu_check/result.json: tests/support/illustrative_check.py's, made "
             "up, NOT measured; job lines shortened)\n" + "\n".join(kept) + "\n")
 
 

@@ -238,7 +238,7 @@ LAUNCHER_FLAGS = [["--dry-run"], ["--summary"], ["--methods", "hc,mhc"], ["--met
 
 def fuzz_launcher(count, rng, work, tally, examples):
     env = {**os.environ, "RUN_EXPERIMENTS_NVIDIA_SMI": "false", "RUN_EXPERIMENTS_TRAINER":
-           f"{sys.executable} {ROOT / 'tests' / 'fake_trainer.py'}"}
+           f"{sys.executable} {ROOT / 'tests' / 'support' / 'fake_trainer.py'}"}
     for i in range(count):
         out = work / f"l{i}"
         out.mkdir()

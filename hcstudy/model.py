@@ -101,13 +101,18 @@ class Block(nn.Module):
         connection = connection_class(cfg)
         self.attn_conn = connection(cfg, 2 * index, kernels)
         self.mlp_conn = connection(cfg, 2 * index + 1, kernels)
-        # what checkpointing recomputes: what would cost n x C per token to keep. The formulas' autograd keeps the
-        # normalised state (and a bf16 state's fp32 copy), so their connection is recomputed with its sublayer; the
-        # kernels' connections (fused, triton) keep the state itself and per-token coefficients, so they run once
-        # and only the sublayer is recomputed, keeping u and y instead (docs/model.md, "Activation checkpointing")
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+    @property
+    def checkpointed(self):
+        """What checkpointing recomputes: what would cost n x C per token to keep. The formulas' autograd keeps the
+        normalised state (and a bf16 state's fp32 copy), so their connection is recomputed with its sublayer; the
+        kernels' connections (fused, triton) keep the state itself and per-token coefficients, so they run once
+        and only the sublayer is recomputed, keeping u and y instead (docs/model.md, "Activation checkpointing").
+        Read from the connection's path at each call, so that a model switched to another path (the GPU check's
+        check_parts.take_path) checkpoints as that path needs."""
         streams_path = getattr(self.attn_conn, "kernels", "reference")
-        self.checkpointed = cfg.activation_checkpointing and (
-            "connection" if streams_path == "reference" else "sublayer")
+        return self.activation_checkpointing and ("connection" if streams_path == "reference" else "sublayer")
 
     def forward(self, x, return_mixing: bool = False, with_states: bool = False):
         # returned, not appended to a caller's list: torch.compile would guard on its length, a graph per block

@@ -21,8 +21,9 @@ import torch  # noqa: E402  (after the cache's place is set)
 # machine made a 60-step run take 70 s instead of 8 s
 torch.set_num_threads(1)
 
-# the repository (train_c4, hcstudy) and this folder (helpers, the fake trainer and probes) for every test folder
-sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+# the repository (train_c4, hcstudy), this folder, and support/ (the fakes, probes and helpers the test files share)
+# for every test folder
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "support")]
 
 
 def pytest_configure(config):

@@ -1,6 +1,6 @@
 """hcstudy/contract.py: every format two processes share, written with one end and read with the other (matrix.log:
 the launcher's Log and the report's live view; --plan-jobs: the launcher's request and train_c4.py's answer; the
-JSON files of a run folder). The GPU check's result.json: test_gpu_check.py."""
+JSON files of a run folder). The GPU check's result.json: test_gpu_check.py; durations: test_durations.py."""
 import os
 import sys
 import time
@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from hcstudy import contract, durations  # noqa: E402
+from hcstudy import contract  # noqa: E402
 from hcstudy.launcher import dry_run, jobs, options, queue  # noqa: E402
 from hcstudy.report import live  # noqa: E402
 
@@ -98,14 +98,3 @@ def test_a_run_lock_that_is_no_plain_file_tells_nothing_and_is_never_opened_thro
     {"missing": lambda: None, "a link": lambda: path.symlink_to(target), "a FIFO": lambda: os.mkfifo(path),
      "a folder": path.mkdir}[lock]()
     assert contract.run_lock_free(tmp_path) is None
-
-
-@pytest.mark.parametrize("seconds, text", [((45,), "45 s"), ((0.12, 0.19), "120-190 ms"), ((1800, 3600), "30-60 min"),
-                                           ((9000, 18360), "2.5-5.1 h"), ((37800, 70920), "10.5-19.7 h"), ((5e-4,), "500 us")])
-def test_durations_in_the_unit_that_suits_the_largest(seconds, text):
-    assert durations.duration(*seconds) == text
-
-
-def test_a_clock_rounds_up_and_keeps_hours_past_a_day():
-    assert durations.clock(9000) == "2:30:00" and durations.clock(0.2) == "0:00:01"
-    assert durations.clock(26 * 3600 + 61) == "26:01:01" and durations.clock(float("nan")) == "–"

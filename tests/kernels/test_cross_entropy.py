@@ -1,6 +1,6 @@
 """--cross-entropy: torch's chunked linear cross-entropy (hcstudy/kernels/cross_entropy.py) against the plain loss on the
 logits (train_c4.GPT.forward, the reference): the loss and every gradient in fp32, the loss under bf16 autocast, under
-DDP and FSDP2 (tests/loss_probe.py), through the command line; and which loss auto takes."""
+DDP and FSDP2 (tests/support/loss_probe.py), through the command line; and which loss auto takes."""
 import json
 import os
 import subprocess
@@ -104,14 +104,14 @@ def test_the_chunk_is_torchs_aspect_ratio_2():
 @pytest.mark.parametrize("parallel, precisions", [("ddp", ["fp32"]), ("fsdp", ["fp32", "bf16"])])
 def test_ddp_and_fsdp_give_the_fused_loss_the_plain_ones_gradients_compiled_whole_or_not(tmp_path, parallel,
                                                                                         precisions):
-    """One 2-process gloo job (tests/loss_probe.py) per wrapping: under FSDP2 the head's weight is gathered whole (and
+    """One 2-process gloo job (tests/support/loss_probe.py) per wrapping: under FSDP2 the head's weight is gathered whole (and
     in bf16 with --dtype bf16) for the root's forward, so torch's op sees a plain tensor. fp32: the gradients' largest
     difference relative to each tensor's largest value, measured 1.4e-5 (mHC's gates, sums of cancelling terms); bf16:
     the loss, measured 3e-4 (DDP) and 8e-4 (FSDP) from plain's, the bf16 rounding of each token's loss."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     for precision in precisions:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(ROOT / "tests" / "loss_probe.py"), parallel, precision], capture_output=True,
+                               str(ROOT / "tests" / "support" / "loss_probe.py"), parallel, precision], capture_output=True,
                               text=True, timeout=600, env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         worst = json.loads(done.stdout.strip().splitlines()[-1])

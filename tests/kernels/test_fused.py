@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hcstudy.kernels import choice
 
 from hcstudy.kernels import fused as fused_module
 from hcstudy.arms.mhc import sinkhorn
-from hcstudy.config import parse_config
 from hcstudy.metrics import instability_probe
 from hcstudy.model import Block, GPT
 from hcstudy.stream_mixing import stream_update
@@ -145,19 +143,6 @@ def test_the_probe_reads_the_same_gains_on_both_paths(residual):
         assert fast[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
 
 
-def test_auto_takes_the_fused_path_on_the_cpu_and_never_on_cuda(tmp_path):
-    def never_checked(kernels):
-        raise AssertionError("only the triton path is self-checked")
-    pick = {kernels: {device: choice.kernel_path(tiny_config("hc", kernels=kernels, out=str(tmp_path)),
-                                                torch.device(device), never_checked)[0]
-                      for device in ("cpu", "cuda")} for kernels in ("reference", "fused")}
-    pick["auto"] = {"cpu": choice.kernel_path(tiny_config("hc", out=str(tmp_path)), torch.device("cpu"),
-                                             never_checked)[0]}
-    assert pick == {"auto": {"cpu": "fused"}, "reference": {"cpu": "reference", "cuda": "reference"},
-                    "fused": {"cpu": "fused", "cuda": "fused"}}
-    assert parse_config([]).kernels == "auto"
-
-
 @pytest.mark.parametrize("kernels", ["reference", "fused"])
 @pytest.mark.parametrize("residual", RESIDUALS)
 def test_one_block_compiles_to_one_graph_and_matches_eager(residual, kernels):
@@ -188,12 +173,12 @@ FSDP_ARMS = ("hc", "mhc", "mhc-lite", "identity-hc")      # hcstudy/kernels/fuse
 
 @pytest.mark.slow
 def test_fsdp_gives_the_same_gradients_on_every_path(tmp_path):
-    """One 2-process gloo job (tests/kernels_fsdp_probe.py): FSDP2 shards the connections on their own, and the
+    """One 2-process gloo job (tests/support/kernels_fsdp_probe.py): FSDP2 shards the connections on their own, and the
     fused Functions and the Triton kernels (in the interpreter) see sharded-then-gathered parameters of shape (1,)
     for the scalars."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "kernels_fsdp_probe.py"), *FSDP_ARMS], capture_output=True,
+                           str(ROOT / "tests" / "support" / "kernels_fsdp_probe.py"), *FSDP_ARMS], capture_output=True,
                           text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     worst = json.loads(done.stdout.strip().splitlines()[-1])

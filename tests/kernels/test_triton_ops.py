@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from hcstudy import arms
-from hcstudy.kernels import choice
-import train_c4 as T
 from helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,43 +208,6 @@ def test_the_self_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     assert "disagree" in kernels.self_check(make, DEVICE)
 
 
-def test_the_path_a_run_takes_and_why(monkeypatch, tmp_path):
-    cfg = tiny_config("mhc", width=24, expansion=3, out=str(tmp_path))
-    make = lambda path: arms.connection("mhc")(cfg, 1, path)          # noqa: E731
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    path, why = choice.kernel_path(T.dataclasses.replace(cfg, kernels="triton"), cpu, make)
-    assert path == "triton" and "interpreter" in why
-    # auto on CUDA without a --check result: triton once it passes its self-check (run here on the CPU)
-    monkeypatch.setattr(choice, "triton_problem", lambda device, make: None)
-    assert choice.kernel_path(cfg, cuda, make)[0] == "triton"
-    # --check's result for this GPU: its fastest path for the arm and mode
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    timings = {"mhc": {"reference/eager": {"step_s": 0.9}, "fused/eager": {"step_s": 0.5},
-                       "triton/eager": {"step_s": 0.6}, "triton/compile": {"step_s": 0.1}}}
-    (tmp_path / "gpu_check").mkdir()
-    (tmp_path / "gpu_check" / "result.json").write_text(json.dumps({"gpu": "NVIDIA H200", "timings": timings}))
-    path, why = choice.kernel_path(cfg, cuda, make)
-    assert path == "fused" and "--check timed it fastest" in why and "0.500 s/step" in why
-    path, why = choice.kernel_path(T.dataclasses.replace(cfg, compile=True), cuda, make)
-    assert path == "triton" and "--check timed it fastest" in why and why.endswith("self-check passed")
-    # the path --check timed fastest is self-checked too: a triton that disagrees on this node runs the formulas
-    monkeypatch.setattr(choice, "triton_problem", lambda device, make: "disagree with the formulas")
-    path, why = choice.kernel_path(T.dataclasses.replace(cfg, compile=True), cuda, make)
-    assert path == "reference" and why.startswith("warning:") and "disagree" in why
-    monkeypatch.setattr(choice, "triton_problem", lambda device, make: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert choice.kernel_path(cfg, cuda, make)[0] == "triton"           # timed on another card: not this node's
-    # a triton that cannot be imported, or that disagrees: the formulas, with the reason as a warning
-    monkeypatch.undo()
-
-    def missing():
-        raise ImportError("No module named 'triton'")
-    monkeypatch.setattr(choice, "triton_kernels", missing)
-    path, why = choice.kernel_path(T.dataclasses.replace(cfg, kernels="triton"), cpu, make)
-    assert path == "reference" and why.startswith("warning:") and "No module named 'triton'" in why
-    assert choice.kernel_path(T.dataclasses.replace(cfg, residual="baseline"), cuda, make)[0] == "reference"
-
-
 def run_cli(tmp_path, name, *flags, env=None):
     done = subprocess.run([sys.executable, str(ROOT / "train_c4.py"), "--preset", "tiny", "--residual", "mhc",
                            "--steps", "4", "--ckpt-every", "4", "--eval-every", "4", "--metrics-every", "2",
@@ -276,24 +237,3 @@ def test_a_training_run_on_the_triton_path_follows_the_formulas_run(tmp_path):
     assert config["kernels"] == "reference" and losses == pytest.approx(ref_losses, rel=1e-6)
     warnings = [line for line in log.splitlines() if "warning: the triton kernels failed (ImportError" in line]
     assert len(warnings) == 1, log
-
-
-@pytest.mark.slow
-def test_every_kernel_compiles_for_hopper_without_a_gpu(tmp_path):
-    """benchmarks/triton_compile.py --smoke: each kernel of a small config through triton.compile for sm_90 and
-    ptxas, here on a machine without a GPU."""
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_compile.py"), "--smoke", "--json",
-                           str(tmp_path / "compile.json")], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = json.loads((tmp_path / "compile.json").read_text())
-    assert {row["kernel"] for row in found["kernels"]} == {"_mhc_read_forward", "_mhc_read_backward",
-                                                            "_mhc_read_columns", "_hc_read_forward",
-                                                            "_hc_read_backward", "_hc_read_columns",
-                                                            "_write_forward", "_write_backward"}
-    for row in found["kernels"]:
-        assert row["registers"] > 0 and row["cubin_bytes"] > 0, row
-    # each arm with a triton path, its traffic beside its floor (which no kernel can move less than)
-    assert [row["arm"] for row in found["arms"]] == [arm for arm, declared in arms.ARMS.items()
-                                                     if "triton" in declared.kernels]
-    for row in found["arms"]:
-        assert row["traffic"] > row["floor"] > 0 and row["ratio"] == row["traffic"] / row["floor"], row

@@ -1,6 +1,6 @@
 """The residual arms on the launcher and report side: run names (hcstudy/contract.py), the lists of run_experiments.sh
 (hcstudy/launcher) that multiply a method only by the settings it has, report.py's rows, lines and colours per arm, and
-the published figures beside ours. The launcher runs tests/fake_trainer.py: no torch, no GPU."""
+the published figures beside ours. The launcher runs tests/support/fake_trainer.py: no torch, no GPU."""
 import csv
 import json
 import sys
@@ -18,7 +18,7 @@ from hcstudy.report import plots  # noqa: E402
 from hcstudy.report import published  # noqa: E402
 from hcstudy.report import runs as report_runs  # noqa: E402
 from hcstudy.config import parse_config
-from test_launcher import launch, launcher_env, needs_bash  # noqa: E402
+from launcher_harness import launch, launcher_env, needs_bash  # noqa: E402
 
 ALL_LISTS = ["--residual", "baseline,hc,mhc,mhc-lite,identity-hc", "--sinkhorn-iters", "5,20,100",
              "--coefficients", "token,sequence", "--depth", "32", "--seed", "42"]

@@ -1,5 +1,6 @@
 """The house as design.md draws it: the root shows what a user runs, everything else is the package hcstudy, whose
-imports form a tree that never reaches the trainer, and whose every module docs/architecture.md names."""
+imports form a tree that never reaches the trainer, whose every module docs/architecture.md names, and whose every
+module has its test file, named for it (tests/README.md)."""
 import ast
 import os
 import subprocess
@@ -73,6 +74,54 @@ def test_the_package_map_names_every_module():
     named = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
              if path.name not in ("__init__.py", "__main__.py") or path.parent.name == "arms"}
     assert not {name for name in named if name not in map_text}
+
+
+# a module's tests where the file is not named for the module: the registry is the arms package's __init__; the
+# trainer and report.py, the two commands, have their end-to-end files
+NAMED_FOR = {"hcstudy/arms/__init__.py": "tests/arms/test_registry.py", "train_c4.py": "tests/trainer/test_train.py",
+             "report.py": "tests/report/test_report.py"}
+
+
+def holds_code(path: Path) -> bool:
+    """Whether a module does more than say what its package is (a docstring, imports, ROOT) or run another
+    module's main (__main__.py): those have nothing of their own to test."""
+    if path.name == "__main__.py":
+        return False
+    body = ast.parse(path.read_text()).body
+    return any(not isinstance(node, (ast.Expr, ast.Import, ast.ImportFrom, ast.Assign)) for node in body)
+
+
+def file_named_for(path: Path) -> str | None:
+    """The test file named for a module: tests/<sub-package>/test_<module>.py for a sub-package's module (so that
+    tests/report/ mirrors hcstudy/report/), tests/<any area>/test_<module>.py for a module of hcstudy itself."""
+    relative = path.relative_to(ROOT).as_posix()
+    if relative in NAMED_FOR:
+        return NAMED_FOR[relative] if (ROOT / NAMED_FOR[relative]).is_file() else None
+    parts = path.relative_to(PACKAGE).parts
+    found = (sorted((ROOT / "tests").glob(f"*/test_{path.stem}.py")) if len(parts) == 1 else
+             [ROOT / "tests" / parts[0] / f"test_{path.stem}.py"])
+    return next((f.relative_to(ROOT).as_posix() for f in found if f.is_file()), None)
+
+
+def modules_to_test() -> list[Path]:
+    return sorted(path for path in [*PACKAGE.rglob("*.py"), ROOT / "train_c4.py", ROOT / "report.py"]
+                  if "__pycache__" not in path.parts and holds_code(path))
+
+
+def test_every_module_has_its_test_file():
+    untested = {path.relative_to(ROOT).as_posix() for path in modules_to_test() if file_named_for(path) is None}
+    assert untested == set()
+
+
+def test_a_module_of_code_and_a_misplaced_test_file_are_seen():
+    """The rule's own two halves: a module holding a function needs a file, and a sub-package's module is not
+    covered by a same-named file of another area."""
+    module = PACKAGE / "report" / "runs.py"
+    assert holds_code(module) and not holds_code(PACKAGE / "launcher" / "__main__.py")
+    assert file_named_for(module) == "tests/report/test_runs.py"
+    assert file_named_for(PACKAGE / "planner" / "gpus.py") == "tests/planner/test_gpus.py"
+    assert file_named_for(PACKAGE / "report" / "no_such_module.py") is None
+    assert file_named_for(PACKAGE / "no_such_module.py") is None
 
 
 def test_the_trainer_holds_no_kernel_and_no_model():

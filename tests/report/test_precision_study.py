@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from test_report import PNG_SIGNATURE, probe, train, write_run
+from hand_written_runs import PNG_SIGNATURE, probe, train, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("precision_study", ROOT / "benchmarks" / "precision_study.py")

@@ -536,12 +536,12 @@ def test_a_held_out_set_too_small_for_evaluation_is_a_warning_naming_it(tmp_path
 
 @pytest.mark.slow
 def test_train_c4_has_no_fault_hooks_and_the_test_entry_installs_them(tmp_path):
-    """The fault variables do nothing to a real run (no call in its step, no day-long sleep); tests/fault_trainer.py
+    """The fault variables do nothing to a real run (no call in its step, no day-long sleep); tests/support/fault_trainer.py
     patches the fault in from outside."""
     env = {**os.environ, "TRAIN_C4_INJECT_NAN": "loss:2", "TRAIN_C4_FAIL_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "0"}
     args = ["--preset", "tiny", "--steps", "3", "--eval-every", "3", "--ckpt-every", "3"]
     real, injected = (subprocess.run([sys.executable, str(ROOT / script), *args, "--out", str(tmp_path / out)], env=env,
                                      capture_output=True, text=True, cwd=tmp_path, timeout=300)
-                      for script, out in (("train_c4.py", "real"), ("tests/fault_trainer.py", "injected")))
+                      for script, out in (("train_c4.py", "real"), ("tests/support/fault_trainer.py", "injected")))
     assert real.returncode == 0, real.stderr
     assert injected.returncode == 5 and "injected by TRAIN_C4_FAIL_DEVICES" in injected.stderr, injected.stderr

@@ -1,5 +1,4 @@
-"""The data section: disjoint virtual streams, exact resume through the prefetch thread, hub failures."""
-import gzip
+"""hcstudy/data.py: disjoint virtual streams, the held-out set, hub failures and their retries."""
 import json
 import os
 import re
@@ -11,25 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hcstudy import c4_download
-from hcstudy import readahead
 import train_c4 as T
 from hcstudy.config import parse_config
 from hcstudy.contract import ConfigError, DataUnavailable
 from hcstudy.data import ByteTokenizer, DocumentStream, RankBatches, in_held_out_slice, resolve_data_files
-from hcstudy.planner.memory import batch_plan
+
+from data_shards import write_shards
+
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def write_shards(folder, shards=4, docs=30, prefix="c4-train"):
-    folder.mkdir(parents=True, exist_ok=True)
-    for shard in range(shards):
-        with gzip.open(folder / f"{prefix}.{shard:05d}-of-{shards:05d}.json.gz", "wt") as f:
-            for doc in range(docs):
-                f.write(json.dumps({"text": f"doc-{shard}-{doc} " * 5, "timestamp": "2019-04-25T12:00:00Z",
-                                    "url": f"https://example.com/{shard}/{doc}"}) + "\n")
-    return sorted(str(p) for p in folder.glob(f"{prefix}*"))
 
 
 def one_epoch(stream):
@@ -47,95 +36,6 @@ def test_streams_read_disjoint_documents_whose_union_is_everything(tmp_path, sha
     per_stream = [one_epoch(DocumentStream(files, rank=v, world=4, seed=3, buffer_size=5)) for v in range(4)]
     everything = [d for stream in per_stream for d in stream]
     assert len(everything) == len(set(everything)) == shards * 30
-
-
-def first_documents(windows, count):
-    """The ids of the first `count` documents in a stream's consecutive byte windows."""
-    documents = bytes(torch.cat(windows).tolist()).decode().split("\0")
-    assert len(documents) > count, "read too little"
-    return [document.split()[0] for document in documents[:count]]
-
-
-def test_two_ranks_times_two_loader_processes_read_disjoint_documents_whose_union_is_everything(tmp_path):
-    files = write_shards(tmp_path)
-    cfg = parse_config(["--preset", "tiny", "--seq-len", "64", "--batch-size", "8", "--data-streams", "4",
-                          "--shuffle-buffer", "0"])
-    documents = []
-    for rank in range(2):
-        batches = RankBatches(files, ByteTokenizer(), cfg, rank=rank, world=2, micro=4)   # a step per batch
-        loader, by_stream = readahead.Loader(batches, workers=2, timeout=60), {v: [] for v in batches.streams}
-        for _ in range(15):
-            x, y = loader.next_batch()
-            for v, window in zip(batches.owners, torch.cat([x, y[:, -1:]], dim=1)):
-                by_stream[v].append(window)
-        loader.close()
-        # one shard per stream, no shuffle buffer: a stream's first epoch is its first 30 documents
-        documents += [d for windows in by_stream.values() for d in first_documents(windows, 30)]
-    assert len(documents) == len(set(documents)) == 4 * 30
-
-
-@pytest.mark.parametrize("kind", ["thread", "processes"])
-def test_resume_through_the_background_loader_is_exact_after_three_resumes(tmp_path, kind):
-    files = write_shards(tmp_path)
-    cfg = parse_config(["--preset", "tiny", "--seq-len", "16", "--data-streams", "2", "--shuffle-buffer", "8"])
-
-    def fresh():
-        return RankBatches(files, ByteTokenizer(), cfg, rank=0, world=1, micro=2)
-
-    reference = fresh()
-    expected = [reference.next_batch() for _ in range(80)]
-    seen, state = [], None
-    for segment in range(4):
-        loader = readahead.Loader(fresh(), workers=0 if kind == "thread" else 2, timeout=30, depth=4)
-        if state is not None:
-            loader.load_state_dict([state])                  # before the first batch, as a resume does
-        seen += [loader.next_batch() for _ in range(20)]     # whole steps: checkpoints are taken between steps
-        time.sleep(0.05)                                     # let the loader read ahead of what was consumed
-        state = loader.state_dict()
-        loader.close()
-    assert all(torch.equal(a, b) for pair, reference_pair in zip(seen, expected)
-               for a, b in zip(pair, reference_pair))
-
-
-def test_a_batch_smaller_than_the_stream_count_resumes_exactly_through_loader_processes(tmp_path):
-    """8 streams, 4 sequences per step: streams 4-7 are never read, yet their state must be saved."""
-    files = write_shards(tmp_path, shards=8)
-    cfg = parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4"])
-    reference = RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2)
-    expected = [reference.next_batch()[0] for _ in range(12)]
-    loader = readahead.Loader(RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
-    seen = [loader.next_batch()[0] for _ in range(6)]
-    state = loader.state_dict()
-    loader.close()
-    resumed = RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2)
-    resumed.load_state_dict([state])
-    seen += [resumed.next_batch()[0] for _ in range(6)]
-    assert all(torch.equal(a, b) for a, b in zip(seen, expected))
-    with pytest.raises(ConfigError, match="exceeds the 4 data stream"):
-        batch_plan(parse_config(["--preset", "tiny", "--data-streams", "8", "--batch-size", "4",
-                                     "--data-workers", "5"]), world=1)
-
-
-def test_a_loader_process_error_arrives_as_one_clean_error(tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text("not json\n{\"no_text\": 1}\n")
-    cfg = parse_config(["--preset", "tiny", "--data-streams", "2"])
-    loader = readahead.Loader(RankBatches([str(bad)], ByteTokenizer(), cfg, 0, 1, 2), workers=2, timeout=30)
-    with pytest.raises(ConfigError, match="holds no usable document") as error:
-        loader.next_batch()
-    assert "Traceback" not in str(error.value)
-    loader.close()
-
-
-@pytest.mark.parametrize("workers", [0, 1])               # the thread, a loader process
-def test_a_stalled_loader_raises_instead_of_hanging(tmp_path, monkeypatch, workers):
-    files = write_shards(tmp_path)
-    monkeypatch.setattr(RankBatches, "read_step", lambda self, streams: time.sleep(3))   # inherited by the fork
-    cfg = parse_config(["--preset", "tiny"])
-    loader = readahead.Loader(RankBatches(files, ByteTokenizer(), cfg, 0, 1, 2), workers=workers, timeout=1)
-    with pytest.raises(DataUnavailable, match="--data-timeout"):
-        loader.next_batch()
-    loader.close()
 
 
 def test_hub_errors_are_retried_with_backoff_from_the_saved_position(tmp_path, monkeypatch):
@@ -219,26 +119,6 @@ def test_the_hub_unreachable_at_the_start_leaves_failed_with_the_reason(tmp_path
     status = json.loads((tmp_path / "r" / "status.json").read_text())
     assert (status["state"], status["exit_code"], status["step"]) == ("failed", 6, 0)
     assert status["reason"].startswith("the hub cannot be reached")
-
-
-def test_prefetch_says_the_hub_cannot_be_reached(tmp_path):
-    """setup.sh --prefetch-c4 runs hcstudy.c4_download: with the hub out of reach (here HF_HUB_OFFLINE) one line says
-    so, not huggingface_hub's LocalEntryNotFoundError."""
-    result = subprocess.run([sys.executable, "-m", "hcstudy.c4_download", "1", str(tmp_path)], capture_output=True,
-                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120, cwd=ROOT)
-    assert result.returncode != 0 and "LocalEntryNotFoundError" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("setup.sh: the Hugging Face hub cannot be reached (")
-
-
-def test_prefetch_names_a_failed_name_lookup_as_the_hub_unreachable(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    def no_name_server(*args, **kwargs):
-        raise RuntimeError("HEAD failed") from OSError("[Errno -3] Temporary failure in name resolution")
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_name_server)
-    with pytest.raises(SystemExit, match="hub cannot be reached .*the 0 file"):
-        c4_download.download_c4(1, str(tmp_path))
 
 
 def test_offline_hub_fails_fast_with_exit_6_and_a_way_out(tmp_path):

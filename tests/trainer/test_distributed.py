@@ -59,8 +59,8 @@ def trainer(out: Path, *args: str, env: dict | None = None, wait: bool = True):
 
 def torchrun(out: Path, parallel: str, *args: str, env: dict | None = None, wait: bool = True,
              processes: int = 2):
-    # a fault is injected by tests/fault_trainer.py (train_c4.py with the fault patched in), never by train_c4.py
-    script = "tests/fault_trainer.py" if "TRAIN_C4_INJECT_NAN" in (env or {}) else "train_c4.py"
+    # a fault is injected by tests/support/fault_trainer.py (train_c4.py with the fault patched in), never by train_c4.py
+    script = "tests/support/fault_trainer.py" if "TRAIN_C4_INJECT_NAN" in (env or {}) else "train_c4.py"
     return finish(start(out, sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={processes}", str(ROOT / script), *ARGS, "--parallel", parallel,
                         "--out", str(out), *args, env=env), wait)
@@ -234,7 +234,7 @@ def test_ddp_and_fsdp_share_one_precision_policy(tmp_path):
     seen, probes = {}, {}
     for parallel in ("ddp", "fsdp"):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(ROOT / "tests" / "precision_probe.py"), "mhc", parallel], capture_output=True,
+                               str(ROOT / "tests" / "support" / "precision_probe.py"), "mhc", parallel], capture_output=True,
                               text=True, timeout=300, env={**offline_env(tmp_path), "PYTHONPATH": str(ROOT)})
         assert done.returncode == 0, done.stderr
         seen[parallel] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -99,11 +99,11 @@ def test_sigterm_to_one_node_saves_everywhere_and_the_rerun_resumes_under_fsdp(t
 
 @pytest.mark.slow
 def test_slurm_script_requeues_after_the_time_limit_signal_and_resumes(tmp_path, single):
-    """slurm/run.sbatch under a fake SLURM (tests/fake_slurm: sbatch runs the script here on two "nodes", srun one
+    """slurm/run.sbatch under a fake SLURM (tests/support/fake_slurm: sbatch runs the script here on two "nodes", srun one
     task per node, --signal's SIGTERM delivered at step 4, scontrol requeue runs the job again)."""
     state = tmp_path / "slurm"
     state.mkdir()
-    env = {**environment(tmp_path), "PATH": f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}",
+    env = {**environment(tmp_path), "PATH": f"{ROOT / 'tests' / 'support' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}",
            "PYTHON": sys.executable, "GPUS_PER_NODE": "2", "FAKE_SLURM_STATE": str(state),
            "FAKE_SLURM_TERM_AT_STEP": "4", "FAKE_SLURM_STATUS": str(tmp_path / "runs" / RUN / "status.json")}
     done = subprocess.run(["sbatch", "slurm/run.sbatch", *ARGS, "--parallel", "ddp", "--log-every", "1", "--out",
@@ -123,7 +123,7 @@ def test_the_matrix_as_a_slurm_job_array_then_the_report(tmp_path):
     submission of the finished matrix submits nothing."""
     state, out = tmp_path / "slurm", tmp_path / "runs"
     state.mkdir()
-    env = {**environment(tmp_path), "PATH": f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}",
+    env = {**environment(tmp_path), "PATH": f"{ROOT / 'tests' / 'support' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}",
            "PYTHON": sys.executable, "FAKE_SLURM_STATE": str(state), "RUN_EXPERIMENTS_NVIDIA_SMI": "false"}
     command = ["bash", str(ROOT / "run_experiments.sh"), "--slurm", "--residual", "hc,mhc", "--depth", "2", "--seed",
                "1", "--steps", "4", "--out", str(out), "--", "--preset", "tiny"]

@@ -1,150 +1,26 @@
-"""The study's arms (study-hc, study-mhc, with the seed-study preset they bring) against the public study's HC and
-mHC, rebuilt here from its choices as docs/model.md's table lists them ("The public study's model"): separate
-Linears of the flattened state, tanh, the study's biases and Sinkhorn, an RMSNorm with a learnable scale. Our code
-and this one get the same weights and must agree in fp64."""
+"""The seed-study preset the study's arms bring (the public study's body and recipe: its data, vocabulary, warm-up,
+optimizer, the training reading): each difference from ours a setting that turns back. The arms' own formulas are
+held to the study's layer in tests/arms/test_study_hc.py and test_study_mhc.py."""
 import json
 import math
 import types
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from hcstudy import arms, optim
 from hcstudy import contract
-from hcstudy.kernels import choice
 import train_c4 as T
-from hcstudy.arms import hc
+from hcstudy.arms import hc, mhc
+from hcstudy.arms import study_hc as study_hc_arm, study_mhc as study_mhc_arm
 from hcstudy.config import PRESETS, parse_config
-from hcstudy.contract import ConfigError
 from hcstudy.data import ByteTokenizer, GPT2Tokenizer, TokenWindows
 from hcstudy.distributed import Dist, unwrap
-from hcstudy.model import GPT, MLP, PreNorm, kernel_path, padded_vocab_size
+from hcstudy.model import GPT, MLP, PreNorm, padded_vocab_size
 from hcstudy.optim import lr_at, make_optimizer
 
-N, WIDTH, ITERS = 4, 16, 20
-
-
-def study_config(residual, *flags):
-    return parse_config(["--preset", "tiny,seed-study", "--residual", residual, "--expansion", str(N), *flags])
-
-
-class StudyRMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), 1e-8
-
-    def forward(self, v):
-        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def study_sinkhorn(logits):
-    P = torch.exp(logits)
-    for _ in range(ITERS):
-        P = P / (P.sum(-1, keepdim=True) + 1e-8)
-        P = P / (P.sum(-2, keepdim=True) + 1e-8)
-    return P
-
-
-class StudyConnection(nn.Module):
-    """The study's HC (mhc=False) or mHC on streams x (B, T, n, C): coefficients from the streams pooled over the
-    sequence and flattened, then x_next = H_res x + H_post^T F(H_pre x)."""
-
-    def __init__(self, mhc):
-        super().__init__()
-        self.mhc, stream0 = mhc, torch.eye(N)[0]
-        self.norm = StudyRMSNorm(N * WIDTH)
-        self.theta_pre, self.theta_post = nn.Linear(N * WIDTH, N, bias=False), nn.Linear(N * WIDTH, N, bias=False)
-        self.theta_res = nn.Linear(N * WIDTH, N * N, bias=False)
-        self.alpha_pre, self.alpha_post, self.alpha_res = (nn.Parameter(torch.tensor(0.01)) for _ in range(3))
-        scale = 2.0 if mhc else 1.0         # mHC: b_pre[0] = b_post[0] = 2, b_res = 2 I; HC: 1, 1, I
-        self.b_pre, self.b_post = nn.Parameter(scale * stream0), nn.Parameter(scale * stream0)
-        self.b_res = nn.Parameter(scale * torch.eye(N))
-
-    def forward(self, x, sublayer):
-        v = self.norm(x.mean(1).flatten(-2))                                   # (B, nC)
-        pre, post, res = (torch.tanh(theta(v)) for theta in (self.theta_pre, self.theta_post, self.theta_res))
-        res = res.view(-1, N, N)
-        if self.mhc:
-            H_pre = torch.sigmoid(self.alpha_pre * pre + self.b_pre)
-            H_post = 2 * torch.sigmoid(self.alpha_post * post + self.b_post)
-            H_res = study_sinkhorn(self.alpha_res * res + self.b_res)
-        else:
-            H_pre, H_post = self.alpha_pre * pre + self.b_pre, self.alpha_post * post + self.b_post
-            H_res = self.alpha_res * res + self.b_res
-        y = sublayer(torch.einsum("bn,btnc->btc", H_pre, x))
-        return torch.einsum("bij,btjc->btic", H_res, x) + H_post[:, None, :, None] * y[:, :, None, :]
-
-
-def counterparts(ours, study):
-    """(our parameter, the study's parameter or parameters it holds): the three Linears are the blocks of one."""
-    weight = [study.theta_pre.weight, study.theta_post.weight, study.theta_res.weight]
-    pairs = [(ours.norm_scale, study.norm.weight)]
-    if study.mhc:
-        pairs += [(ours.phi.weight, weight), (ours.a_pre, study.alpha_pre), (ours.a_post, study.alpha_post),
-                  (ours.a_res, study.alpha_res), (ours.b_pre, study.b_pre), (ours.b_post, study.b_post),
-                  (ours.b_res, study.b_res)]
-    else:
-        pairs += [(ours.dynamic.weight, weight), (ours.s_a, study.alpha_pre), (ours.s_b, study.alpha_post),
-                  (ours.s_r, study.alpha_res), (ours.A_m_static, study.b_pre), (ours.B_static, study.b_post),
-                  (ours.A_r_static, study.b_res)]
-    return pairs
-
-
-def flat(theirs, grad=False):
-    """The study's parameter(s), or their gradients, as one flat tensor in our layout."""
-    return torch.cat([(p.grad if grad else p).detach().reshape(-1) for p in
-                      (theirs if isinstance(theirs, list) else [theirs])])
-
-
-def copy_into(ours, study):
-    with torch.no_grad():
-        for mine, theirs in counterparts(ours, study):
-            mine.copy_(flat(theirs).view_as(mine))
-
-
-@pytest.mark.parametrize("residual", ["study-hc", "study-mhc"])
-def test_the_study_arms_start_where_the_study_starts(residual):
-    """At init our connection's biases are the study's (mHC's H_res diagonal 0.711, H_pre 0.88 / 0.5, H_post 1.76 /
-    1; HC writes stream 0 only)."""
-    cfg = study_config(residual)
-    ours, study = arms.connection(residual)(cfg, 5), StudyConnection(residual == "study-mhc")
-    for mine, theirs in counterparts(ours, study)[2:]:
-        assert torch.equal(mine.detach().reshape(-1), flat(theirs))     # the biases and the scales 0.01
-    if residual == "study-mhc":
-        H_pre, H_post, H_res, _ = ours.coefficients(torch.zeros(1, 1, N, WIDTH))
-        assert H_res[0, 0, 0, 0].item() == pytest.approx(math.e ** 2 / (math.e ** 2 + 3), abs=1e-6)
-        assert H_pre[0, 0].tolist() == pytest.approx([0.8808, 0.5, 0.5, 0.5], abs=1e-4)
-        assert H_post[0, 0].tolist() == pytest.approx([1.7616, 1, 1, 1], abs=1e-4)
-
-
-@pytest.mark.parametrize("residual", ["study-hc", "study-mhc"])
-def test_the_study_arms_equal_the_studys_layer_in_fp64(residual):
-    """Random weights far from init, copied in: the same output and the same gradients, to 1e-10."""
-    cfg = study_config(residual)
-    torch.manual_seed(0)
-    ours, study = arms.connection(residual)(cfg, 3).double(), StudyConnection(residual == "study-mhc").double()
-    with torch.no_grad():
-        for p in study.parameters():
-            p.copy_(p + 0.5 * torch.randn_like(p))
-    copy_into(ours, study)
-    pairs = counterparts(ours, study)
-    sublayer = PreNorm(cfg, MLP(cfg)).double()
-    x = torch.randn(3, 8, N, WIDTH, dtype=torch.float64)
-    x_ours, x_study = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_ours, _ = ours(x_ours, sublayer)
-    out_study = study(x_study, sublayer)
-    assert (out_ours - out_study).abs().max() < 1e-10
-    assert (out_ours - x).abs().max() > 0.1                # the streams really are mixed and written
-    target = torch.randn_like(x)
-    (out_ours * target).sum().backward()
-    ours_grads = [mine.grad.clone().reshape(-1) for mine, _ in pairs]
-    sublayer.zero_grad()
-    (out_study * target).sum().backward()
-    assert (x_ours.grad - x_study.grad).abs().max() < 1e-10
-    for (mine, theirs), grad in zip(pairs, ours_grads):
-        assert (grad - flat(theirs, grad=True)).abs().max() < 1e-10
+from helpers import tiny_config
+from study_layer import N, WIDTH, study_config
 
 
 # --- the preset: the study's recipe, each difference a setting to turn back ----------------------------------
@@ -185,17 +61,6 @@ def test_the_study_model_is_trained_as_the_study_trains_it():
     ours = GPT(turned_back)
     assert ours.blocks[0].mlp.inner.proj.weight.std() < 0.006
     assert len(make_optimizer(ours, turned_back).param_groups[0]["params"]) < len(decayed)
-
-
-def test_the_kernels_refuse_the_studys_variants_and_auto_takes_the_formulas():
-    for path in ("fused", "triton"):
-        with pytest.raises(ConfigError, match=f"--kernels {path} has the papers' streams only"):
-            study_config("study-mhc", "--kernels", path)
-        with pytest.raises(ConfigError, match=f"--kernels {path} has .* not the study's --mixing-norm"):
-            parse_config(["--residual", "mhc", "--kernels", path, "--mixing-norm", "scaled"])
-        assert not choice.supports(study_config("mhc"), path)           # the paper's mHC in the study's body
-    for residual in ("study-hc", "study-mhc"):
-        assert kernel_path(study_config(residual), torch.device("cpu"))[0] == "reference"
 
 
 def dataclasses_replace(cfg, **changes):
@@ -241,35 +106,6 @@ def test_a_run_without_separators_trains_and_evaluates_on_joined_documents(tmp_p
         finally:
             trainer.loader.close()
         assert [bool((windows == 0).any()) for windows in (training, trainer.val[0])] == [separator == "eot"] * 2
-
-
-def test_under_bf16_autocast_the_studys_norm_first_order_gives_its_coefficients_to_the_bit():
-    """The study divides vec(x) by its RMS before its bf16 projections, so that z, tanh(z) and a * z stay bf16:
-    the study's mHC does so and equals its coefficients to the bit; the paper's order (ours, dividing the
-    projection's output, as the kernels fuse it) gives z in fp32 and other roundings."""
-    x = torch.randn(3, 1, N, WIDTH)
-    torch.manual_seed(0)
-    study = StudyConnection(True)
-    with torch.no_grad():
-        for p in study.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-        v = study.norm(x.flatten(-2))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        pre, post, res = (torch.tanh(theta(v)) for theta in (study.theta_pre, study.theta_post, study.theta_res))
-        H_study = (torch.sigmoid(study.alpha_pre * pre + study.b_pre),
-                   2 * torch.sigmoid(study.alpha_post * post + study.b_post),
-                   study_sinkhorn(study.alpha_res * res.unflatten(-1, (N, N)) + study.b_res))
-    ours = arms.connection("study-mhc")(study_config("study-mhc"), 3)
-    copy_into(ours, study)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        H_ours = ours.coefficients(x)[:3]
-        # the paper's order on the same weights, with the study's tanh added after it
-        inv_rms = torch.rsqrt(x.flatten(-2).square().mean(-1, keepdim=True) + ours.eps)
-        z = torch.tanh(F.linear(ours.scaled(x).flatten(-2), ours.phi.weight) * inv_rms)
-    differences = [max((mine - theirs).abs().max().item() for mine, theirs in zip(H_ours, H_study)),
-                   (z - torch.tanh(v @ torch.cat([study.theta_pre.weight, study.theta_post.weight,
-                                                  study.theta_res.weight]).T)).abs().max().item()]
-    assert differences[0] == 0 and differences[1] > 1e-4
 
 
 def test_the_studys_shuffle_buffer_is_set_and_a_presets_own_data_keeps_its_own():
@@ -401,3 +237,47 @@ def test_mixing_precision_autocast_mixes_under_the_runs_bf16_and_keeps_fp32_stre
         rounded = conn.coefficients(x.mean(1, keepdim=True))[2]
     assert (plain - rounded).abs().max() > 1e-4          # the coefficients were computed in bf16
     assert (outputs["fp32"] - outputs["autocast"]).abs().max() > 1e-4
+
+
+def test_the_study_arms_bring_the_study_preset_and_name_their_runs_as_the_launcher_does():
+    cfg = parse_config(["--residual", "study-hc", "--depth", "32"])
+    assert (cfg.preset, cfg.coefficients, cfg.dynamic_init_std, cfg.read_stream, cfg.collapse) == (
+        "seed-study", "sequence", 0.02, "first", "first")
+    assert cfg.run_name == contract.run_name("study-hc", 32, 42) == "study-hc_d32_s42"
+    token = parse_config(["--residual", "study-mhc", "--coefficients", "token"])
+    assert token.run_name == contract.run_name("study-mhc", 32, 42, None, 20, "token") == "study-mhc_d32_s42_tok"
+    small = parse_config(["--residual", "study-mhc", "--preset", "demo"])      # a preset given wins over the arm's
+    assert (small.preset, small.depth, small.mhc_res_diag) == ("seed-study,demo", 4, 2.0)
+    # the paper's HC in the study's body and recipe is named after them
+    paper = parse_config(["--preset", "seed-study", "--residual", "hc", "--depth", "32"])
+    assert paper.run_name == contract.run_name("hc", 32, 42, "seed-study") == "hc_d32_s42_seed-study"
+    default = parse_config([])                      # the papers' model stays the default
+    assert (default.preset, default.coefficients, default.dynamic_init_std, default.read_stream,
+            default.collapse) == ("c4", "token", 0.0, "rotate", "sum")
+    assert parse_config(["--residual", "mhc", "--sinkhorn-iters", "100"]).run_name == "mhc_d32_s42_it100"
+
+
+def test_each_seed_study_choice_shapes_the_model():
+    study = dict(read_stream="first", dynamic_init_std=0.01)
+    torch.manual_seed(0)
+    study_hc = GPT(tiny_config("hc", depth=2, **study))
+    assert all(conn.A_m_static.argmax() == 0 for block in study_hc.blocks for conn in (block.attn_conn, block.mlp_conn))
+    assert 0.005 < study_hc.blocks[0].attn_conn.dynamic.weight.std() < 0.02
+    study_mhc = mhc.Connection(tiny_config("mhc", **study), 3)
+    assert study_mhc.b_pre.argmax() == 0
+    # the study's HC: one RMS for the whole state, so scaling one stream changes the coefficients of the others
+    x = torch.randn(2, 4, 4, 16)
+    louder = x.clone()
+    louder[..., 1, :] *= 10
+    flat = study_hc_arm.Connection(tiny_config("study-hc"), 0)
+    per_stream = hc.Connection(tiny_config("hc"), 0)
+    for conn in (flat, per_stream):
+        torch.nn.init.normal_(conn.dynamic.weight)
+    moved = [(conn.coefficients(louder)[0] - conn.coefficients(x)[0])[..., 0].abs().max()     # stream 0's read
+             for conn in (flat, per_stream)]
+    assert moved[0] > 1e-4 and moved[1] == 0
+    # the study's mHC's tanh: the read weights stay within sigmoid(+-a_pre + b_pre) however large the projection
+    tanh = study_mhc_arm.Connection(tiny_config("study-mhc", mhc_gate_init=1.0, mhc_pre_bias=-4.0), 0)
+    torch.nn.init.normal_(tanh.phi.weight, std=1e3)
+    H_pre = tanh.coefficients(x)[0]
+    assert H_pre[..., 0].max() <= torch.sigmoid(torch.tensor(1.0 - 4.0)) + 1e-6

@@ -21,34 +21,12 @@ import train_c4 as T
 from hcstudy.config import Config, PRESETS, build_parser, parse_config
 from hcstudy.contract import ConfigError, STREAM_KEYS, STREAM_LAYER_KEYS
 from hcstudy.data import ByteTokenizer, GPT2Tokenizer, RankBatches, make_loader, resolve_data_files
+from trainer_runs import deterministic, metrics, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINING_KEYS = {"step", "time", "loss", "lr", "grad_norm", "clipped", "tokens", "tokens_per_s", "mfu", "mem_peak_gb"}
 PROBE_KEYS = {"amax_fwd", "amax_bwd", "amax_fwd_abs", "amax_bwd_abs", "amax_l0_fwd", "amax_l0_bwd",
               "min_row_sum", "min_col_sum"}
-# values that must be identical between an interrupted-and-resumed run and an uninterrupted one
-DETERMINISTIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "amax_fwd", "amax_bwd",
-                      "layer_gain_fwd", "stream_dominance", "effective_rank", "layer_effective_rank")
-
-
-def trainer(out, *args, env=None, wait=True):
-    # a fault is injected by tests/fault_trainer.py (train_c4.py with the fault patched in), never by train_c4.py
-    script = "tests/fault_trainer.py" if "TRAIN_C4_INJECT_NAN" in (env or {}) else "train_c4.py"
-    command = [sys.executable, str(ROOT / script), "--preset", "tiny", "--out", str(out), *args]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})}, cwd=out)
-    if not wait:
-        return process
-    stdout, stderr = process.communicate(timeout=300)
-    return process.returncode, stdout, stderr
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def deterministic(records):
-    return [{k: r[k] for k in DETERMINISTIC_KEYS if k in r} for r in records]
 
 
 def test_a_run_writes_every_documented_file_and_key(tmp_path):

@@ -1,5 +1,5 @@
 """A 2-process gloo job for the launcher's tests. Run by the launcher, it answers --plan-jobs as
-tests/fake_trainer.py does and otherwise becomes torchrun with two ranks of itself; each rank joins the process
+tests/support/fake_trainer.py does and otherwise becomes torchrun with two ranks of itself; each rank joins the process
 group, records its pid in OUT/RUN/rank{N}.pid and then waits, ignoring SIGTERM, as a rank stuck in a collective."""
 import argparse
 import os

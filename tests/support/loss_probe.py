@@ -13,7 +13,7 @@ from hcstudy.config import parse_config
 from hcstudy.distributed import end_distributed, setup_distributed, wrap_model
 from hcstudy.failures import exit_process
 from hcstudy.model import GPT
-from helpers import randomize_mixing
+from helpers import randomize_mixing      # beside this file: torchrun puts its folder on sys.path
 
 parallel, precision = sys.argv[1:3]
 torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend="aot_eager")

@@ -10,7 +10,7 @@ import torch
 
 from hcstudy.arms import mhc_lite
 from hcstudy.contract import STREAM_KEYS, STREAM_LAYER_KEYS
-from hcstudy.metrics import instability_probe, permutation_distance, state_metrics, stream_gram, stream_metrics
+from hcstudy.metrics import gain_metrics, instability_probe, permutation_distance, state_metrics, stream_gram, stream_metrics
 from hcstudy.model import GPT
 from helpers import tiny_config
 
@@ -133,3 +133,64 @@ def test_a_learned_diagonal_reads_as_docs_model_md_says():
     d, n = 0.96, 4              # diagonal d, the rest even: n(1 - d) / (n - 1)
     H = torch.full((n, n), (1 - d) / (n - 1)).fill_diagonal_(d).double()
     assert mixing(H)[0] == pytest.approx(n * (1 - d) / (n - 1)) and mixing(H)[0] == pytest.approx(0.0533, abs=1e-4)
+
+
+def test_composites_match_hand_computed_products():
+    H1 = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    H2 = torch.tensor([[2.0, 0.0], [0.0, 0.5]])
+    H3 = torch.tensor([[1.0, 0.0], [-1.0, 1.0]])
+    H = torch.stack([H1, H2, H3]).unsqueeze(1)             # (L=3, tokens=1, 2, 2)
+    metrics = gain_metrics(H)
+    P = [H1, H2 @ H1, H3 @ H2 @ H1]                          # [[1,1],[0,1]], [[2,2],[0,.5]], [[2,2],[-2,-1.5]]
+    S = [H3 @ H2 @ H1, H3 @ H2, H3]                          # column sums: (0, .5), (0, .5), (0, 1)
+    assert metrics["amax_fwd"] == pytest.approx(4.0)       # max |row sum| of P_2 = 4, of P_3 = 4 and 3.5
+    assert metrics["amax_bwd"] == pytest.approx(1.0)       # max |column sum| over suffixes: H3's (0, 1)
+    assert metrics["amax_fwd_abs"] == pytest.approx(max(p.abs().sum(-1).max().item() for p in P))
+    assert metrics["amax_bwd_abs"] == pytest.approx(max(s.abs().sum(-2).max().item() for s in S))
+    assert metrics["min_row_sum"] == pytest.approx(-3.5)
+    assert metrics["layer_gain_fwd"] == pytest.approx([2.0, 2.0, 1.0])
+
+
+def test_study_recipe_averages_over_tokens_and_multiplies_in_increasing_layer_order():
+    H1 = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    H2 = torch.tensor([[2.0, 0.0], [0.0, 0.5]])
+    H3 = torch.tensor([[1.0, 0.0], [-1.0, 1.0]])
+    # two tokens per sublayer whose mean is H_k
+    H = torch.stack([torch.stack([H - 0.5, H + 0.5]) for H in (H1, H2, H3)])
+    Q = [H1, H1 @ H2, H1 @ H2 @ H3]                        # not H3 @ H2 @ H1: the study's order
+    expected = max(max(q.abs().sum(-1).max().item(), q.abs().sum(-2).max().item()) for q in Q)
+    assert gain_metrics(H)["amax_study"] == pytest.approx(expected)
+    assert expected != pytest.approx(gain_metrics(torch.stack([H1, H2, H3]).unsqueeze(1))["amax_fwd_abs"])
+
+
+def test_mhc_probe_separates_sinkhorn_truncation_from_amplification():
+    """Near-permutation logits: 3 Sinkhorn iterations leave column sums visibly off, so the as-used backward
+    gain exceeds 1; the same logits projected to convergence give 1, and the as-used gain stays under the
+    bound the per-layer column errors allow."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config("mhc", depth=3, sinkhorn_iters=3))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("b_res"):
+                p.copy_(4 * torch.randn(p.shape, generator=generator))
+    metrics = instability_probe(model, torch.randint(0, 256, (2, 16)), lambda: torch.autocast("cpu", enabled=False),
+                                  with_layers=True)
+    assert metrics["sinkhorn_col_err"] > 1e-2 and metrics["sinkhorn_row_err"] < 1e-5
+    assert metrics["amax_bwd"] > 1.01
+    assert metrics["amax_bwd"] <= metrics["sinkhorn_bwd_bound"] + 1e-9
+    assert metrics["sinkhorn_converged_err"] < 1e-6
+    for key in ("amax_fwd_converged", "amax_bwd_converged", "amax_study_converged"):
+        assert abs(metrics[key] - 1) < 1e-5, key
+    assert len(metrics["layer_sinkhorn_col_err"]) == 6
+    assert max(metrics["layer_sinkhorn_col_err"]) == pytest.approx(metrics["sinkhorn_col_err"])
+
+
+def test_probe_does_not_perturb_training_state():
+    model = GPT(tiny_config("mhc", depth=2))
+    model.train()
+    idx = torch.randint(0, 256, (2, 8))
+    rng = torch.get_rng_state()
+    instability_probe(model, idx, lambda: torch.autocast("cpu", enabled=False), True)
+    assert model.training and torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())

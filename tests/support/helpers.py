@@ -5,6 +5,7 @@ import os
 import torch
 
 from hcstudy.config import parse_config
+from hcstudy.model import GPT
 
 
 def tiny_config(residual, **overrides):
@@ -29,3 +30,19 @@ class Exploit:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.witness}",))
+
+
+NO_AUTOCAST = lambda: torch.autocast("cpu", enabled=False)     # noqa: E731
+
+
+def train_steps(cfg, steps, lr, seed=0):
+    """`steps` AdamW steps of a tiny model on one fixed batch; the model and that batch."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    idx = torch.randint(0, 256, (4, 16))
+    for _ in range(steps):
+        model(idx, idx)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, idx

@@ -9,7 +9,7 @@ from hcstudy.model import count_parameters
 from hcstudy.planner import gpus, rehearsed
 
 GPU = gpus.ASSUMED_GPU
-LABEL = "illustrative: made up by tests/illustrative_check.py, not measured"
+LABEL = "illustrative: made up by tests/support/illustrative_check.py, not measured"
 # (method, depth, micro-batch, global batch, path, status, median step, [fastest, slowest], peak GiB, planned GiB,
 # modelled [low, high], over the plan)
 ROWS = [("baseline", 48, 4, 32, "reference", "ok", 1.41, [1.39, 1.44], 55.0, 58.1, [1.15, 1.92], False),

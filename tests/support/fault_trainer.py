@@ -1,6 +1,6 @@
 """train_c4.py with one fault installed from outside, for the tests of what the trainer does when things break.
 
-    python tests/fault_trainer.py TRAIN_C4_FLAGS...     (run like train_c4.py, directly or under torchrun)
+    python tests/support/fault_trainer.py TRAIN_C4_FLAGS...     (run like train_c4.py, directly or under torchrun)
 
 Production code has no fault hook: this script patches train_c4's classes, then calls train_c4.main.
 TRAIN_C4_INJECT_NAN="WHAT:STEP[:RANK]": at optimizer step STEP (on RANK, default every rank) WHAT is
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from hcstudy import contract, optim  # noqa: E402
 import train_c4  # noqa: E402
 from hcstudy.distributed import unwrap

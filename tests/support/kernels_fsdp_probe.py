@@ -10,7 +10,7 @@ from hcstudy.config import parse_config
 from hcstudy.distributed import end_distributed, setup_distributed, wrap_model
 from hcstudy.failures import exit_process
 from hcstudy.model import GPT
-from helpers import randomize_mixing
+from helpers import randomize_mixing      # beside this file: torchrun puts its folder on sys.path
 
 idx = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
 dist, worst = setup_distributed(), {}

@@ -1,5 +1,6 @@
-"""Nothing lost under any fault: the run folder's lock, damaged checkpoints replaced, every state recorded,
-every file the trainer and the report read checked (docs/reliability.md)."""
+"""hcstudy/run_folder.py and the trainer's checkpointing: nothing lost under any fault: the run folder's lock,
+damaged checkpoints replaced, every state recorded, every file the trainer and the report read checked
+(docs/reliability.md)."""
 import errno
 import fcntl
 import json
@@ -18,39 +19,20 @@ import torch
 from hcstudy import consolidate
 from hcstudy import contract
 from hcstudy import run_folder
-import train_c4 as T
-from hcstudy.config import Config, parse_config
+from hcstudy.config import parse_config
 from hcstudy.contract import ConfigError, TrainerError
 from hcstudy.distributed import Dist
 from hcstudy.model import GPT
 from hcstudy.optim import make_optimizer
-from helpers import Exploit
+from hcstudy.run_folder import check_resumable
+import train_c4 as T
+from helpers import Exploit, tiny_config
+
+from finished_runs import RUN, copy_of, finished, one_line, run  # noqa: F401 (finished: a fixture)
+
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = "mhc_d2_s42"
 ONE = Dist(0, 1, torch.device("cpu"))
-
-
-def run(out, *args, env=None):
-    """The trainer in a fresh process (tiny preset, mHC, 20 steps, a checkpoint every 10 unless overridden)."""
-    command = [sys.executable, "train_c4.py", "--preset", "tiny", "--steps", "20", "--out", str(out), *args]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                            env={**os.environ, **(env or {})})
-    return result.returncode, result.stdout, result.stderr
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 20-step run with checkpoints step-10 and step-20, copied afresh by each test."""
-    out = tmp_path_factory.mktemp("finished")
-    code, _, stderr = run(out)
-    assert code == 0, stderr
-    return out
-
-
-def copy_of(finished, tmp_path):
-    shutil.copytree(finished, tmp_path / "out")
-    return tmp_path / "out", tmp_path / "out" / RUN
 
 
 def reseal(folder, name, obj):
@@ -67,15 +49,9 @@ def reseal(folder, name, obj):
     (folder / run_folder.MARKER).write_text(json.dumps(marker))
 
 
-def one_line(stderr):
-    return "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
-
-
 def status_of(run_dir):
     return json.loads((run_dir / "status.json").read_text())
 
-
-# ---- the run folder's lock
 
 @pytest.mark.slow
 def test_a_second_trainer_on_a_folder_in_use_exits_2_naming_the_holder(finished, tmp_path):
@@ -138,8 +114,6 @@ def test_a_look_at_the_lock_never_turns_a_trainer_away_and_the_host_is_recorded(
     assert status_of(finished / RUN)["host"] == socket.gethostname()
 
 
-# ---- damaged, symlinked or misnamed checkpoints
-
 @pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_replaced_after_the_fallback(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
@@ -171,8 +145,6 @@ def test_a_symlinked_or_misnamed_checkpoint_is_not_trusted(finished, tmp_path):
     assert [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == \
         list(range(31))
 
-
-# ---- resume failures: a fallback or one line, and the state recorded
 
 DAMAGE_NEWEST = {          # the newest checkpoint only: the run falls back to step-10 and completes
     "marker without model.pt": ("model.pt", None),
@@ -258,54 +230,6 @@ def test_the_checkpoint_write_failure_line_reads_as_one_sentence(tmp_path, monke
     assert "and so is" not in str(failure.value)
 
 
-# ---- --consolidate
-
-@pytest.mark.parametrize("config", [{"width": "16"}, {"width": -16}, {"residual": "nope"}, {"depth": 10 ** 8},
-                                    None, []])
-def test_consolidate_refuses_a_bad_config_in_one_line(finished, tmp_path, capsys, config):
-    out, run_dir = copy_of(finished, tmp_path)
-    record = json.loads((run_dir / "config.json").read_text())
-    if isinstance(config, dict):
-        record["config"] |= config
-    else:
-        record = config if config is not None else {"config": None}
-    (run_dir / "config.json").write_text(json.dumps(record))
-    assert T.main(["--consolidate", str(run_dir), str(tmp_path / "w.pt")]) == 2
-    err = capsys.readouterr().err
-    assert one_line(err) and "config.json" in err and not (tmp_path / "w.pt").exists()
-
-
-def test_consolidate_of_a_run_without_a_usable_checkpoint_is_one_line_naming_the_newest_problem(finished, tmp_path,
-                                                                                                 capsys):
-    out, run_dir = copy_of(finished, tmp_path)
-    for folder in (run_dir / "checkpoints").iterdir():
-        (folder / run_folder.MARKER).write_text("[]")
-    assert T.main(["--consolidate", str(run_dir), str(tmp_path / "w.pt")]) == 2
-    err = capsys.readouterr().err
-    assert one_line(err) and "(newest: step-20 has no valid completion marker)" in err
-
-
-@pytest.mark.slow
-def test_consolidate_creates_a_missing_output_folder(finished, tmp_path):
-    """As docs/distributed.md's `w/mhc.pt` on a fresh clone; a folder that cannot be made is one line and exit 2
-    (tests/run_folder/test_faults.py)."""
-    assert T.main(["--consolidate", str(finished / RUN), str(tmp_path / "no" / "such" / "w.pt")]) == 0
-    assert sorted(p.name for p in (tmp_path / "no" / "such").iterdir()) == ["w.json", "w.pt", "w.safetensors"]
-
-
-def test_consolidate_writes_safetensors_beside_a_config(finished, tmp_path):
-    from safetensors.torch import load_file
-    consolidate.consolidate(finished / RUN, tmp_path / "w.pt")
-    cfg = Config(**json.loads((tmp_path / "w.json").read_text()))
-    model = GPT(cfg)
-    missing = model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=False).missing_keys
-    assert missing == ["lm_head.weight"] and model.lm_head.weight is model.wte.weight     # tied to the embedding
-    reference = torch.load(tmp_path / "w.pt", weights_only=True)
-    assert all(torch.equal(reference[key], value) for key, value in model.state_dict().items())
-
-
-# ---- report.py
-
 def test_report_survives_a_huge_step_and_a_deeply_nested_line(finished, tmp_path):
     out, run_dir = copy_of(finished, tmp_path)
     with open(run_dir / "metrics.jsonl", "a") as f:
@@ -317,8 +241,6 @@ def test_report_survives_a_huge_step_and_a_deeply_nested_line(finished, tmp_path
     assert "metrics.jsonl:22: skipped 2 unreadable metrics line(s)" in result.stderr
     assert (out / "report" / "results.md").exists()
 
-
-# ---- the launcher's stop and kill reach torchrun's ranks
 
 def alive(pid):
     try:
@@ -335,8 +257,8 @@ def rank_pids(run_dir):
 def gloo_job(tmp_path):
     """The launcher on one pretend GPU, running a 2-process gloo job under torchrun whose ranks ignore SIGTERM
     (as ranks stuck in a collective would); every rank still alive is killed when the test ends."""
-    from launcher.test_launcher import launcher_env, start
-    env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=f"{sys.executable} {ROOT}/tests/gloo_rank.py",
+    from launcher_harness import launcher_env, start
+    env = launcher_env(tmp_path, RUN_EXPERIMENTS_TRAINER=f"{sys.executable} {ROOT}/tests/support/gloo_rank.py",
                        RUN_EXPERIMENTS_STOP_TIMEOUT=1)
     proc = start(tmp_path, "--methods", "hc", "--depths", "2", "--seeds", "1", "--gpus", "0", env=env)
     run_dir, seen = tmp_path / "runs" / "hc_d2_s1", set()
@@ -349,7 +271,7 @@ def gloo_job(tmp_path):
 
 
 def test_the_launchers_stop_ends_every_rank_of_a_torchrun_job(gloo_job):
-    from launcher.test_launcher import wait_for
+    from launcher_harness import wait_for
     proc, run_dir, seen = gloo_job
     wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
     seen.update(rank_pids(run_dir))
@@ -361,7 +283,7 @@ def test_the_launchers_stop_ends_every_rank_of_a_torchrun_job(gloo_job):
 
 @pytest.mark.slow
 def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(gloo_job):
-    from launcher.test_launcher import wait_for
+    from launcher_harness import wait_for
     proc, run_dir, seen = gloo_job
     wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=120, what="both ranks to join")
     first = rank_pids(run_dir)
@@ -376,8 +298,6 @@ def test_the_ranks_of_a_torchrun_that_died_are_ended_before_the_job_is_requeued(
     proc.communicate(timeout=120)
     wait_for(lambda: not any(map(alive, seen)), timeout=10, what="the ranks to be gone")
 
-
-# ---- an FSDP (DCP) checkpoint whose payload the safe loader refuses
 
 def torchrun_fsdp(out, *args):
     """A tiny mHC run under FSDP on two gloo processes (one process is not sharded)."""
@@ -425,8 +345,6 @@ def test_report_reads_a_crafted_matrix_log_with_a_warning(tmp_path, capsys):
     assert live.read_matrix(tmp_path) is None
     assert "its last QUEUE line is unreadable" in capsys.readouterr().err
 
-
-# ---- links, history without a checkpoint, the reserve kept for the final state, a pruned resume
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [".status-reserve", ".lock", "train.log", "metrics.jsonl", "checkpoints"])
@@ -705,14 +623,14 @@ def test_the_token_count_adds_up_across_a_change_of_batch_size(finished, tmp_pat
     assert code == 0 and "resumed from" in stdout and "(step 30," in stdout, stderr
 
 
-# ---- checkpoints as the earlier code wrote them: no settings or batch sizes, data states holding pending tokens
-
 PENDING_TOKENS_DATA_STATE = """
 def pending_tokens(self):       # a data stream's state as checkpoints held it before they held positions
     return {"documents": self.documents.state_dict(), "tokens": self.tokens[self.offset:].clone(), "offset": 0}
 import hcstudy.data
 hcstudy.data.TokenWindows.state_dict = pending_tokens
 """
+
+
 # what an interrupted run and the same run uninterrupted must both have logged (the CPU's resumes are bit-exact)
 EXACT_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "amax_fwd", "amax_bwd")
 
@@ -881,3 +799,32 @@ def test_the_refusal_of_a_crafted_pickle_never_advises_weights_only_false(tmp_pa
         torch.load(tmp_path / "model.pt", weights_only=True)
     line = run_folder.first_cause(refused.value)
     assert "weights_only" not in line and "getcwd" in line and "refused" in line
+
+
+def test_a_run_from_before_these_flags_resumes_and_a_changed_arm_does_not(tmp_path):
+    run = tmp_path / "hc_d2_s42"
+    run.mkdir()
+    cfg = tiny_config("hc")
+    old = {k: v for k, v in json.loads(json.dumps({"config": T.dataclasses.asdict(cfg)}))["config"].items()
+           if k not in ("coefficients", "collapse", "read_stream", "dynamic_init_std", "mixing_norm")}
+    (run / "config.json").write_text(json.dumps({"config": old}))
+    log = run_folder.RunLog(run, enabled=False)
+    assert check_resumable(run, cfg, log) == {}
+    with pytest.raises(ConfigError, match="coefficients='token'.*coefficients='sequence'"):
+        check_resumable(run, T.dataclasses.replace(cfg, coefficients="sequence"), log)
+
+
+def test_a_study_run_from_before_its_arms_resumes_as_its_arm_and_a_mix_is_refused(tmp_path):
+    """Recorded as hc with the retired settings at the study's values, a run folder resumes as study-hc; with one
+    of them at the paper's value it was a model this version cannot build."""
+    run = tmp_path / "hc_d2_s42_seed-study"
+    run.mkdir()
+    cfg = tiny_config("study-hc")
+    retired = {key: study for key, (_, study) in contract.RETIRED_STUDY_SETTINGS["hc"].items()}
+    old = {**json.loads(json.dumps(T.dataclasses.asdict(cfg))), "residual": "hc", **retired}
+    log = run_folder.RunLog(run, enabled=False)
+    (run / "config.json").write_text(json.dumps({"config": old}))
+    assert check_resumable(run, cfg, log) == {}
+    (run / "config.json").write_text(json.dumps({"config": {**old, "hc_write_init": "all"}}))
+    with pytest.raises(ConfigError, match="--coefficient-norm flat, a setting this version no longer has"):
+        check_resumable(run, cfg, log)
