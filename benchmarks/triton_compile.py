@@ -7,7 +7,7 @@ baseline that the floor and mHC's traffic imply on an H100 and an H200.
     python benchmarks/triton_compile.py --width 1024 --expansion 8
     python benchmarks/triton_compile.py --smoke --json out.json    # tests: n 3, width 96
     python benchmarks/triton_compile.py --stream-dtype bf16       # the state stored in bf16 (--stream-dtype)
-    python benchmarks/triton_compile.py --expansion 5 --projected-logits 256   # mhc-lite's 130 logits fused
+    python benchmarks/triton_compile.py --expansion 6 --projected-logits 1024  # mhc-lite's 732 logits fused
 
 The kernels are compiled as the JIT compiles them at a real launch: block sizes from triton_ops.block_sizes (and
 dot_block_sizes where a kernel projects with tl.dot),
@@ -64,15 +64,17 @@ def variants(n: int, width: int):
     for label, mix, stored in mhc_family:
         arm = label.split()[0]
         R = arms.res_logit_count(arm, n)
-        project, KP = K._projects(2 * n + R), K._logit_pad(2 * n + R)
-        extra = dict(MIX=mix, R=R, BR=K._chunk(R))
+        project, (KP, KT) = K._projects(2 * n + R), K._logit_tiles(2 * n + R)
         forward_blocks = dict(blocks, BT=DT, BC=DC) if project else blocks
-        yield kernels._mhc_read_forward, label, {**forward_blocks, **extra, "STORE_SUMS": stored,
-                                                 "PROJECT": project, "KP": KP}, arm, 4
-        yield kernels._mhc_read_backward, label, {**blocks, **extra, "STORED": stored}, arm, 4
+        yield kernels._mhc_read_forward, label, {**forward_blocks, "MIX": mix, "R": R, "STORE_SUMS": stored,
+                                                 "PROJECT": project, "KP": KP, "KT": KT,
+                                                 "BR": K._chunk(R, forward_blocks["BT"], NP, KT > 0)}, arm, 4
+        yield kernels._mhc_read_backward, label, {**blocks, "MIX": mix, "R": R, "STORED": stored,
+                                                  "BR": K._chunk(R, BT, NP)}, arm, 4
         if label == arm:
             CT, CC, _, warps = K.column_blocks(n)
-            yield kernels._mhc_read_columns, label, dict(N=n, NP=NP, PROJECT=project, KP=KP, BT=CT, BC=CC), arm, warps
+            columns = dict(N=n, NP=NP, PROJECT=project, KP=KP, KT=KT, BT=CT, BC=CC)
+            yield kernels._mhc_read_columns, label, columns, arm, warps
     yield kernels._hc_read_forward, "hc", dict(blocks, BT=DT, BC=DC, KP=K._logit_pad(n + 2)), "hc", 4
     yield kernels._hc_read_backward, "hc", dict(blocks, KP=triton.next_power_of_2(n + 2)), "hc", 4
     HT, HC, _, warps = K.hc_column_blocks(n)
@@ -190,7 +192,8 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="n 3, width 96: what the tests compile")
     p.add_argument("--projected-logits", type=int, default=K.PROJECTED_LOGITS,
                    help="the most logits a token the read kernels project themselves (triton_ops.PROJECTED_LOGITS): "
-                   "raised, mhc-lite's n! logits from n = 5 compile into the kernels instead of cuBLAS")
+                   "raised, mhc-lite's 732 logits at n = 6 compile into the kernels (128 and 1,024 a tile) instead "
+                   "of cuBLAS")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     K.PROJECTED_LOGITS = args.projected_logits

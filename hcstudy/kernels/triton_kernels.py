@@ -241,7 +241,7 @@ def _mhc_read_forward(x_ptr, sxt, sxn, sxc, phi_ptr, raw_ptr, a_pre_ptr, a_post_
                       b_post_ptr, b_res_ptr, perm_ptr, u_ptr, h_pre_ptr, h_post_ptr, h_res_ptr, logits_ptr, sums_ptr,
                       inv_rms_ptr, T, C, eps, iters, N: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr,
                       R: tl.constexpr, STORE_SUMS: tl.constexpr, PROJECT: tl.constexpr, KP: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
+                      KT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
     """mHC's coefficients and read for BT tokens. Pass 1 over x: sum(x^2) and, with PROJECT, the projection's raw
     logits raw = vec(x) phi^T (2n + R per token, written for the backward; else cuBLAS wrote them). Then per token in
     registers the coefficients: writes H_pre, H_post, H_res, 1/rms and, for mhc, the logits and the Sinkhorn sums.
@@ -250,7 +250,7 @@ def _mhc_read_forward(x_ptr, sxt, sxn, sxc, phi_ptr, raw_ptr, a_pre_ptr, a_post_
     s = tl.arange(0, NP)
     tmask, smask = t < T, s < N
     if PROJECT:
-        squares = _project(x_ptr, sxt, sxn, sxc, phi_ptr, raw_ptr, t, T, N, C, 2 * N + R, BC, KP)
+        squares = _project(x_ptr, sxt, sxn, sxc, phi_ptr, raw_ptr, t, T, N, C, 2 * N + R, BC, KP, KT)
     else:
         squares = tl.zeros((BT,), tl.float32)
         for c0 in range(0, C, BC):
@@ -295,25 +295,39 @@ def _res_logits(raw_ptr, a_res_ptr, b_res_ptr, inv_rms, t, i3, j3, valid, m3, K,
 
 @_jit
 def _project(x_ptr, sxt, sxn, sxc, phi_ptr, raw_ptr, t, T, N: tl.constexpr, C, K, BC: tl.constexpr,
-             KP: tl.constexpr):
+             KP: tl.constexpr, KT: tl.constexpr):
     """raw = vec(x) phi^T for the block's tokens (tl.dot in fp32: each (chunk, K) tile of phi serves every token of
-    the block, from L2), stored to raw (T, K), where the coefficients read it and the backward finds it. Returns
-    sum(x^2) per token, from the same loads."""
-    k = tl.arange(0, KP)
+    the block, from L2), stored to raw (T, K), where the coefficients read it and the backward finds it. The logits
+    [0, KP) in one accumulator and, with KT, [KP, K) in a second of KT: mhc-lite's 130 at n 5 in 128 + 16 columns
+    rather than 256, fewer registers (docs/benchmarks.md). Returns sum(x^2) per token, from the same loads."""
+    head = tl.arange(0, KP)
     raw = tl.zeros((t.shape[0], KP), tl.float32)
+    if KT:
+        tail = KP + tl.arange(0, KT)
+        raw_tail = tl.zeros((t.shape[0], KT), tl.float32)
     squares = tl.zeros((t.shape[0],), tl.float32)
     for j in tl.static_range(N):
         for c0 in range(0, C, BC):
             c = c0 + tl.arange(0, BC)
             x = tl.load(x_ptr + t[:, None] * sxt + j * sxn + c[None, :] * sxc,
                         mask=(t < T)[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
-            phi_t = tl.load(phi_ptr + k[None, :] * (N * C) + j * C + c[:, None],
-                            mask=(k < K)[None, :] & (c < C)[:, None], other=0.0)          # (chunk, K) of phi^T
-            raw = tl.dot(x, phi_t, raw, input_precision="ieee")
+            raw = _project_tile(x, phi_ptr, raw, head, K, j, c, N, C)
+            if KT:
+                raw_tail = _project_tile(x, phi_ptr, raw_tail, tail, K, j, c, N, C)
             squares += tl.sum(x * x, axis=1)
-    tl.store(raw_ptr + t[:, None] * K + k[None, :], raw, mask=(t < T)[:, None] & (k < K)[None, :])
+    tl.store(raw_ptr + t[:, None] * K + head[None, :], raw, mask=(t < T)[:, None] & (head < K)[None, :])
+    if KT:
+        tl.store(raw_ptr + t[:, None] * K + tail[None, :], raw_tail, mask=(t < T)[:, None] & (tail < K)[None, :])
     tl.debug_barrier()      # every thread's logits stored before any thread loads another's (CUDA: bar.sync)
     return squares
+
+
+@_jit
+def _project_tile(x, phi_ptr, raw, k, K, j, c, N: tl.constexpr, C):
+    """raw + x phi^T on stream j's channels c, for the logits k (those under K): one (chunk, len(k)) tile of phi^T."""
+    phi_t = tl.load(phi_ptr + k[None, :] * (N * C) + j * C + c[:, None], mask=(k < K)[None, :] & (c < C)[:, None],
+                    other=0.0)
+    return tl.dot(x, phi_t, raw, input_precision="ieee")
 
 
 @_jit
@@ -399,21 +413,26 @@ def _mhc_read_backward(x_ptr, sxt, sxn, sxc, raw_ptr, inv_rms_ptr, a_pre_ptr, a_
 @_jit
 def _mhc_read_columns(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre_ptr, scale_ptr, gl_ptr, inv_rms_ptr,
                       a_pre_ptr, a_post_ptr, a_res_ptr, phi_ptr, gphi_ptr, T, C, K, N: tl.constexpr,
-                      NP: tl.constexpr, PROJECT: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                      NP: tl.constexpr, PROJECT: tl.constexpr, KP: tl.constexpr, KT: tl.constexpr, BT: tl.constexpr,
+                      BC: tl.constexpr):
     """The read's share of x's gradient on BC channels of every stream, over the token blocks g, g + G, ... (g the
     second program id): dx[j] = gx[j] + H_pre[j] du + scale x[j] (+ graw phi[:, j C + c] with PROJECT, where
     graw = dl gate / rms is the raw logits' gradient), stored to gxo (gx itself in place, or an fp32 buffer for
     cuBLAS). One pass over x, du and gx. With PROJECT also phi's gradient graw^T x over those tokens, one partial
-    per g: owning its columns, no program adds into another's."""
+    per g: owning its columns, no program adds into another's. The logits as _project splits them: [0, KP) and,
+    with KT, [KP, K) in a second tile (mhc-lite's 130 at n 5: 144 rows of phi's gradient held, not 256)."""
     q = tl.arange(0, NP * BC)                   # the tile's columns: stream q // BC, channel c
     j = q // BC
     c = tl.program_id(0) * BC + q % BC
     qmask = (j < N) & (c < C)
     column = j * C + c                          # in vec(x) and phi's rows
-    k = tl.arange(0, KP)
-    kmask = k < K
-    gate = tl.where(k < N, tl.load(a_pre_ptr), tl.where(k < 2 * N, tl.load(a_post_ptr), tl.load(a_res_ptr)))
+    head = tl.arange(0, KP)
+    gate = _logit_gates(head, a_pre_ptr, a_post_ptr, a_res_ptr, N)
     gphi = tl.zeros((KP, NP * BC), tl.float32)
+    if KT:
+        tail = KP + tl.arange(0, KT)
+        gate_tail = _logit_gates(tail, a_pre_ptr, a_post_ptr, a_res_ptr, N)
+        gphi_tail = tl.zeros((KT, NP * BC), tl.float32)
     for block in range(tl.program_id(1), tl.cdiv(T, BT), tl.num_programs(1)):
         t = (block * BT + tl.arange(0, BT)).to(tl.int64)           # offsets past 2^31 values
         tmask = t < T
@@ -426,16 +445,43 @@ def _mhc_read_columns(x_ptr, sxt, sxn, sxc, gu_ptr, gx_ptr, gxo_ptr, h_pre_ptr, 
         offsets = t[:, None] * (N * C) + column[None, :]
         gx = tl.load(gx_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + h_pre * gu + scale[:, None] * x
         if PROJECT:
-            gl = tl.load(gl_ptr + t[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-            graw = gl * gate.to(tl.float32)[None, :] * tl.load(inv_rms_ptr + t, mask=tmask, other=0.0)[:, None]
-            phi = tl.load(phi_ptr + k[:, None] * (N * C) + column[None, :], mask=kmask[:, None] & qmask[None, :],
-                          other=0.0)            # (K, the tile's columns), from L2
-            gx = tl.dot(graw, phi, gx, input_precision="ieee")
-            gphi = tl.dot(tl.trans(graw), x, gphi, input_precision="ieee")
+            gx, gphi = _project_grad(gl_ptr, inv_rms_ptr, phi_ptr, gate, x, gx, gphi, t, tmask, head, K, column,
+                                     qmask, N, C)
+            if KT:
+                gx, gphi_tail = _project_grad(gl_ptr, inv_rms_ptr, phi_ptr, gate_tail, x, gx, gphi_tail, t, tmask,
+                                              tail, K, column, qmask, N, C)
         tl.store(gxo_ptr + offsets, _stored(gx, gxo_ptr), mask=mask)
     if PROJECT:
-        tl.store(gphi_ptr + tl.program_id(1) * K * N * C + k[:, None] * (N * C) + column[None, :], gphi,
-                 mask=kmask[:, None] & qmask[None, :])
+        _store_phi_grad(gphi_ptr, gphi, head, K, column, qmask, N, C)
+        if KT:
+            _store_phi_grad(gphi_ptr, gphi_tail, tail, K, column, qmask, N, C)
+
+
+@_jit
+def _logit_gates(k, a_pre_ptr, a_post_ptr, a_res_ptr, N: tl.constexpr):
+    """Each logit k's gate: a_pre for H_pre's n, a_post for H_post's, a_res for H_res's."""
+    return tl.where(k < N, tl.load(a_pre_ptr), tl.where(k < 2 * N, tl.load(a_post_ptr), tl.load(a_res_ptr)))
+
+
+@_jit
+def _project_grad(gl_ptr, inv_rms_ptr, phi_ptr, gate, x, gx, gphi, t, tmask, k, K, column, qmask, N: tl.constexpr,
+                  C):
+    """(gx + graw phi, gphi + graw^T x) on the tile's columns, for the logits k (those under K):
+    graw = dl gate / rms, the raw logits' gradient; phi's (len(k), columns) tile from L2."""
+    kmask = k < K
+    gl = tl.load(gl_ptr + t[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+    graw = gl * gate.to(tl.float32)[None, :] * tl.load(inv_rms_ptr + t, mask=tmask, other=0.0)[:, None]
+    phi = tl.load(phi_ptr + k[:, None] * (N * C) + column[None, :], mask=kmask[:, None] & qmask[None, :],
+                  other=0.0)
+    return (tl.dot(graw, phi, gx, input_precision="ieee"),
+            tl.dot(tl.trans(graw), x, gphi, input_precision="ieee"))
+
+
+@_jit
+def _store_phi_grad(gphi_ptr, gphi, k, K, column, qmask, N: tl.constexpr, C):
+    """This program's partial of phi's gradient, the logits k's rows on its columns, in its group's slice."""
+    tl.store(gphi_ptr + tl.program_id(1) * K * N * C + k[:, None] * (N * C) + column[None, :], gphi,
+             mask=(k < K)[:, None] & qmask[None, :])
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -91,11 +91,12 @@ def _(x, phi, raw, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, mixing, it
     T, n, C = x.shape
     K, R = phi.shape[0], phi.shape[0] - 2 * n
     BT, BC, NP = (ops.dot_block_sizes if project else ops.block_sizes)(n, C)
+    KP, KT = ops._logit_tiles(K)
     ops._mhc_read_forward[(ops._cdiv(T, BT),)](
         x, *x.stride(), phi, raw, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw), _or(perms, raw),
         u, h_pre, h_post, h_res, logits if mixing == 1 else raw, sums if store_sums else raw, inv_rms, T, C, eps,
-        iters, N=n, NP=NP, MIX=mixing, R=R, STORE_SUMS=store_sums, PROJECT=project, KP=ops._logit_pad(K), BT=BT,
-        BC=BC, BR=ops._chunk(R))
+        iters, N=n, NP=NP, MIX=mixing, R=R, STORE_SUMS=store_sums, PROJECT=project, KP=KP, KT=KT, BT=BT, BC=BC,
+        BR=ops._chunk(R, BT, NP, KT > 0))
     return outputs
 
 
@@ -120,7 +121,7 @@ def _(x, raw, inv_rms, a_pre, a_post, a_res, b_pre, b_post, b_res, perms, h_pre,
     ops._mhc_read_backward[(ops._cdiv(T, BT),)](
         x, *x.stride(), raw, inv_rms, a_pre, a_post, _or(a_res, raw), b_pre, b_post, _or(b_res, raw),
         _or(perms, raw), h_pre, h_post, h_res, _or(sums, raw), grad_u, grad_post, grad_res, *outputs, T, C, iters,
-        N=n, NP=NP, MIX=mixing, R=R, STORED=stored, BT=BT, BC=BC, BR=ops._chunk(R))
+        N=n, NP=NP, MIX=mixing, R=R, STORED=stored, BT=BT, BC=BC, BR=ops._chunk(R, BT, NP))
     return outputs
 
 
@@ -143,10 +144,11 @@ def _(x, grad_u, grad_write, grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post, a
     T, n, C = x.shape
     K = phi.shape[0]
     BT, BC, NP, warps = blocks = ops.column_blocks(n)
+    KP, KT = ops._logit_tiles(K)
     ops._mhc_read_columns[ops.column_grid(T, C, blocks)](
         x, *x.stride(), grad_u, _or(grad_write, grad_x), grad_x, h_pre, scale, gl, inv_rms, a_pre, a_post,
         _or(a_res, a_pre), phi, partials if project else gl, T, C, K, N=n, NP=NP, PROJECT=project,
-        KP=ops._logit_pad(K), BT=BT, BC=BC, num_warps=warps)
+        KP=KP, KT=KT, BT=BT, BC=BC, num_warps=warps)
     return partials
 
 

@@ -56,7 +56,11 @@ MIXING = {"identity-hc": 0, "mhc": 1, "mhc-lite": 2}    # how an mHC-family kern
 SINKHORN_BACKWARD = "stored"
 
 
-PROJECTED_LOGITS = 128       # the most logits a token (2n + R) the read kernels project themselves: _projects
+# The read kernels project the logits themselves (tl.dot) in tiles of at most LOGIT_TILE a token, two where there
+# are more (mhc-lite at n = 5: 128 + 16 for its 130, where one tile of 256 takes the forward to 200 registers and the
+# column pass to 184 KiB of shared memory), up to PROJECTED_LOGITS in all: _projects, _logit_tiles
+LOGIT_TILE = 128
+PROJECTED_LOGITS = 256
 COLUMN_PROGRAMS = 512        # _mhc_read_columns' programs (channel chunks x token groups): a card's SMs a few times
 
 
@@ -293,19 +297,34 @@ class _Write(torch.autograd.Function):
 
 def _projects(K: int) -> bool:
     """Whether the read kernels project the state themselves (tl.dot over a token block), for K = 2n + R logits a
-    token: up to a (16 tokens, 128) tile, so mhc to n = 10, identity-hc, mhc-lite to n = 4; mhc-lite's n! logits
-    from n = 5 on take cuBLAS matmuls on an fp32 copy of x each way."""
+    token: in one tile identity-hc, mhc to n = 10 and mhc-lite to n = 4, in two mhc-lite at n = 5 (130) and mhc to
+    n = 15. Not beyond: there the projection's 6 nC K fp32 FLOPs a token outweigh the connection's bytes (mhc-lite at
+    n = 6, 732 logits: 0.81 us a token at an H100's 67 TFLOP/s fp32 against 0.24 us for its bytes, arithmetic bound
+    fused or not, docs/benchmarks.md), and the column pass's tile of phi's gradient outgrows shared memory: cuBLAS
+    matmuls on an fp32 copy of x each way."""
     return K <= PROJECTED_LOGITS
 
 
 def _logit_pad(K: int) -> int:
-    """The logits' tile width: a power of two, 16 at least (tl.dot's least); 16 where the kernel does not project."""
-    return max(16, _next_power_of_2(K)) if _projects(K) else 16
+    """A tile's width for K logits: a power of two, 16 at least (tl.dot's least)."""
+    return max(16, _next_power_of_2(K))
 
 
-def _chunk(R: int) -> int:
-    """mHC-lite's permutations per chunk: 16 at least (a power of two), 64 at most (the (tokens, chunk, n) tile)."""
-    return min(64, max(16, _next_power_of_2(max(R, 1))))
+def _logit_tiles(K: int) -> tuple[int, int]:
+    """(first, second): the widths of the read kernels' tiles of logits, [0, first) and [first, K) (second 0: one
+    tile); (16, 0) where the kernels do not project."""
+    if not _projects(K):
+        return 16, 0
+    if K <= LOGIT_TILE:
+        return _logit_pad(K), 0
+    return LOGIT_TILE, _logit_pad(K - LOGIT_TILE)
+
+
+def _chunk(R: int, tokens: int, n_pad: int, split: bool = False) -> int:
+    """mHC-lite's permutations per chunk: a power of two, 64 at most and 16 at least, fewer only to keep the
+    (tokens, chunk, n) tile of its mix within 2,048 values, or 1,024 beside the read's two tiles of logits (split):
+    8 a chunk in the read at n = 5, 146-156 registers, where 16 took 198-200 and 64 spilled (docs/benchmarks.md)."""
+    return min(64, max(16, _next_power_of_2(max(R, 1))), (1024 if split else 2048) // (tokens * n_pad))
 
 
 def _like(grad, param):
@@ -351,8 +370,8 @@ def _step(conn, x, weight, grad):
 
 def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int = 20, stream_bytes: int = 4):
     """Device-memory bytes per token one connection's kernels and cuBLAS matmuls move, forward and backward: the state
-    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; where cuBLAS projects (HC, mhc-lite
-    from n = 5), a bf16 state's copies (x widened each way, dx rounded back) with the matmuls. Re-reads count (a
+    n C values of stream_bytes, u and du C fp32, y and dy C of activation_bytes; where cuBLAS projects (mhc-lite at
+    n = 6), a bf16 state's copies (x widened each way, dx rounded back) with the matmuls. Re-reads count (a
     read's second pass over x; the mHC family's column pass reads x and du again; HC's read backward reads x and du
     twice and writes dx in fp32), the weights do not, nor phi's partial gradients (a few weights' worth a step)."""
     f, C = 4, width

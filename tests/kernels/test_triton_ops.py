@@ -115,6 +115,10 @@ def test_widths_over_several_channel_chunks(arm, n, project, monkeypatch):
     axis) and the column pass's loop over token blocks and its partial sums carry real work, which widths of at
     most 40 at the real block sizes never reach."""
     small_blocks(monkeypatch, project)
+    assert_fp32_chunks_match(arm, n)
+
+
+def assert_fp32_chunks_match(arm, n):
     exact, reference, fast = connections(arm, n, 72)
     x, grad_out, weight = inputs(n, 72, tokens=17)
     truth = step(exact, x, grad_out, weight, torch.float64)
@@ -128,6 +132,10 @@ def test_bf16_streams_over_several_channel_chunks(arm, n, project, monkeypatch):
     store the state and x's gradient rounded once, so against the formulas on the same bf16 state the output lies
     within 2u of its largest entry and every gradient within 4u (u = 2^-8; tests/kernels/test_paths.py)."""
     small_blocks(monkeypatch, project)
+    assert_bf16_chunks_match(arm, n)
+
+
+def assert_bf16_chunks_match(arm, n):
     _, reference, fast = connections(arm, n, 72, stream_dtype="bf16")
     x, grad_out, weight = inputs(n, 72, tokens=17)
     found, expected = (step(conn, x, grad_out, weight, torch.bfloat16) for conn in (fast, reference))
@@ -137,6 +145,20 @@ def test_bf16_streams_over_several_channel_chunks(arm, n, project, monkeypatch):
             assert found[name].dtype == value.dtype, name
             bound = (2 if name == "output" else 4) * 2.0 ** -8 * value.abs().max().item()
             assert (found[name].double() - value.double()).abs().max().item() <= bound, name
+
+
+@pytest.mark.parametrize("assert_chunks_match", [assert_fp32_chunks_match, assert_bf16_chunks_match],
+                         ids=["fp32", "bf16"])
+def test_mhc_lite_at_n5_projects_its_130_logits_in_the_kernels_in_two_tiles(assert_chunks_match, monkeypatch):
+    """mHC-lite at n = 5 has 2n + n! = 130 logits a token: the read kernels project them in a tile of 128 and one of
+    16 (triton_ops._logit_tiles), where n = 6's 732 stay on cuBLAS. The two multi-chunk cases above at n = 5, with
+    their bounds (fp32 streams: 1e-5 against the fp64 formulas, or 4 times the formulas' own fp32 error; bf16: 2u and
+    4u against the formulas on the same bf16 state): the second tile's logits, their share of x's gradient and of
+    phi's, and the mix's chunks of 8 permutations go through every kernel's loops."""
+    assert kernels._projects(2 * 5 + 120) and not kernels._projects(2 * 6 + 720)
+    assert kernels._logit_tiles(2 * 5 + 120) == (128, 16)
+    small_blocks(monkeypatch)
+    assert_chunks_match("mhc-lite", 5)
 
 
 @pytest.mark.parametrize("arm", ["hc", "mhc", "mhc-lite"])
