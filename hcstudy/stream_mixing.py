@@ -50,7 +50,9 @@ class StreamMixing(nn.Module):
     a kernel path the arm registers in its `KERNEL_PATHS` (fused.py's hand-written backwards, triton_ops.py's
     kernels). Returns the next state and the probe's record (H_res, the logits Sinkhorn projected or None),
     detached."""
-    arm = ""                # the arm's name: its kernels look their variant up by it
+    # how the mHC family's Triton read makes H_res: "identity", "sinkhorn" or "permutations" (triton_ops.MIX_MODES);
+    # "" for an arm whose Triton path, if any, is its own
+    TRITON_MIX = ""
 
     def __init__(self, cfg, path: str = "reference"):
         super().__init__()

@@ -30,7 +30,6 @@ ARM = dict(
 
 
 class Connection(StreamMixing):
-    arm = "hc"
 
     def __init__(self, cfg, sublayer_index: int, path: str = "reference"):
         super().__init__(cfg, path)

@@ -20,7 +20,7 @@ def res_logit_count(n: int) -> int:
 
 
 class Connection(mhc.Connection):
-    arm = "identity-hc"
+    TRITON_MIX = "identity"
     res_logit_count = staticmethod(res_logit_count)
     KERNEL_PATHS = {"triton": triton_update("mhc_read")}
 

@@ -74,7 +74,6 @@ def kronecker(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 
 class Connection(mhc.Connection):
-    arm = "kromhc"
     res_logit_count = staticmethod(res_logit_count)
     KERNEL_PATHS = {}
 

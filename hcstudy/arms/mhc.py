@@ -63,7 +63,7 @@ class Connection(StreamMixing):
     """mHC: coefficients from the whole flattened state. A family member overrides `res_logit_count` (its z_res's
     size), `res_bias` (b_res at init) and `mixing` (H_res from z_res), and may override `logits` (z from vec(x))
     and `read_biases` (b_pre, b_post at init)."""
-    arm = "mhc"
+    TRITON_MIX = "sinkhorn"
     res_logit_count = staticmethod(res_logit_count)
 
     def __init__(self, cfg, sublayer_index: int, path: str = "reference"):

@@ -51,7 +51,7 @@ res_logit_count = math.factorial
 
 
 class Connection(mhc.Connection):
-    arm = "mhc-lite"
+    TRITON_MIX = "permutations"
     res_logit_count = staticmethod(res_logit_count)
     KERNEL_PATHS = {"triton": triton_update("mhc_read")}
 

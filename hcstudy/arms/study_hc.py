@@ -31,7 +31,6 @@ ARM = dict(
 
 
 class Connection(StreamMixing):
-    arm = "study-hc"
     KERNEL_PATHS = {}
 
     def __init__(self, cfg, sublayer_index: int, path: str = "reference"):

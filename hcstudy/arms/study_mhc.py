@@ -38,7 +38,6 @@ res_logit_count = mhc.res_logit_count
 
 
 class Connection(mhc.Connection):
-    arm = "study-mhc"
     KERNEL_PATHS = {}
 
     def read_biases(self, cfg, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,7 +50,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-MIXING = {"identity-hc": 0, "mhc": 1, "mhc-lite": 2}    # how an mHC-family kernel makes H_res (constexpr MIX)
+# how an mHC-family read kernel makes H_res (its constexpr MIX), as the arm's Connection.TRITON_MIX names it
+MIX_MODES = {"identity": 0, "sinkhorn": 1, "permutations": 2}
 # "stored": the forward keeps Sinkhorn's 2(iters - 1) sum vectors per token and the backward walks them back;
 # "recompute": nothing kept, each pair's input recomputed from the first exp (docs/benchmarks.md has both timed)
 SINKHORN_BACKWARD = "stored"
@@ -128,7 +129,7 @@ def u_dtype(x: torch.Tensor) -> torch.dtype:     # the formulas' (stream_update)
 def mhc_read(conn, x: torch.Tensor):
     """An mHC-family connection's (train_c4.ManifoldHyperConnection and subclasses) read: (u, H_post, H_res, the
     logits Sinkhorn projected or None, x passed through for `write`)."""
-    n, mixing = conn.n, MIXING[conn.arm]
+    n, mixing = conn.n, MIX_MODES[conn.TRITON_MIX]
     f32 = torch.float32
     with autocast_off(x):
         a_res, b_res = (conn.a_res.to(f32), conn.b_res.to(f32)) if mixing else (None, None)
@@ -387,9 +388,11 @@ def traffic(arm: str, n: int, width: int, activation_bytes: int = 2, iters: int 
                 "_hc_read_columns": 3 * state + u + coef + f * 4 * n,
                 "sums over the tokens (torch)": 2 * coef}
     K = f * (2 * n + arms.res_logit_count(arm, n))
-    stored = f * 2 * n * (iters - 1) * (arm == "mhc" and SINKHORN_BACKWARD == "stored")    # Sinkhorn's sums
-    res = {"mhc": 2 if stored else 1, "mhc-lite": 1}.get(arm, 0) * f * n * n      # the backward's dH_res (and H_res)
-    forward = {"_mhc_read_forward": 2 * state + K + u + f * (2 * n + 1 + n * n * (2 if arm == "mhc" else 1)) + stored}
+    mix = arms.connection(arm).TRITON_MIX
+    sinkhorn = mix == "sinkhorn"
+    stored = f * 2 * n * (iters - 1) * (sinkhorn and SINKHORN_BACKWARD == "stored")    # Sinkhorn's sums
+    res = {"sinkhorn": 2 if stored else 1, "permutations": 1}.get(mix, 0) * f * n * n   # the backward's dH_res (and H_res)
+    forward = {"_mhc_read_forward": 2 * state + K + u + f * (2 * n + 1 + n * n * (2 if sinkhorn else 1)) + stored}
     backward = {"_mhc_read_backward": state + u + K + f * (3 * n + 1) + res + stored + K + f * 4}  # dl, sums, scale
     sums = {"sums over the tokens (torch)": K + 3 * f}
     if _projects(2 * n + arms.res_logit_count(arm, n)):         # raw written, then read back; dl read by the column pass

@@ -30,7 +30,6 @@ ARM = dict(
 
 
 class Connection(mhc.Connection):
-    arm = "trial"
     res_logit_count = staticmethod(lambda n: 0)
     KERNEL_PATHS = {}
 

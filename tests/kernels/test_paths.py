@@ -66,12 +66,10 @@ from hcstudy.kernels import fused
 from hcstudy.stream_mixing import fused_update
 
 ARM = dict(name="trial", label="Trial", order=50, summary="a test's arm", paper="none", kernels=("fused",),
-           uses=("mhc_res_diag", "mhc_gate_init", "mhc_pre_bias", "mhc_tanh", "mhc_post_bias", "mhc_bias_others",
-                 "mhc_norm_order"))
+           uses=("sinkhorn_iters", "mhc_res_diag", "mhc_gate_init", "mhc_pre_bias", "mhc_post_bias"))
 
 
 class Connection(mhc.Connection):
-    arm = "trial"
     KERNEL_PATHS = {"fused": fused_update(fused.mhc_coefficients)}
 '''
 
